@@ -1,0 +1,38 @@
+# retex developer entry points. `make test` is THE test command (CI runs it through .ci/run).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-fast lint rig-binaries crds clean
+
+$(STAMP): pyproject.toml
+	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
+	@$(PY) -m pip install --quiet --progress-bar off -e '.[test]'
+	@touch $@
+
+lint: $(STAMP)
+	@echo "==> layering check (import-linter)"
+	@$(VENV)/bin/lint-imports --no-cache
+
+rig-binaries:
+	@echo "==> control-plane binaries for the local rig (cached outside the repo)"
+	@bash e2e/rig/build.sh
+
+# Everything: unit, Postgres integration and cluster tests. Each pytest run starts its own
+# throwaway Postgres and local rig and tears them down. pytest exit 5 (nothing collected) fails.
+test: lint rig-binaries
+	@echo "==> pytest (all tests, including those marked postgres and cluster)"
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+# Pure-logic tests only, no servers: the quick loop while editing.
+test-fast: $(STAMP)
+	@$(PY) -m pytest -m "not postgres and not cluster" $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

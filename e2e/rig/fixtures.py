@@ -1,0 +1,1 @@
+"""pytest fixtures for the local rig (filled in by the local control plane work)."""

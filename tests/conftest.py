@@ -1,0 +1,31 @@
+"""Session fixtures: a throwaway Postgres (and, through e2e.rig.fixtures, the local Kubernetes rig).
+
+Servers start lazily, only when a test asks for them, and are torn down at the end of the session.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from e2e.postgres import PostgresServer
+
+pytest_plugins = ["e2e.rig.fixtures"]
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory) -> PostgresServer:
+    """A real Postgres server for the whole session; tests may restart or kill it."""
+    server = PostgresServer(tmp_path_factory.mktemp("postgres"))
+    server.start()
+    yield server
+    server.destroy()
+
+
+def pytest_collection_modifyitems(items):
+    # Tests that use the servers are marked for them, so `-m "not postgres"` stays honest.
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"postgres", "ledger", "dsn"}:
+            item.add_marker(pytest.mark.postgres)
+        if fixtures & {"rig", "kube", "kubeconfig"}:
+            item.add_marker(pytest.mark.cluster)
