@@ -1,0 +1,1 @@
+"""retex: Recoverable Task EXecution on Kubernetes."""
