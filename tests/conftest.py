@@ -5,9 +5,13 @@ Servers start lazily, only when a test asks for them, and are torn down at the e
 
 from __future__ import annotations
 
+import itertools
+
+import psycopg
 import pytest
 
 from e2e.postgres import PostgresServer
+from retex.ledger import Ledger
 
 pytest_plugins = ["e2e.rig.fixtures"]
 
@@ -19,6 +23,25 @@ def postgres(tmp_path_factory) -> PostgresServer:
     server.start()
     yield server
     server.destroy()
+
+
+_databases = itertools.count()
+
+
+@pytest.fixture
+def dsn(postgres) -> str:
+    """A fresh, empty database on the session's Postgres: tests never see each other's rows."""
+    name = f"test_{next(_databases)}"
+    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    return postgres.dsn(dbname=name)
+
+
+@pytest.fixture
+def ledger(dsn) -> Ledger:
+    """A migrated ledger on a fresh database."""
+    with Ledger(dsn, retry_for_seconds=30) as opened:
+        yield opened
 
 
 def pytest_collection_modifyitems(items):

@@ -1,0 +1,31 @@
+"""The Postgres step ledger: the one source of truth of retex. Knows nothing of Kubernetes.
+
+Public surface: `Ledger` (operations), the records it returns, and its typed errors.
+"""
+
+from retex.ledger.errors import (
+    CancelRequested,
+    FenceRejected,
+    LedgerError,
+    LedgerUnavailable,
+    ResultTooLarge,
+    StepOutOfOrder,
+    TaskNotFound,
+)
+from retex.ledger.records import (
+    RESULT_LIMIT_BYTES,
+    AdmitResult,
+    AttemptRecord,
+    Dispatch,
+    HistoryEntry,
+    StepRecord,
+    TaskAdmission,
+    TaskRecord,
+)
+from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
+
+__all__ = [
+    "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
+    "FenceRejected", "HistoryEntry", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
+    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "step_idempotency_key",
+]

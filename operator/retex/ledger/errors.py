@@ -1,0 +1,46 @@
+"""Typed errors of the ledger. Callers branch on the type, never on message text."""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Base of every error the ledger raises on purpose."""
+
+
+class TaskNotFound(LedgerError):
+    def __init__(self, uid: str):
+        super().__init__(f"no task {uid!r} in the ledger")
+        self.uid = uid
+
+
+class FenceRejected(LedgerError):
+    """A worker wrote with an epoch that is not current, or to a task that is not Running.
+
+    The worker must stop at once: another attempt owns the task, or the task is over.
+    """
+
+    def __init__(self, uid: str, epoch: int, current_epoch: int, phase: str):
+        super().__init__(
+            f"fenced: task {uid} is at epoch {current_epoch} ({phase}); write from epoch {epoch} rejected"
+        )
+        self.uid, self.epoch, self.current_epoch, self.phase = uid, epoch, current_epoch, phase
+
+
+class CancelRequested(LedgerError):
+    """The task was asked to cancel; the worker must stop at this step boundary."""
+
+    def __init__(self, uid: str):
+        super().__init__(f"task {uid} is being cancelled")
+        self.uid = uid
+
+
+class StepOutOfOrder(LedgerError):
+    """A step may only begin when every step before it is done (the contiguous-prefix rule)."""
+
+
+class ResultTooLarge(LedgerError):
+    """A step result above the size limit; large data belongs in external storage, by reference."""
+
+
+class LedgerUnavailable(LedgerError):
+    """Postgres stayed unreachable for longer than the retry window."""

@@ -1,0 +1,117 @@
+"""What the ledger hands out: immutable snapshots of committed state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from retex.machine import TERMINAL_PHASES, Backoff, StepState, TaskPhase, completed_prefix
+
+RESULT_LIMIT_BYTES = 65536  # also a CHECK on retex.steps.result
+
+
+@dataclass(frozen=True)
+class TaskAdmission:
+    """Everything the ledger needs to admit a Task; built by the operator from the Task spec."""
+
+    uid: str
+    namespace: str
+    name: str
+    spec: dict[str, Any]
+    step_names: list[str]
+    max_attempts: int = 3
+    max_disruptions: int = 10
+    backoff: Backoff = field(default_factory=Backoff)
+    idempotency_key: str | None = None
+    not_before: datetime | None = None
+
+
+@dataclass(frozen=True)
+class AdmitResult:
+    uid: str  # the task that holds this work (the first one, for an idempotency-key duplicate)
+    created: bool
+    duplicate_of: str | None = None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    idx: int
+    name: str
+    state: StepState
+    attempt: int | None
+    idempotency_key: str
+    result: Any
+    error: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    uid: str
+    namespace: str
+    name: str
+    spec: dict[str, Any]
+    spec_hash: str
+    phase: TaskPhase
+    reason: str | None
+    dead_lettered: bool
+    epoch: int
+    failures: int
+    disruptions: int
+    max_attempts: int
+    max_disruptions: int
+    not_before: datetime | None
+    cancel_requested: bool
+    last_error: str | None
+    version: int
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    steps: tuple[StepRecord, ...]
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL_PHASES
+
+    @property
+    def completed_steps(self) -> int:
+        return completed_prefix([s.state for s in self.steps])
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    epoch: int
+    cause: str
+    job_name: str | None
+    pod: str | None
+    node: str | None
+    outcome: str | None
+    started_at: datetime
+    ended_at: datetime | None
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    at: datetime
+    actor: str
+    event: str
+    epoch: int | None
+    step_idx: int | None
+    from_state: str | None
+    to_state: str | None
+    detail: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """An outbox record to relay: create the Job for (task, epoch)."""
+
+    id: int
+    task_uid: str
+    epoch: int
+    namespace: str
+    name: str
+    spec: dict[str, Any]

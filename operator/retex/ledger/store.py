@@ -1,0 +1,664 @@
+"""The step ledger: every operation is one transaction, idempotent when repeated.
+
+Idempotency is what makes the transient-error retry safe: when a connection drops during COMMIT
+the caller cannot know whether it landed, so the operation runs again and must find its own
+effect already there. Fenced operations (the worker's) lock the task row and check the caller's
+epoch first, so a stale attempt is rejected even while a new attempt is being started elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from datetime import datetime, timedelta
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+from psycopg_pool import ConnectionPool
+
+from retex.ledger.errors import (
+    CancelRequested,
+    FenceRejected,
+    LedgerUnavailable,
+    ResultTooLarge,
+    StepOutOfOrder,
+    TaskNotFound,
+)
+from retex.ledger.migrate import migrate
+from retex.ledger.records import (
+    RESULT_LIMIT_BYTES,
+    AdmitResult,
+    AttemptRecord,
+    Dispatch,
+    HistoryEntry,
+    StepRecord,
+    TaskAdmission,
+    TaskRecord,
+)
+from retex.machine import (
+    TERMINAL_PHASES,
+    Backoff,
+    IllegalTransition,
+    StepEvent,
+    StepState,
+    TaskEvent,
+    TaskPhase,
+    step_transition,
+    task_transition,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+NOTIFY_CHANNEL = "retex_ledger"
+# Transient: the operation did not happen or will be found done when repeated.
+_TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+
+
+def step_idempotency_key(uid: str, step_name: str, step_spec: Any) -> str:
+    """`<task uid>:<step name>:<version>`: stable across attempts, new if the step changed."""
+    version = hashlib.sha256(json.dumps(step_spec, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{uid}:{step_name}:{version}"
+
+
+def spec_hash(spec: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+class Ledger:
+    """The only door to the ledger tables. Thread-safe; one per process."""
+
+    def __init__(self, dsn: str, *, max_connections: int = 10, retry_for_seconds: float = 120.0):
+        self._retry_for = retry_for_seconds
+        self._pool = ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=max_connections,
+            kwargs={"row_factory": dict_row},
+            check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
+            open=False,
+            name="retex-ledger",
+        )
+        self._dsn = dsn
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def open(self, *, migrate_schema: bool = True) -> Ledger:
+        if migrate_schema:
+            self._retrying(lambda: self._migrate(), op="migrate")
+        self._pool.open(wait=False)
+        return self
+
+    def _migrate(self) -> list[int]:
+        with psycopg.connect(self._dsn) as conn:
+            return migrate(conn)
+
+    def close(self) -> None:
+        self._pool.close()
+
+    def __enter__(self) -> Ledger:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transaction plumbing ----------------------------------------------------------------
+
+    def _retrying(self, fn: Callable[[], T], *, op: str) -> T:
+        deadline = time.monotonic() + self._retry_for
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except _TRANSIENT as exc:
+                if time.monotonic() + delay > deadline:
+                    raise LedgerUnavailable(f"{op}: Postgres unavailable for {self._retry_for:.0f}s: {exc}") from exc
+                log.warning("ledger %s: transient error, retrying in %.2fs: %s", op, delay, exc)
+                time.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, 2.0)
+
+    def _tx(self, fn: Callable[[psycopg.Cursor], T], *, op: str) -> T:
+        def attempt() -> T:
+            with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
+                return fn(cur)
+
+        return self._retrying(attempt, op=op)
+
+    # -- shared pieces of operations (always inside a transaction) ----------------------------
+
+    @staticmethod
+    def _lock_task(cur: psycopg.Cursor, uid: str) -> dict[str, Any]:
+        row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
+        if row is None:
+            raise TaskNotFound(uid)
+        return row
+
+    @staticmethod
+    def _fence(task: dict[str, Any], epoch: int) -> None:
+        if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
+            raise FenceRejected(task["uid"], epoch, task["epoch"], task["phase"])
+
+    @staticmethod
+    def _history(cur: psycopg.Cursor, uid: str, actor: str, event: str, *, epoch: int | None = None,
+                 step_idx: int | None = None, from_state: str | None = None, to_state: str | None = None,
+                 detail: dict[str, Any] | None = None) -> None:
+        cur.execute(
+            """INSERT INTO retex.history (task_uid, actor, event, epoch, step_idx, from_state, to_state, detail)
+               VALUES (%s, %s, %s, %s, %s, %s, %s, %s)""",
+            (uid, actor, event, epoch, step_idx, from_state, to_state, Jsonb(detail) if detail else None),
+        )
+
+    def _transition(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
+                    detail: dict[str, Any] | None = None, **columns: Any) -> dict[str, Any]:
+        """Move the task by `event` (checked by the state machine), set `columns`, bump the version."""
+        new_phase = task_transition(task["phase"], event)
+        columns["phase"] = str(new_phase)
+        if new_phase in TERMINAL_PHASES:
+            columns.setdefault("finished_at", _NOW)
+        assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
+        values = [_adapt(val) for val in columns.values() if val is not _NOW]
+        updated = cur.execute(
+            f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
+            "WHERE uid = %s RETURNING *",
+            (*values, task["uid"]),
+        ).fetchone()
+        self._history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
+                      to_state=str(new_phase), detail=detail)
+        return updated
+
+    @staticmethod
+    def _touch(cur: psycopg.Cursor, uid: str, **columns: Any) -> None:
+        """Bump the task's version (a step changed, or a flag did): the mirror must see it."""
+        assignments = "".join(f", {col} = %s" for col in columns)
+        cur.execute(
+            f"UPDATE retex.tasks SET version = version + 1, updated_at = now(){assignments} WHERE uid = %s",
+            (*[_adapt(v) for v in columns.values()], uid),
+        )
+
+    def _step_move(self, cur: psycopg.Cursor, uid: str, idx: int, event: StepEvent, actor: str,
+                   epoch: int | None, **columns: Any) -> dict[str, Any]:
+        step = cur.execute(
+            "SELECT * FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
+        ).fetchone()
+        if step is None:
+            raise IllegalTransition("step", "missing", f"{event} of step {idx}")
+        new_state = step_transition(step["state"], event)
+        columns["state"] = str(new_state)
+        assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
+        values = [_adapt(val) for val in columns.values() if val is not _NOW]
+        updated = cur.execute(
+            f"UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *",
+            (*values, uid, idx),
+        ).fetchone()
+        self._history(cur, uid, actor, f"step-{event}", epoch=epoch, step_idx=idx, from_state=step["state"],
+                      to_state=str(new_state))
+        self._touch(cur, uid)
+        return updated
+
+    def _start_attempt(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
+                       actor: str, **columns: Any) -> dict[str, Any]:
+        """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
+        epoch = task["epoch"] + 1
+        updated = self._transition(cur, task, event, actor, detail={"cause": cause}, epoch=epoch,
+                                   not_before=None, reason=None, started_at=task["started_at"] or _NOW, **columns)
+        cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
+                    (task["uid"], epoch, cause))
+        cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task["uid"], epoch))
+        return updated
+
+    def _place(self, cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> dict[str, Any]:
+        """A task that may run: schedule it for later or start its attempt now."""
+        due = task["not_before"] is None or cur.execute(
+            "SELECT %s <= now() AS due", (task["not_before"],)
+        ).fetchone()["due"]
+        if not due:
+            return self._transition(cur, task, TaskEvent.SCHEDULE, actor)
+        return self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, cause, actor)
+
+    @staticmethod
+    def _end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str) -> None:
+        cur.execute(
+            "UPDATE retex.attempts SET outcome = %s, ended_at = now() "
+            "WHERE task_uid = %s AND epoch = %s AND outcome IS NULL",
+            (outcome, uid, epoch),
+        )
+
+    def _record(self, cur: psycopg.Cursor, uid: str) -> TaskRecord:
+        row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()
+        if row is None:
+            raise TaskNotFound(uid)
+        steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
+        return _task_record(row, steps)
+
+    # -- admission and attempts (operator) ---------------------------------------------------
+
+    def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
+        """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
+
+        def op(cur: psycopg.Cursor) -> AdmitResult:
+            inserted = cur.execute(
+                """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
+                                            max_attempts, max_disruptions, backoff, not_before)
+                   VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s)
+                   ON CONFLICT DO NOTHING RETURNING *""",
+                (admission.uid, admission.namespace, admission.name, Jsonb(admission.spec),
+                 spec_hash(admission.spec), admission.idempotency_key, admission.max_attempts,
+                 admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before),
+            ).fetchone()
+            if inserted is None:
+                return _existing_admission(cur, admission)
+            step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
+            for idx, (name, step_spec) in enumerate(zip(admission.step_names, step_specs, strict=True)):
+                cur.execute(
+                    "INSERT INTO retex.steps (task_uid, idx, name, idempotency_key) VALUES (%s, %s, %s, %s)",
+                    (admission.uid, idx, name, step_idempotency_key(admission.uid, name, step_spec)),
+                )
+            self._history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
+            self._place(cur, inserted, "first", actor)
+            return AdmitResult(uid=admission.uid, created=True)
+
+        return self._tx(op, op="admit")
+
+    def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
+        """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
+
+        A disruption does not consume the retry budget; it has its own cap. Repeating the call for
+        the same lost epoch changes nothing.
+        """
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["epoch"] != lost_epoch or task["phase"] != TaskPhase.RUNNING:
+                return self._record(cur, uid)
+            self._end_attempt(cur, uid, lost_epoch, "lost")
+            if task["cancel_requested"]:
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled")
+            elif task["disruptions"] + 1 > task["max_disruptions"]:
+                self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
+                                 dead_lettered=True, disruptions=task["disruptions"] + 1,
+                                 last_error=f"attempt {lost_epoch} lost ({cause}); disruption cap reached")
+            else:
+                self._start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
+                                    disruptions=task["disruptions"] + 1)
+            return self._record(cur, uid)
+
+        return self._tx(op, op="replace_attempt")
+
+    def promote_due(self, *, limit: int = 100, actor: str = "operator") -> list[str]:
+        """Start the attempts of Scheduled and Retrying tasks whose time has come."""
+
+        def op(cur: psycopg.Cursor) -> list[str]:
+            due = cur.execute(
+                """SELECT * FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying') AND not_before <= now()
+                   ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
+                (limit,),
+            ).fetchall()
+            for task in due:
+                cause = "retry" if task["phase"] == TaskPhase.RETRYING else "first"
+                self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, cause, actor)
+            return [task["uid"] for task in due]
+
+        return self._tx(op, op="promote_due")
+
+    def next_due_at(self) -> datetime | None:
+        """When the earliest Scheduled or Retrying task becomes due: the promoter sleeps until then."""
+        return self._tx(
+            lambda cur: cur.execute(
+                "SELECT min(not_before) AS at FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')"
+            ).fetchone()["at"],
+            op="next_due_at",
+        )
+
+    def request_cancel(self, uid: str, *, actor: str = "operator") -> TaskRecord:
+        """Waiting tasks are cancelled at once; a running one at its worker's next step boundary."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
+                return self._record(cur, uid)
+            if task["phase"] == TaskPhase.RUNNING:
+                self._touch(cur, uid, cancel_requested=True)
+                self._history(cur, uid, actor, "cancel-requested", epoch=task["epoch"])
+            else:
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled", cancel_requested=True)
+            return self._record(cur, uid)
+
+        return self._tx(op, op="request_cancel")
+
+    def fail_task(self, uid: str, *, reason: str, message: str, actor: str = "operator") -> TaskRecord:
+        """Operator-side terminal failure (for example the task timeout). No-op once terminal."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["phase"] not in TERMINAL_PHASES:
+                if task["phase"] == TaskPhase.RUNNING:
+                    self._end_attempt(cur, uid, task["epoch"], "failed")
+                self._transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
+            return self._record(cur, uid)
+
+        return self._tx(op, op="fail_task")
+
+    def requeue(self, uid: str, *, actor: str) -> TaskRecord:
+        """A fresh attempt with a fresh budget for a Failed or NeedsAttention task."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            flagged = cur.execute(
+                "SELECT name FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
+            ).fetchall()
+            if flagged:
+                names = ", ".join(row["name"] for row in flagged)
+                raise IllegalTransition("task", task["phase"], f"requeue before resolving step(s) {names}")
+            pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
+                                       dead_lettered=False, reason=None, finished_at=None, not_before=None)
+            self._place(cur, pending, "requeue", actor)
+            return self._record(cur, uid)
+
+        return self._tx(op, op="requeue")
+
+    def resolve_step(self, uid: str, step_name: str, *, mark_done: bool, result: Any = None,
+                     actor: str) -> TaskRecord:
+        """The human hand-off of an ambiguous step: it happened (mark done) or it did not (re-run).
+
+        When no flagged step remains, the task is requeued so the next attempt carries on.
+        """
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            step = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
+                               (uid, step_name)).fetchone()
+            if step is None:
+                raise IllegalTransition("step", "missing", f"resolve of unknown step {step_name!r}")
+            if mark_done:
+                _check_result_size(result)
+                self._step_move(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,
+                                result=Jsonb(result), error=None, finished_at=_NOW)
+            else:
+                self._step_move(cur, uid, step["idx"], StepEvent.RESOLVE_RERUN, actor, None, error=None)
+            still_flagged = cur.execute(
+                "SELECT 1 FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
+            ).fetchone()
+            if task["phase"] == TaskPhase.NEEDS_ATTENTION and not still_flagged:
+                task = self._lock_task(cur, uid)
+                pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
+                self._place(cur, pending, "requeue", actor)
+            return self._record(cur, uid)
+
+        return self._tx(op, op="resolve_step")
+
+    # -- the outbox relay (operator) ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def dispatch_batch(self, *, limit: int = 20) -> Iterator[tuple[list[Dispatch], Callable[[Dispatch, str], None]]]:
+        """Claim unsent dispatch records (`FOR UPDATE SKIP LOCKED`) inside one open transaction.
+
+        Yields the records that are still current and a `mark_sent(dispatch, job_name)` function.
+        Records whose epoch was superseded are marked stale and not yielded. If the caller dies
+        before the transaction commits, the claims vanish with it and another relay sends them
+        again; the deterministic Job name turns that into AlreadyExists, which is success.
+        """
+        with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
+            rows = cur.execute(
+                """SELECT o.id, o.task_uid, o.epoch, t.namespace, t.name, t.spec,
+                          (o.epoch = t.epoch AND t.phase = 'Running') AS current
+                   FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
+                   WHERE o.sent_at IS NULL ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
+                (limit,),
+            ).fetchall()
+            stale = [row["id"] for row in rows if not row["current"]]
+            if stale:
+                cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
+            dispatches = [
+                Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
+                         name=r["name"], spec=r["spec"])
+                for r in rows if r["current"]
+            ]
+
+            def mark_sent(dispatch: Dispatch, job_name: str) -> None:
+                cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'sent' WHERE id = %s", (dispatch.id,))
+                cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
+                            (job_name, dispatch.task_uid, dispatch.epoch))
+
+            yield dispatches, mark_sent
+
+    # -- fenced operations (worker) ----------------------------------------------------------
+
+    def claim_attempt(self, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
+        """Read the task for attempt `epoch` and record which pod runs it. Fenced."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            self._fence(task, epoch)
+            cur.execute("UPDATE retex.attempts SET pod = %s, node = %s WHERE task_uid = %s AND epoch = %s",
+                        (pod, node, uid, epoch))
+            return self._record(cur, uid)
+
+        return self._tx(op, op="claim_attempt")
+
+    def begin_step(self, uid: str, epoch: int, idx: int, *, actor: str) -> StepRecord:
+        """Mark step `idx` started by this attempt; returns it as it was before. Fenced."""
+
+        def op(cur: psycopg.Cursor) -> StepRecord:
+            task = self._lock_task(cur, uid)
+            self._fence(task, epoch)
+            if task["cancel_requested"]:
+                raise CancelRequested(uid)
+            steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
+            prior = _step_record(steps[idx])
+            if prior.state == StepState.STARTED and prior.attempt == epoch:
+                return prior  # a repeated call
+            if any(s["state"] != StepState.DONE for s in steps[:idx]):
+                raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
+            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, started_at=_NOW,
+                            error=None)
+            return prior
+
+        return self._tx(op, op="begin_step")
+
+    def commit_step(self, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
+        """Record the step's result: the one durable proof that its effect happened. Fenced."""
+        _check_result_size(result)
+
+        def op(cur: psycopg.Cursor) -> None:
+            task = self._lock_task(cur, uid)
+            self._fence(task, epoch)
+            state = cur.execute("SELECT state FROM retex.steps WHERE task_uid = %s AND idx = %s",
+                                (uid, idx)).fetchone()
+            if state and state["state"] == StepState.DONE:
+                return  # a repeated call
+            self._step_move(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result), error=None,
+                            finished_at=_NOW)
+
+        self._tx(op, op="commit_step")
+
+    def fail_step(self, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
+                  rng: random.Random | None = None) -> TaskRecord:
+        """The step failed: retry after backoff, or fail the task (permanently or out of budget). Fenced."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            step = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s",
+                               (uid, idx)).fetchone()
+            if step and step["state"] == StepState.FAILED and step["attempt"] == epoch and task["epoch"] == epoch:
+                return self._record(cur, uid)  # a repeated call
+            self._fence(task, epoch)
+            self._step_move(cur, uid, idx, StepEvent.FAIL, actor, epoch, error=error[:4096], finished_at=_NOW)
+            self._end_attempt(cur, uid, epoch, "failed")
+            failures = task["failures"] + 1
+            task = self._lock_task(cur, uid)
+            if not retryable:
+                self._transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
+                                 last_error=error[:4096])
+            elif failures >= task["max_attempts"]:
+                self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
+                                 dead_lettered=True, last_error=error[:4096])
+            else:
+                delay = Backoff(**task["backoff"]).delay(failures, rng)
+                self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
+                                 reason="RetryableError", failures=failures, last_error=error[:4096],
+                                 not_before=_db_now(cur) + timedelta(seconds=delay))
+            return self._record(cur, uid)
+
+        return self._tx(op, op="fail_step")
+
+    def flag_step(self, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
+        """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["phase"] == TaskPhase.NEEDS_ATTENTION and task["epoch"] == epoch:
+                return self._record(cur, uid)  # a repeated call
+            self._fence(task, epoch)
+            self._step_move(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
+            self._end_attempt(cur, uid, epoch, "needs-attention")
+            task = self._lock_task(cur, uid)
+            self._transition(cur, task, TaskEvent.NEED_ATTENTION, actor, reason="AmbiguousStep",
+                             last_error=why[:4096])
+            return self._record(cur, uid)
+
+        return self._tx(op, op="flag_step")
+
+    def complete_task(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+        """Every step is done: the task Succeeded. Fenced."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["phase"] == TaskPhase.SUCCEEDED and task["epoch"] == epoch:
+                return self._record(cur, uid)  # a repeated call
+            self._fence(task, epoch)
+            undone = cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
+                                 (uid,)).fetchone()["n"]
+            if undone:
+                raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
+            self._end_attempt(cur, uid, epoch, "succeeded")
+            self._transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
+            return self._record(cur, uid)
+
+        return self._tx(op, op="complete_task")
+
+    def finish_cancelled(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+        """The worker stopped at a step boundary because cancel was requested. Fenced."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["phase"] == TaskPhase.CANCELLED and task["epoch"] == epoch:
+                return self._record(cur, uid)  # a repeated call
+            self._fence(task, epoch)
+            if not task["cancel_requested"]:
+                raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
+            self._end_attempt(cur, uid, epoch, "cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled")
+            return self._record(cur, uid)
+
+        return self._tx(op, op="finish_cancelled")
+
+    # -- readers -----------------------------------------------------------------------------
+
+    def get(self, uid: str) -> TaskRecord:
+        return self._tx(lambda cur: self._record(cur, uid), op="get")
+
+    def find(self, namespace: str, name: str) -> TaskRecord | None:
+        """The newest task of that namespace/name (a name can be reused after deletion)."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord | None:
+            row = cur.execute(
+                "SELECT uid FROM retex.tasks WHERE namespace = %s AND name = %s ORDER BY created_at DESC LIMIT 1",
+                (namespace, name),
+            ).fetchone()
+            return self._record(cur, row["uid"]) if row else None
+
+        return self._tx(op, op="find")
+
+    def versions(self) -> dict[str, int]:
+        """uid → ledger version of every task: what a status resync compares against."""
+        return self._tx(
+            lambda cur: {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")},
+            op="versions",
+        )
+
+    def attempts(self, uid: str) -> list[AttemptRecord]:
+        rows = self._tx(
+            lambda cur: cur.execute(
+                "SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)
+            ).fetchall(),
+            op="attempts",
+        )
+        return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]
+
+    def history(self, uid: str) -> list[HistoryEntry]:
+        rows = self._tx(
+            lambda cur: cur.execute("SELECT * FROM retex.history WHERE task_uid = %s ORDER BY id", (uid,)).fetchall(),
+            op="history",
+        )
+        return [HistoryEntry(**{k: r[k] for k in HistoryEntry.__dataclass_fields__}) for r in rows]
+
+    def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
+        """Yield (uid, version) for every committed change; None every `timeout` without one.
+
+        Reconnects after a Postgres restart; changes missed while disconnected are the periodic
+        resync's job, which is why a caller must not rely on this alone.
+        """
+        while True:
+            try:
+                with psycopg.connect(self._dsn, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                    while True:
+                        got = False
+                        for note in conn.notifies(timeout=timeout, stop_after=1):
+                            uid, _, version = note.payload.rpartition(" ")
+                            got = True
+                            yield uid, int(version)
+                        if not got:
+                            yield None
+            except psycopg.OperationalError as exc:
+                log.warning("ledger listen: connection lost, reconnecting: %s", exc)
+                yield None
+                time.sleep(1.0)
+
+
+# A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
+_NOW = object()
+
+
+def _adapt(value: Any) -> Any:
+    return Jsonb(value) if isinstance(value, dict | list) else value
+
+
+def _db_now(cur: psycopg.Cursor) -> datetime:
+    return cur.execute("SELECT now() AS now").fetchone()["now"]
+
+
+def _check_result_size(result: Any) -> None:
+    size = len(json.dumps(result).encode())
+    if size > RESULT_LIMIT_BYTES:
+        raise ResultTooLarge(f"step result is {size} bytes; the limit is {RESULT_LIMIT_BYTES} (store large data by reference)")
+
+
+def _existing_admission(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult:
+    if cur.execute("SELECT 1 FROM retex.tasks WHERE uid = %s", (admission.uid,)).fetchone():
+        return AdmitResult(uid=admission.uid, created=False)
+    first = cur.execute(
+        "SELECT uid FROM retex.tasks WHERE namespace = %s AND idempotency_key = %s",
+        (admission.namespace, admission.idempotency_key),
+    ).fetchone()
+    return AdmitResult(uid=first["uid"], created=False, duplicate_of=first["uid"])
+
+
+def _step_record(row: dict[str, Any]) -> StepRecord:
+    return StepRecord(idx=row["idx"], name=row["name"], state=StepState(row["state"]), attempt=row["attempt"],
+                      idempotency_key=row["idempotency_key"], result=row["result"], error=row["error"],
+                      started_at=row["started_at"], finished_at=row["finished_at"])
+
+
+def _task_record(row: dict[str, Any], steps: list[dict[str, Any]]) -> TaskRecord:
+    fields = {k: row[k] for k in TaskRecord.__dataclass_fields__ if k not in ("steps", "phase")}
+    return TaskRecord(phase=TaskPhase(row["phase"]), steps=tuple(_step_record(s) for s in steps), **fields)
+
