@@ -88,7 +88,8 @@ class PostgresServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"postgres exited: see {self.state_dir / 'postgres.log'}")
+                tail = (self.state_dir / "postgres.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"postgres exited on start:\n{tail}")
             ready = subprocess.run(
                 [str(self.bindir / "pg_isready"), "-h", "127.0.0.1", "-p", str(self.port), "-U", SUPERUSER],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -114,6 +115,15 @@ class PostgresServer:
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            # Backends die a moment after the postmaster; a new postmaster refuses to start
+            # while any of them still holds the old shared memory.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(self.proc.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
         self.proc = None
 
     def restart(self) -> None:

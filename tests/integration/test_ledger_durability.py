@@ -1,0 +1,66 @@
+"""What a committed step survives: Postgres restarts, crashes and outages mid-run."""
+
+import threading
+import time
+
+import pytest
+
+from e2e.postgres import PostgresServer
+from retex.ledger import Ledger, LedgerUnavailable
+from retex.machine import StepState, TaskPhase
+from tests.integration.ledger_helpers import admitted
+
+
+@pytest.fixture
+def own_postgres():
+    """A Postgres of this test's own, so restarting it disturbs no other test."""
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.destroy()
+
+
+@pytest.mark.parametrize("outage", ["restart", "crash"])
+def test_a_postgres_restart_mid_run_loses_no_committed_step_and_the_run_carries_on(own_postgres, outage):
+    with Ledger(own_postgres.dsn(), retry_for_seconds=60) as ledger:
+        uid = admitted(ledger)
+        ledger.begin_step(uid, 1, 0, actor="worker")
+        ledger.commit_step(uid, 1, 0, {"charged": 1}, actor="worker")
+        if outage == "restart":
+            own_postgres.restart()
+        else:
+            own_postgres.kill()  # SIGKILL of postmaster and backends: a power cut as far as we care
+            own_postgres.start()
+        # The pool's connections died with the server; the next operations reconnect by themselves.
+        ledger.begin_step(uid, 1, 1, actor="worker")
+        ledger.commit_step(uid, 1, 1, {"shipped": 1}, actor="worker")
+        record = ledger.get(uid)
+    assert [s.state for s in record.steps] == [StepState.DONE, StepState.DONE, StepState.PENDING]
+    assert record.steps[0].result == {"charged": 1}
+    assert record.phase == TaskPhase.RUNNING
+
+
+def test_an_operation_during_an_outage_waits_and_lands_once_postgres_is_back(own_postgres):
+    with Ledger(own_postgres.dsn(), retry_for_seconds=60) as ledger:
+        uid = admitted(ledger)
+        ledger.begin_step(uid, 1, 0, actor="worker")
+        own_postgres.stop()
+        restarter = threading.Timer(2.0, own_postgres.start)
+        restarter.start()
+        started = time.monotonic()
+        ledger.commit_step(uid, 1, 0, "ok", actor="worker")
+        waited = time.monotonic() - started
+        restarter.join()
+        assert waited >= 1.5
+        assert ledger.get(uid).steps[0].state == StepState.DONE
+        assert [h.event for h in ledger.history(uid)].count("step-commit") == 1
+
+
+def test_an_outage_longer_than_the_retry_window_raises_a_typed_error(own_postgres):
+    with Ledger(own_postgres.dsn(), retry_for_seconds=2) as ledger:
+        uid = admitted(ledger)
+        own_postgres.stop()
+        with pytest.raises(LedgerUnavailable):
+            ledger.get(uid)
+        own_postgres.start()
+        assert ledger.get(uid).epoch == 1
