@@ -17,9 +17,11 @@ pytest_plugins = ["e2e.rig.fixtures"]
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory) -> PostgresServer:
+def postgres() -> PostgresServer:
     """A real Postgres server for the whole session; tests may restart or kill it."""
-    server = PostgresServer(tmp_path_factory.mktemp("postgres"))
+    # Its own directory under /tmp, not pytest's: the server runs as `nobody`, who cannot
+    # traverse pytest's root-only temporary tree.
+    server = PostgresServer()
     server.start()
     yield server
     server.destroy()
