@@ -32,6 +32,7 @@ from retex.ledger.errors import (
     StepOutOfOrder,
     TaskNotFound,
 )
+from retex.failpoints import failpoint
 from retex.ledger.migrate import migrate
 from retex.ledger.records import (
     RESULT_LIMIT_BYTES,
@@ -474,8 +475,9 @@ class Ledger:
                                 (uid, idx)).fetchone()
             if state and state["state"] == StepState.DONE:
                 return  # a repeated call
-            self._step_move(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result), error=None,
-                            finished_at=_NOW)
+            step = self._step_move(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result),
+                                   error=None, finished_at=_NOW)
+            failpoint("in-commit", step["name"])  # crash-matrix R8: dies before COMMIT
 
         self._tx(op, op="commit_step")
 
