@@ -18,6 +18,11 @@ lint: $(STAMP)
 	@echo "==> layering check (import-linter)"
 	@$(VENV)/bin/lint-imports --no-cache
 
+# The Task CRD is generated from the pydantic models; a unit test fails when the committed file is stale.
+crds: $(STAMP)
+	@echo "==> crds/tasks.retex.dev.yaml from retex.api"
+	@$(PY) -m retex.api.crd > crds/tasks.retex.dev.yaml.tmp && mv crds/tasks.retex.dev.yaml.tmp crds/tasks.retex.dev.yaml
+
 rig-binaries:
 	@echo "==> control-plane binaries for the local rig (cached outside the repo)"
 	@bash e2e/rig/build.sh

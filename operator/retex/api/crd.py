@@ -1,0 +1,166 @@
+"""The Task CustomResourceDefinition, generated from the models: `python -m retex.api.crd`.
+
+pydantic's JSON schema is translated into a Kubernetes structural schema: every $ref inlined,
+Optional (anyOf with null) collapsed to the type itself, titles and `additionalProperties: false`
+dropped (the API server refuses unknown fields by itself), descriptions folded onto one line.
+Anything the translation does not understand is an error rather than a silently wrong CRD.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import yaml
+
+from retex.api import models
+
+CRD_NAME = f"{models.PLURAL}.{models.GROUP}"
+
+# Output key order, for a readable YAML file.
+_KEY_ORDER = [
+    "description",
+    "type",
+    "format",
+    "enum",
+    "default",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "anyOf",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "required",
+    "properties",
+    "additionalProperties",
+    "items",
+    "x-kubernetes-validations",
+]
+_DROPPED = {"title"}
+_NULL = {"type": "null"}
+
+
+def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Merge $ref / single allOf / Optional anyOf into one node; the referring node's own keys
+    (its field description, default) win over the referenced model's."""
+    node = dict(node)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").removeprefix("#/$defs/")]
+        return _resolve({**target, **node}, defs)
+    if "allOf" in node:
+        (only,) = node.pop("allOf")
+        return _resolve({**_resolve(only, defs), **node}, defs)
+    if "anyOf" in node and _NULL in node["anyOf"]:
+        (only,) = [option for option in node.pop("anyOf") if option != _NULL]
+        if node.get("default", ...) is None:
+            del node["default"]
+        return _resolve({**_resolve(only, defs), **node}, defs)
+    return node
+
+
+def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    node = _resolve(node, defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _DROPPED or (key == "additionalProperties" and value is False):
+            continue
+        if key == "default" and value is None:
+            continue
+        if key == "description":
+            value = " ".join(value.split())
+        elif key == "properties":
+            value = {name: structural(prop, defs) for name, prop in value.items()}
+        elif key in ("items", "additionalProperties"):
+            value = structural(value, defs)
+        elif key == "anyOf" and not node.get("x-kubernetes-int-or-string"):
+            raise ValueError(f"anyOf is not structural outside int-or-string: {node}")
+        elif key not in _KEY_ORDER:
+            raise ValueError(f"no structural translation for {key!r} in {node}")
+        out[key] = value
+    if "type" not in out and not (out.get("x-kubernetes-preserve-unknown-fields") or out.get("x-kubernetes-int-or-string")):
+        raise ValueError(f"schema node without a type: {node}")
+    return {key: out[key] for key in sorted(out, key=_KEY_ORDER.index)}
+
+
+def model_schema(model: type[models.ApiModel]) -> dict[str, Any]:
+    schema = model.model_json_schema(by_alias=True)
+    return structural(schema, schema.pop("$defs", {}))
+
+
+def _column(name: str, json_path: str, type: str, description: str, priority: int = 0) -> dict[str, Any]:
+    column = {"name": name, "type": type, "jsonPath": json_path, "description": description}
+    if priority:
+        column["priority"] = priority
+    return column
+
+
+def build_crd() -> dict[str, Any]:
+    root = {
+        "description": " ".join(models.Task.__doc__.split()),
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": model_schema(models.TaskSpec),
+            "status": model_schema(models.TaskStatus),
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME},
+        "spec": {
+            "group": models.GROUP,
+            "names": {
+                "kind": models.KIND,
+                "listKind": f"{models.KIND}List",
+                "plural": models.PLURAL,
+                "singular": models.SINGULAR,
+                "shortNames": [models.SHORT_NAME],
+                "categories": [models.CATEGORY],
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": models.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        _column("Phase", ".status.phase", "string", "Task phase"),
+                        _column("Progress", ".status.progress", "string", "Completed steps / total steps"),
+                        _column("Attempt", ".status.attempt", "integer", "Current attempt"),
+                        _column("Retries", ".status.retries", "integer", "Attempts that failed retryably", 1),
+                        _column("Disruptions", ".status.disruptions", "integer", "Attempts lost to disruptions", 1),
+                        _column("Age", ".metadata.creationTimestamp", "date", "Time since creation"),
+                    ],
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
+        },
+    }
+
+
+class _Dumper(yaml.SafeDumper):
+    # Shared sub-schemas (step and verify actions) are written out in full, not as YAML anchors.
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def render_crd() -> str:
+    header = "# Generated from retex.api.models by `make crds` (python -m retex.api.crd). Do not edit.\n"
+    return header + yaml.dump(build_crd(), Dumper=_Dumper, sort_keys=False, width=120, allow_unicode=True)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render_crd())

@@ -1,0 +1,630 @@
+"""The Task resource (retex.dev/v1alpha1) as pydantic models: the one source of the API.
+
+Attribute docstrings become the CRD's field descriptions (`kubectl explain task.spec.steps`), the
+`Field` constraints become its OpenAPI bounds, and `CEL` rules attached to a model are emitted as
+`x-kubernetes-validations` next to it. Every rule that can be checked without the previous object
+is also checked here, in Python, with the same message, so the operator and the CLI refuse what
+the API server refuses. Transition rules (those comparing with `oldSelf`) exist only in the CRD.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from retex.machine import StepState, TaskPhase
+
+GROUP = "retex.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "Task"
+PLURAL = "tasks"
+SINGULAR = "task"
+SHORT_NAME = "rtask"
+CATEGORY = "retex"
+
+MAX_STEPS = 64
+# CEL can compare free-form JSON but not measure it, so the operator enforces this through the model.
+PAYLOAD_MAX_BYTES = 64 * 1024
+STEP_RESULT_MAX_CHARS = 1024
+ERROR_MAX_CHARS = 4096
+CONDITION_MESSAGE_MAX_CHARS = 32768
+
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# The authority may not contain '@': credentials in a URL would be stored in the Task.
+URL_PATTERN = r"^https?://[^\s/?#@]+([/?#]\S*)?$"
+HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
+CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+KEY_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+# Unanchored and case-insensitive, like CEL's `matches` with (?i).
+SECRET_ENV_NAME_PATTERN = r"(?i)(PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|PRIVATE_?KEY|CREDENTIAL)"
+SECRET_HEADER_PATTERN = r"(?i)^(authorization|proxy-authorization|cookie)$"
+
+MSG_ONE_KIND = "exactly one of exec, http or python must be set"
+MSG_UNIQUE_STEP_NAMES = "step names must be unique"
+MSG_STEPS_IMMUTABLE = "steps are immutable once the task is created"
+MSG_CANCEL_IRREVERSIBLE = "cancel cannot be undone: once true it stays true"
+MSG_PAYLOAD_IMMUTABLE = "payload is immutable once the task is created"
+MSG_IDEMPOTENCY_KEY_IMMUTABLE = "idempotencyKey is immutable once the task is created"
+MSG_EXIT_CODES_EXCLUSIVE = "set retryableExitCodes or permanentExitCodes, not both"
+MSG_STATUSES_EXCLUSIVE = "set retryableStatuses or permanentStatuses, not both"
+MSG_EXIT_CODES_EXEC_ONLY = "retryableExitCodes and permanentExitCodes apply to exec steps only"
+MSG_STATUSES_HTTP_ONLY = "retryableStatuses and permanentStatuses apply to http steps only"
+MSG_SECRET_ENV_NAME = (
+    "env names that look like credentials (PASSWORD, PASSWD, SECRET, TOKEN, API_KEY, PRIVATE_KEY, "
+    "CREDENTIAL) are refused: a Task is readable by anyone who can get tasks; give credentials to "
+    "the worker through its image or service account"
+)
+MSG_SECRET_HEADER = (
+    "Authorization, Proxy-Authorization and Cookie headers are refused: a Task is readable by anyone "
+    "who can get tasks; give credentials to the worker through its image or service account"
+)
+MSG_HEADER_NAME = "header names must be HTTP tokens (letters, digits and !#$%&'*+.^_`|~-)"
+MSG_BACKOFF_ORDER = "maxSeconds must be at least initialSeconds"
+MSG_LEDGER_VERSION_MONOTONIC = "status.ledgerVersion never goes backwards"
+MSG_PAYLOAD_TOO_LARGE = f"payload must be at most {PAYLOAD_MAX_BYTES} bytes as compact JSON"
+
+
+def cel(rule: str, message: str) -> dict[str, str]:
+    """One CEL rule for the CRD's `x-kubernetes-validations`."""
+    return {"rule": rule, "message": message}
+
+
+def validations(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+class ApiModel(BaseModel):
+    """camelCase on the wire, snake_case in Python, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+    def to_json(self) -> dict[str, Any]:
+        """The object as the API server stores it: camelCase keys, unset optional fields omitted."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def defaulted(model: type[BaseModel]) -> Any:
+    """A nested object that is always present: the API server fills in {} and then the defaults
+    inside it, so `kubectl get -o yaml` shows them."""
+    return Field(default_factory=model, json_schema_extra={"default": {}})
+
+
+def _truncate(limit: int):
+    def truncate(value: Any) -> Any:
+        if isinstance(value, str) and len(value) > limit:
+            return value[: limit - 1] + "…"
+        return value
+
+    return BeforeValidator(truncate)
+
+
+DnsLabel = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN)]
+Key = Annotated[str, Field(min_length=1, max_length=253, pattern=KEY_PATTERN)]
+# Any JSON value, kept as written: the API server neither validates nor prunes inside it.
+FreeJson = Annotated[JsonValue, WithJsonSchema({"x-kubernetes-preserve-unknown-fields": True})]
+FreeJsonObject = Annotated[
+    dict[str, JsonValue], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+Quantity = Annotated[
+    int | Annotated[str, Field(pattern=QUANTITY_PATTERN)],
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY_PATTERN,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+ExitCode = Annotated[int, Field(ge=0, le=255)]
+HttpStatus = Annotated[int, Field(ge=100, le=599)]
+
+
+# --- spec -----------------------------------------------------------------------------------
+
+
+class EnvVar(ApiModel):
+    """An environment variable for the command. Values are plain text stored in the Task: never put
+    a credential here; the worker gets credentials from its image or service account."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(cel(f"!self.name.matches('{SECRET_ENV_NAME_PATTERN}')", MSG_SECRET_ENV_NAME))
+    )
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN)]
+    """Variable name. Names that look like credentials (containing PASSWORD, SECRET, TOKEN, API_KEY,
+    PRIVATE_KEY, CREDENTIAL) are refused."""
+    value: Annotated[str, Field(max_length=4096)] = ""
+    """Variable value, plain text."""
+
+    @field_validator("name")
+    @classmethod
+    def _not_secret_looking(cls, name: str) -> str:
+        if re.search(SECRET_ENV_NAME_PATTERN, name):
+            raise ValueError(MSG_SECRET_ENV_NAME)
+        return name
+
+
+class ExecAction(ApiModel):
+    """Run a command in the worker container. Exit code 0 is success."""
+
+    command: Annotated[list[Annotated[str, Field(max_length=4096)]], Field(min_length=1, max_length=64)]
+    """The executable and its leading arguments (not run through a shell)."""
+    args: Annotated[list[Annotated[str, Field(max_length=4096)]], Field(max_length=256)] | None = None
+    """Arguments appended to command."""
+    env: (
+        Annotated[
+            list[EnvVar],
+            Field(max_length=64, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}),
+        ]
+        | None
+    ) = None
+    """Extra environment variables, unique by name. The worker also sets RETEX_IDEMPOTENCY_KEY."""
+
+
+class HttpAction(ApiModel):
+    """Send one HTTP request. A 2xx response is success; the worker adds an Idempotency-Key header."""
+
+    method: Literal["GET", "POST", "PUT", "PATCH", "DELETE"]
+    """HTTP method."""
+    url: Annotated[str, Field(max_length=2048, pattern=URL_PATTERN)]
+    """http or https URL, without user:password@ in it."""
+    headers: (
+        Annotated[
+            dict[str, Annotated[str, Field(max_length=4096)]],
+            Field(
+                max_length=64,
+                json_schema_extra=validations(
+                    cel(f'self.all(h, h.matches("{HEADER_NAME_PATTERN}"))', MSG_HEADER_NAME),
+                    cel(f"self.all(h, !h.matches('{SECRET_HEADER_PATTERN}'))", MSG_SECRET_HEADER),
+                ),
+            ),
+        ]
+        | None
+    ) = None
+    """Request headers, plain text. Authorization, Proxy-Authorization and Cookie are refused."""
+    body: FreeJson = None
+    """Request body: any JSON value, sent as JSON (a string is sent as is)."""
+
+    @field_validator("headers")
+    @classmethod
+    def _header_names(cls, headers: dict[str, str] | None) -> dict[str, str] | None:
+        for name in headers or {}:
+            if not re.search(HEADER_NAME_PATTERN, name):
+                raise ValueError(MSG_HEADER_NAME)
+            if re.search(SECRET_HEADER_PATTERN, name):
+                raise ValueError(MSG_SECRET_HEADER)
+        return headers
+
+
+class PythonAction(ApiModel):
+    """Call a Python function installed in the worker image."""
+
+    callable: Annotated[str, Field(max_length=512, pattern=CALLABLE_PATTERN)]
+    """The function as module.path:function. It receives the step context (payload, idempotency
+    key) and args."""
+    args: FreeJsonObject | None = None
+    """Keyword arguments for the function: a free-form JSON object."""
+
+
+_ONE_KIND_RULE = cel(
+    "(has(self.exec) ? 1 : 0) + (has(self.http) ? 1 : 0) + (has(self.python) ? 1 : 0) == 1", MSG_ONE_KIND
+)
+
+
+class Action(ApiModel):
+    """Exactly one of exec, http or python."""
+
+    model_config = ConfigDict(json_schema_extra=validations(_ONE_KIND_RULE))
+
+    exec: ExecAction | None = None
+    """Run a command in the worker container."""
+    http: HttpAction | None = None
+    """Send an HTTP request from the worker."""
+    python: PythonAction | None = None
+    """Call a Python function in the worker."""
+
+    @model_validator(mode="after")
+    def _exactly_one_kind(self) -> Action:
+        if sum(kind is not None for kind in (self.exec, self.http, self.python)) != 1:
+            raise ValueError(MSG_ONE_KIND)
+        return self
+
+
+class Step(Action):
+    """One step: exactly one action (exec, http or python), run at most once to completion. Steps
+    run in order; a resumed task continues after the last committed step."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            _ONE_KIND_RULE,
+            cel("!(has(self.retryableExitCodes) && has(self.permanentExitCodes))", MSG_EXIT_CODES_EXCLUSIVE),
+            cel("!(has(self.retryableStatuses) && has(self.permanentStatuses))", MSG_STATUSES_EXCLUSIVE),
+            cel("has(self.exec) || !(has(self.retryableExitCodes) || has(self.permanentExitCodes))", MSG_EXIT_CODES_EXEC_ONLY),
+            cel("has(self.http) || !(has(self.retryableStatuses) || has(self.permanentStatuses))", MSG_STATUSES_HTTP_ONLY),
+        )
+    )
+
+    name: DnsLabel
+    """Step name, unique in the task: a DNS label (lowercase letters, digits, '-'; at most 63). It is
+    part of the step's idempotency key."""
+    verify: Action | None = None
+    """A read-only check, exactly one of exec, http or python, run when a step was started but its
+    result was never committed (the worker died): success means the effect happened and the step
+    is committed without running it again; failure means it did not, and the step runs again."""
+    idempotent: bool = False
+    """True if running the step twice has the same effect as once. An interrupted step with no
+    verify is re-run only if idempotent; otherwise the task stops in NeedsAttention for a human."""
+    timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 300
+    """Seconds one run of the step may take before it is stopped and counted as a retryable failure."""
+    retryable_exit_codes: Annotated[list[ExitCode], Field(max_length=256)] | None = None
+    """exec only: the only exit codes that are retried; any other non-zero code fails the task. By
+    default every non-zero code is retried."""
+    permanent_exit_codes: Annotated[list[ExitCode], Field(max_length=256)] | None = None
+    """exec only: exit codes that fail the task at once; any other non-zero code is retried."""
+    retryable_statuses: Annotated[list[HttpStatus], Field(max_length=256)] | None = None
+    """http only: the only non-2xx statuses that are retried; any other fails the task. By default
+    408, 425, 429 and 5xx (and connection errors) are retried, other statuses fail the task."""
+    permanent_statuses: Annotated[list[HttpStatus], Field(max_length=256)] | None = None
+    """http only: statuses that fail the task at once; any other non-2xx status is retried."""
+
+    @model_validator(mode="after")
+    def _classification_fits_kind(self) -> Step:
+        if self.retryable_exit_codes is not None and self.permanent_exit_codes is not None:
+            raise ValueError(MSG_EXIT_CODES_EXCLUSIVE)
+        if self.retryable_statuses is not None and self.permanent_statuses is not None:
+            raise ValueError(MSG_STATUSES_EXCLUSIVE)
+        if self.exec is None and (self.retryable_exit_codes is not None or self.permanent_exit_codes is not None):
+            raise ValueError(MSG_EXIT_CODES_EXEC_ONLY)
+        if self.http is None and (self.retryable_statuses is not None or self.permanent_statuses is not None):
+            raise ValueError(MSG_STATUSES_HTTP_ONLY)
+        return self
+
+
+class Backoff(ApiModel):
+    """Exponential backoff between attempts: initialSeconds * factor^(n-1), capped at maxSeconds."""
+
+    # has(): the API server also checks the rule against the CRD's `default: {}`, before defaulting.
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!has(self.initialSeconds) || !has(self.maxSeconds) || self.maxSeconds >= self.initialSeconds",
+                MSG_BACKOFF_ORDER,
+            )
+        )
+    )
+
+    initial_seconds: Annotated[float, Field(ge=0.1, le=3600)] = 1
+    """Delay before the first retry (before jitter)."""
+    max_seconds: Annotated[float, Field(ge=0.1, le=86400)] = 300
+    """Cap on the delay."""
+    factor: Annotated[float, Field(ge=1, le=10)] = 2
+    """Growth per retry."""
+
+    @model_validator(mode="after")
+    def _max_not_below_initial(self) -> Backoff:
+        if self.max_seconds < self.initial_seconds:
+            raise ValueError(MSG_BACKOFF_ORDER)
+        return self
+
+
+class RetryPolicy(ApiModel):
+    """How failed attempts are retried. Disruptions (eviction, preemption, node loss, a lost lease)
+    are not failures and have their own budget."""
+
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 3
+    """Attempts that may end in a retryable failure, the first included; then the task fails."""
+    max_disruptions: Annotated[int, Field(ge=0, le=1000)] = 10
+    """Attempts that may be lost to disruptions; then the task fails."""
+    backoff: Backoff = defaulted(Backoff)
+    """Delay between a failed attempt and the next."""
+    jitter: Literal["Full", "None"] = "Full"
+    """Full: wait a random time between 0 and the backoff delay (spreads retries). None: wait exactly."""
+
+
+
+class LeasePolicy(ApiModel):
+    """The worker's liveness lease (a coordination.k8s.io Lease it renews)."""
+
+    duration_seconds: Annotated[int, Field(ge=5, le=600)] = 15
+    """An attempt whose lease the operator has not seen renewed for this long is treated as lost and
+    replaced by a new attempt. Shorter detects loss sooner; longer tolerates slow API servers."""
+
+
+class ResourceRequirements(ApiModel):
+    """Compute resources of the worker container, as in a Pod."""
+
+    requests: Annotated[dict[str, Quantity], Field(max_length=16)] | None = None
+    """Minimum resources, e.g. cpu: 100m, memory: 128Mi."""
+    limits: Annotated[dict[str, Quantity], Field(max_length=16)] | None = None
+    """Maximum resources."""
+
+
+class Toleration(ApiModel):
+    """A Pod toleration (core/v1 Toleration)."""
+
+    key: Annotated[str, Field(max_length=316)] | None = None
+    """Taint key; empty with operator Exists matches every taint."""
+    operator: Literal["Exists", "Equal"] | None = None
+    """Exists or Equal (the Pod API's default)."""
+    value: Annotated[str, Field(max_length=63)] | None = None
+    """Taint value for operator Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to match; empty matches all effects."""
+    toleration_seconds: int | None = None
+    """For NoExecute: how long the pod stays bound after the taint appears."""
+
+
+class WorkerSpec(ApiModel):
+    """The worker Pod that runs the steps."""
+
+    image: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    """Worker container image; defaults to the operator's configured worker image."""
+    service_account_name: Annotated[str, Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)] | None = None
+    """Service account of the worker Pod: the way to give steps credentials."""
+    resources: ResourceRequirements | None = None
+    """Compute resources of the worker container."""
+    node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]], Field(max_length=32)] | None = None
+    """Labels a node must have to run the worker."""
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] | None = None
+    """Taints the worker Pod tolerates."""
+
+
+def _immutable_field(name: str, message: str) -> dict[str, str]:
+    return {
+        **cel(
+            f"has(self.{name}) == has(oldSelf.{name}) && (!has(self.{name}) || self.{name} == oldSelf.{name})",
+            message,
+        ),
+        "fieldPath": f".{name}",
+    }
+
+
+class TaskSpec(ApiModel):
+    """What to run: an ordered list of steps, and how to retry, time and place them."""
+
+    # On the spec rather than on the fields: a field's own transition rule does not run when the
+    # field is added or removed, and these may not be added or removed either.
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            _immutable_field("payload", MSG_PAYLOAD_IMMUTABLE),
+            _immutable_field("idempotencyKey", MSG_IDEMPOTENCY_KEY_IMMUTABLE),
+        )
+    )
+
+    steps: Annotated[
+        list[Step],
+        Field(
+            min_length=1,
+            max_length=MAX_STEPS,
+            json_schema_extra={
+                "x-kubernetes-list-type": "atomic",
+                **validations(
+                    cel("self.all(s, self.exists_one(t, t.name == s.name))", MSG_UNIQUE_STEP_NAMES),
+                    cel("self == oldSelf", MSG_STEPS_IMMUTABLE),
+                ),
+            },
+        ),
+    ]
+    """The steps, run in order (1 to 64, names unique). Immutable once the task is created."""
+    payload: FreeJsonObject | None = None
+    """Input data for the steps: a free-form JSON object, at most 64 KiB as compact JSON (checked by
+    the operator when it accepts the task). Pass large data by reference (a URL or object-store
+    key). Immutable once the task is created."""
+    retry: RetryPolicy = defaulted(RetryPolicy)
+    """Retry budget and backoff."""
+    lease: LeasePolicy = defaulted(LeasePolicy)
+    """Worker liveness lease."""
+    timeout_seconds: Annotated[int, Field(ge=1, le=604800)] | None = None
+    """Wall-clock limit for the whole task from its first start, across attempts; then it fails.
+    Unset: no limit beyond the step timeouts and the retry budget."""
+    not_before: AwareDatetime | None = None
+    """Do not start before this time (RFC 3339, e.g. 2026-12-24T18:00:00Z)."""
+    concurrency_key: Key | None = None
+    """Tasks in a namespace with the same key run one at a time (in priority, then creation order)."""
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+    """Higher runs first when tasks wait for capacity or a concurrency key."""
+    idempotency_key: Key | None = None
+    """Submission de-duplication: a second task in the namespace with the same key is not run.
+    Immutable once the task is created."""
+    cancel: Annotated[bool, Field(json_schema_extra=validations(cel("self || !oldSelf", MSG_CANCEL_IRREVERSIBLE)))] = False
+    """Set to true to cancel: the running step is stopped and no further step starts. Cannot be
+    set back to false."""
+    worker: WorkerSpec | None = None
+    """The worker Pod: image, service account, resources and placement."""
+
+    @field_validator("steps")
+    @classmethod
+    def _unique_step_names(cls, steps: list[Step]) -> list[Step]:
+        names = [step.name for step in steps]
+        if len(set(names)) != len(names):
+            raise ValueError(MSG_UNIQUE_STEP_NAMES)
+        return steps
+
+    @field_validator("payload")
+    @classmethod
+    def _payload_size(cls, payload: dict[str, Any] | None) -> dict[str, Any] | None:
+        if payload is not None and payload_bytes(payload) > PAYLOAD_MAX_BYTES:
+            raise ValueError(MSG_PAYLOAD_TOO_LARGE)
+        return payload
+
+
+def payload_bytes(payload: Any) -> int:
+    """The size the payload limit counts: UTF-8 bytes of compact JSON."""
+    return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode())
+
+
+# --- status ---------------------------------------------------------------------------------
+
+
+class ConditionType(enum.StrEnum):
+    ACCEPTED = "Accepted"  # the operator validated the spec and recorded it in the ledger
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    DEAD_LETTERED = "DeadLettered"  # failed for good: retry and disruption budgets spent
+    NEEDS_ATTENTION = "NeedsAttention"
+
+
+class StatusModel(ApiModel):
+    # Status is written by the operator; a reader of an older version must not choke on new fields.
+    model_config = ConfigDict(extra="ignore")
+
+
+class Condition(StatusModel):
+    """A condition in the metav1.Condition shape, so `kubectl wait --for=condition=Succeeded` works."""
+
+    type: ConditionType
+    """Accepted, Running, Succeeded, Failed, DeadLettered or NeedsAttention."""
+    status: Literal["True", "False", "Unknown"]
+    """True, False or Unknown."""
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """The metadata.generation the condition was set for."""
+    last_transition_time: AwareDatetime
+    """When status last changed (not when reason or message did)."""
+    reason: Annotated[str, Field(min_length=1, max_length=1024, pattern=CONDITION_REASON_PATTERN)]
+    """CamelCase machine-readable reason."""
+    message: Annotated[str, Field(max_length=CONDITION_MESSAGE_MAX_CHARS), _truncate(CONDITION_MESSAGE_MAX_CHARS)] = ""
+    """Human-readable detail."""
+
+
+class StepStatus(StatusModel):
+    """The committed state of one step."""
+
+    name: DnsLabel
+    """The step's name."""
+    state: StepState
+    """pending, started, done, failed or needs-attention."""
+    attempt: Annotated[int, Field(ge=0)] | None = None
+    """The task attempt that last ran the step."""
+    started_at: AwareDatetime | None = None
+    """When the step last began."""
+    finished_at: AwareDatetime | None = None
+    """When the step was committed done or failed."""
+    result: Annotated[str, Field(max_length=STEP_RESULT_MAX_CHARS), _truncate(STEP_RESULT_MAX_CHARS)] | None = None
+    """A short summary of the result (truncated; the full result stays in the ledger)."""
+    error: Annotated[str, Field(max_length=ERROR_MAX_CHARS), _truncate(ERROR_MAX_CHARS)] | None = None
+    """The last error of the step (truncated)."""
+
+
+class LeaseStatus(StatusModel):
+    """The current attempt's lease as the operator last saw it."""
+
+    holder: Annotated[str, Field(max_length=253)] | None = None
+    """Holder identity (the worker Pod)."""
+    renewed_at: AwareDatetime | None = None
+    """When the operator last observed a renewal, by its own clock."""
+    duration_seconds: Annotated[int, Field(ge=1)] | None = None
+    """Lease duration: the attempt is lost after this long without an observed renewal."""
+
+
+class TaskStatus(StatusModel):
+    """A mirror of the task's committed ledger state, written only by the operator. It never runs
+    ahead of the ledger and never goes backwards (ledgerVersion is monotonic)."""
+
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!has(oldSelf.ledgerVersion) || (has(self.ledgerVersion) && self.ledgerVersion >= oldSelf.ledgerVersion)",
+                MSG_LEDGER_VERSION_MONOTONIC,
+            )
+        )
+    )
+
+    phase: TaskPhase | None = None
+    """Pending, Scheduled, Queued, Running, Retrying, Succeeded, Failed, Cancelled or NeedsAttention."""
+    attempt: Annotated[int, Field(ge=0)] | None = None
+    """The current attempt (epoch), from 1; every lost or failed attempt is replaced by the next."""
+    progress: Annotated[str, Field(max_length=16, pattern=r"^[0-9]+/[0-9]+$")] | None = None
+    """completedSteps/totalSteps, e.g. 2/5 (filled in from the two counts)."""
+    completed_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] | None = None
+    """How many leading steps are done (the contiguous completed prefix)."""
+    total_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] | None = None
+    """Number of steps."""
+    steps: (
+        Annotated[
+            list[StepStatus],
+            Field(max_length=MAX_STEPS, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}),
+        ]
+        | None
+    ) = None
+    """Per-step state, in step order."""
+    lease: LeaseStatus | None = None
+    """The current attempt's lease."""
+    retries: Annotated[int, Field(ge=0)] | None = None
+    """Attempts that ended in a retryable failure (counted against retry.maxAttempts)."""
+    disruptions: Annotated[int, Field(ge=0)] | None = None
+    """Attempts lost to disruptions (counted against retry.maxDisruptions)."""
+    conditions: (
+        Annotated[
+            list[Condition],
+            Field(max_length=16, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}),
+        ]
+        | None
+    ) = None
+    """Accepted, Running, Succeeded, Failed, DeadLettered and NeedsAttention, one of each at most."""
+    ledger_version: Annotated[int, Field(ge=0)] | None = None
+    """The ledger version this status mirrors; the API server refuses a status with a lower one."""
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """The metadata.generation of the spec the operator last acted on."""
+    start_time: AwareDatetime | None = None
+    """When the first attempt started."""
+    completion_time: AwareDatetime | None = None
+    """When the task reached Succeeded, Failed or Cancelled."""
+    last_error: Annotated[str, Field(max_length=ERROR_MAX_CHARS), _truncate(ERROR_MAX_CHARS)] | None = None
+    """The last error of any attempt (truncated)."""
+
+    @model_validator(mode="after")
+    def _progress_from_counts(self) -> TaskStatus:
+        if self.completed_steps is None or self.total_steps is None:
+            return self
+        if self.completed_steps > self.total_steps:
+            raise ValueError("completedSteps cannot exceed totalSteps")
+        expected = f"{self.completed_steps}/{self.total_steps}"
+        if self.progress is None:
+            self.progress = expected
+        elif self.progress != expected:
+            raise ValueError(f"progress {self.progress!r} disagrees with completedSteps/totalSteps ({expected})")
+        return self
+
+
+class Task(ApiModel):
+    """A retex Task: an ordered list of steps that retex runs to completion, resuming after any
+    crash, eviction or node loss without repeating a step that was already committed."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    api_version: Literal["retex.dev/v1alpha1"] = API_VERSION
+    kind: Literal["Task"] = KIND
+    metadata: dict[str, JsonValue] = Field(default_factory=dict)
+    """Standard object metadata, owned by the API server."""
+    spec: TaskSpec
+    status: TaskStatus | None = None
