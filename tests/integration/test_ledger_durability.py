@@ -64,3 +64,13 @@ def test_an_outage_longer_than_the_retry_window_raises_a_typed_error(own_postgre
             ledger.get(uid)
         own_postgres.start()
         assert ledger.get(uid).epoch == 1
+
+
+def test_commits_are_durable_even_when_the_server_default_is_asynchronous(dsn, postgres):
+    import psycopg
+
+    dbname = dsn.split("dbname=")[1].split()[0]
+    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+        conn.execute(f"ALTER DATABASE {dbname} SET synchronous_commit = off")
+    with Ledger(dsn) as ledger, ledger._pool.connection() as conn:
+        assert conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "on"

@@ -85,6 +85,7 @@ class Ledger:
             max_size=max_connections,
             kwargs={"row_factory": dict_row},
             check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
+            configure=_durable_commits,
             open=False,
             name="retex-ledger",
         )
@@ -624,6 +625,15 @@ class Ledger:
                 log.warning("ledger listen: connection lost, reconnecting: %s", exc)
                 yield None
                 time.sleep(1.0)
+
+
+def _durable_commits(conn: psycopg.Connection) -> None:
+    """A worker moves on to the next external effect once its commit returns, so the commit must
+    be on disk by then: with synchronous_commit=off a crash could lose an acknowledged step and
+    the step would run again. Stronger server settings (remote_write, remote_apply) are kept."""
+    if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
+        conn.execute("SET synchronous_commit = on")
+    conn.commit()
 
 
 # A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
