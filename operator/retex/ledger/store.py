@@ -348,6 +348,22 @@ class Ledger:
 
         return self._tx(op, op="fail_task")
 
+    def abandon(self, uid: str, *, reason: str, actor: str = "operator") -> TaskRecord:
+        """Cancel now, not at a step boundary (the Task object is gone). A worker still running
+        is fenced out at its next write. No-op once terminal or for an unknown task."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord | None:
+            row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
+            if row is None:
+                return None
+            if row["phase"] not in TERMINAL_PHASES:
+                if row["phase"] == TaskPhase.RUNNING:
+                    self._end_attempt(cur, uid, row["epoch"], "cancelled")
+                self._transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
+            return self._record(cur, uid)
+
+        return self._tx(op, op="abandon")
+
     def requeue(self, uid: str, *, actor: str) -> TaskRecord:
         """A fresh attempt with a fresh budget for a Failed or NeedsAttention task."""
 
@@ -579,6 +595,15 @@ class Ledger:
             return self._record(cur, row["uid"]) if row else None
 
         return self._tx(op, op="find")
+
+    def running(self) -> list[TaskRecord]:
+        """Every Running task (without steps): what the lease reaper watches over."""
+
+        def op(cur: psycopg.Cursor) -> list[TaskRecord]:
+            rows = cur.execute("SELECT * FROM retex.tasks WHERE phase = 'Running' ORDER BY uid").fetchall()
+            return [_task_record(row, []) for row in rows]
+
+        return self._tx(op, op="running")
 
     def versions(self) -> dict[str, int]:
         """uid → ledger version of every task: what a status resync compares against."""
