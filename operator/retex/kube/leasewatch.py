@@ -1,0 +1,122 @@
+"""One watcher over every retex worker Lease, recording what the operator has *observed*.
+
+Liveness is judged as client-go's leader election does: an attempt is lost when the operator has
+seen no change of the lease's holder or renewTime for the lease duration, measured on the
+operator's own monotonic clock. The worker's renewTime is never compared with our clock. The watch
+only updates a table; a reaper reads it, so lease renewals cause no handler storms.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+
+from retex.kube.leases import parse_holder
+from retex.kube.objects import LABEL_TASK_UID
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LeaseObservation:
+    task_uid: str
+    holder_pod: str | None  # None: free or released
+    holder_epoch: int | None
+    last_epoch: int | None  # the epoch of the latest holder ever seen (survives a release)
+    duration_seconds: int
+    changed_at: float  # time.monotonic() when holder or renewTime last changed, as we saw it
+    changed_wall: float  # time.time() of the same moment, for status display only
+
+    def expired(self, now: float) -> bool:
+        return self.holder_epoch is not None and now - self.changed_at > self.duration_seconds
+
+    def released_by(self, epoch: int) -> bool:
+        return self.holder_epoch is None and self.last_epoch == epoch
+
+
+class LeaseObserver:
+    def __init__(self, api: client.ApiClient):
+        self._coordination = client.CoordinationV1Api(api)
+        self._by_task: dict[str, LeaseObservation] = {}
+        self._renewals: dict[str, tuple[str | None, str | None]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.synced = threading.Event()
+
+    def get(self, task_uid: str) -> LeaseObservation | None:
+        with self._lock:
+            return self._by_task.get(task_uid)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _observe(self, lease: dict, deleted: bool = False, relisted: bool = False) -> None:
+        meta, spec = lease["metadata"], lease.get("spec") or {}
+        uid = (meta.get("labels") or {}).get(LABEL_TASK_UID)
+        if not uid:
+            return
+        with self._lock:
+            if deleted:
+                self._by_task.pop(uid, None)
+                self._renewals.pop(uid, None)
+                return
+            holder = spec.get("holderIdentity") or None
+            seen = (holder, spec.get("renewTime"))
+            previous = self._by_task.get(uid)
+            if previous and self._renewals.get(uid) == seen and not relisted:
+                return  # an update that is not a renewal (labels, owner refs): not a sign of life
+            try:
+                parsed = parse_holder(holder)
+            except ValueError:  # not written by a retex worker: nobody we know holds it
+                parsed = None
+            pod, epoch = (parsed.pod, parsed.epoch) if parsed else (None, None)
+            self._renewals[uid] = seen
+            self._by_task[uid] = LeaseObservation(
+                task_uid=uid, holder_pod=pod, holder_epoch=epoch,
+                last_epoch=epoch if epoch is not None else (previous.last_epoch if previous else None),
+                duration_seconds=int(spec.get("leaseDurationSeconds") or 15),
+                changed_at=time.monotonic(), changed_wall=time.time(),
+            )
+
+    def run(self) -> None:
+        """List, then watch from the list's resourceVersion; relist only after 410 Gone or an error."""
+        version: str | None = None
+        while not self._stop.is_set():
+            try:
+                if version is None:
+                    listed = self._coordination.list_lease_for_all_namespaces(label_selector=LABEL_TASK_UID)
+                    plain = self._coordination.api_client.sanitize_for_serialization(listed)
+                    # While we could not watch, we could not see renewals either: every lease gets a
+                    # fresh grace period rather than being judged on a blind spot (API server restart).
+                    for lease in plain.get("items") or []:
+                        self._observe(lease, relisted=True)
+                    version = plain["metadata"]["resourceVersion"]
+                    self.synced.set()
+                stream = watch.Watch()
+                for event in stream.stream(
+                    self._coordination.list_lease_for_all_namespaces, label_selector=LABEL_TASK_UID,
+                    resource_version=version, allow_watch_bookmarks=True, timeout_seconds=60,
+                    _request_timeout=90,
+                ):
+                    if self._stop.is_set():
+                        stream.stop()
+                        return
+                    version = event["raw_object"]["metadata"]["resourceVersion"]
+                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self._observe(event["raw_object"], deleted=event["type"] == "DELETED")
+            except ApiException as exc:
+                version = None
+                self.synced.clear()
+                if exc.status != 410:
+                    log.warning("lease watch failed (%s); relisting", exc.status)
+                    self._stop.wait(1.0)
+            except Exception as exc:  # connection refused while the API server restarts, etc.
+                version = None
+                self.synced.clear()
+                log.warning("lease watch interrupted: %s; relisting", exc)
+                self._stop.wait(1.0)

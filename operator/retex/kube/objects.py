@@ -1,0 +1,156 @@
+"""Pure builders of the objects the operator creates for an attempt: its Job and its Lease.
+
+No API calls here: given a dispatch and the operator's settings, return the body to send.
+Unit-tested without a cluster (tests/unit/test_kube_objects.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from retex.api import API_VERSION, KIND, TaskSpec
+
+LABEL_TASK_UID = "retex.dev/task-uid"
+LABEL_EPOCH = "retex.dev/epoch"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "retex"}
+
+# The Job controller copies the Job's name into a pod label (job-name), and label values are at
+# most 63 characters, so Job names must fit 63 even though a Task name may have 253.
+_NAME_LIMIT = 63
+
+
+@dataclass(frozen=True)
+class WorkerDefaults:
+    """Operator settings that shape every worker Pod unless the Task's spec.worker says otherwise."""
+
+    image: str
+    service_account: str
+    database_secret: str  # Secret in the task's namespace with key `dsn`
+    termination_grace_seconds: int = 30
+    ttl_after_finished_seconds: int = 600
+    # How long a worker pod stays bound to a NotReady/unreachable node before it is evicted. The
+    # next attempt does not wait for this (the lease does that); it only tidies the old pod.
+    lost_node_toleration_seconds: int = 10
+    run_as_user: int = 65532
+
+
+def _short(uid: str) -> str:
+    return hashlib.sha256(uid.encode()).hexdigest()[:8]
+
+
+def _prefix(task_name: str, room: int) -> str:
+    """The task name as a DNS label fragment of at most `room` characters."""
+    label = re.sub(r"[^a-z0-9-]", "-", task_name.lower())[:room].strip("-")
+    return label or "task"
+
+
+def lease_name(task_name: str, task_uid: str) -> str:
+    """One Lease per task, shared by its attempts: `<name>-<hash of uid>`, at most 63 characters."""
+    suffix = f"-{_short(task_uid)}"
+    return _prefix(task_name, _NAME_LIMIT - len(suffix)) + suffix
+
+
+def job_name(task_name: str, task_uid: str, epoch: int) -> str:
+    """One Job per attempt, deterministic so a repeated dispatch meets AlreadyExists."""
+    suffix = f"-{_short(task_uid)}-{epoch}"
+    return _prefix(task_name, _NAME_LIMIT - len(suffix)) + suffix
+
+
+def owner_reference(task_name: str, task_uid: str) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": task_name, "uid": task_uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def build_lease(*, task_name: str, task_uid: str, namespace: str, duration_seconds: int) -> dict[str, Any]:
+    """The attempt's Lease, created free; the worker of each epoch takes it (see retex.kube.leases)."""
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": {
+            "name": lease_name(task_name, task_uid),
+            "namespace": namespace,
+            "labels": {LABEL_TASK_UID: task_uid, **MANAGED_BY},
+            "ownerReferences": [owner_reference(task_name, task_uid)],
+        },
+        "spec": {"leaseDurationSeconds": duration_seconds},
+    }
+
+
+def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec: TaskSpec,
+              defaults: WorkerDefaults) -> dict[str, Any]:
+    """The Job of attempt `epoch`. Retries belong to retex, so the Job itself never retries."""
+    worker = spec.worker
+    labels = {LABEL_TASK_UID: task_uid, LABEL_EPOCH: str(epoch), "app.kubernetes.io/component": "worker",
+              **MANAGED_BY}
+    env = [
+        {"name": "RETEX_TASK_UID", "value": task_uid},
+        {"name": "RETEX_TASK_NAMESPACE", "value": namespace},
+        {"name": "RETEX_TASK_NAME", "value": task_name},
+        {"name": "RETEX_EPOCH", "value": str(epoch)},
+        {"name": "RETEX_LEASE_NAME", "value": lease_name(task_name, task_uid)},
+        {"name": "RETEX_LEASE_DURATION_SECONDS", "value": str(spec.lease.duration_seconds)},
+        {"name": "RETEX_DATABASE_URL",
+         "valueFrom": {"secretKeyRef": {"name": defaults.database_secret, "key": "dsn"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "TMPDIR", "value": "/tmp"},
+    ]
+    container: dict[str, Any] = {
+        "name": "worker",
+        "image": (worker and worker.image) or defaults.image,
+        "command": ["retex-worker"],
+        "env": env,
+        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+        },
+    }
+    if worker and worker.resources:
+        container["resources"] = worker.resources.model_dump(by_alias=True, exclude_none=True)
+    lost_node = [
+        {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
+         "tolerationSeconds": defaults.lost_node_toleration_seconds}
+        for taint in ("not-ready", "unreachable")
+    ]
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "serviceAccountName": (worker and worker.service_account_name) or defaults.service_account,
+        "terminationGracePeriodSeconds": defaults.termination_grace_seconds,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": defaults.run_as_user,
+            "runAsGroup": defaults.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "tolerations": lost_node + [
+            t.model_dump(by_alias=True, exclude_none=True) for t in ((worker and worker.tolerations) or [])
+        ],
+    }
+    if worker and worker.node_selector:
+        pod_spec["nodeSelector"] = dict(worker.node_selector)
+    job_spec: dict[str, Any] = {
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": defaults.ttl_after_finished_seconds,
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if spec.timeout_seconds:
+        job_spec["activeDeadlineSeconds"] = spec.timeout_seconds
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(task_name, task_uid, epoch),
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": [owner_reference(task_name, task_uid)],
+        },
+        "spec": job_spec,
+    }

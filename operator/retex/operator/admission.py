@@ -1,0 +1,29 @@
+"""From a Task object to what the ledger admits. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from retex.api import TaskSpec
+from retex.ledger import TaskAdmission
+from retex.machine import Backoff
+
+
+def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any]) -> TaskAdmission:
+    """Validates the spec with the models (the CRD already did; this also enforces the payload
+    size the API server cannot measure) and maps it onto the ledger's terms."""
+    parsed = TaskSpec.model_validate(spec)
+    backoff = parsed.retry.backoff
+    return TaskAdmission(
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        spec=parsed.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"cancel"}),
+        step_names=[step.name for step in parsed.steps],
+        max_attempts=parsed.retry.max_attempts,
+        max_disruptions=parsed.retry.max_disruptions,
+        backoff=Backoff(initial_seconds=backoff.initial_seconds, max_seconds=backoff.max_seconds,
+                        factor=backoff.factor, full_jitter=parsed.retry.jitter == "Full"),
+        idempotency_key=parsed.idempotency_key,
+        not_before=parsed.not_before,
+    )

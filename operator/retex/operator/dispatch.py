@@ -1,0 +1,91 @@
+"""Turning ledger decisions into Kubernetes objects: the outbox relay and the due-task promoter."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime
+
+from retex.api import TaskSpec
+from retex.failpoints import failpoint
+from retex.kube.calls import KubeCalls
+from retex.kube.objects import WorkerDefaults, build_job, build_lease
+from retex.ledger import Dispatch, Ledger, LedgerError
+
+log = logging.getLogger(__name__)
+
+
+class Relay:
+    """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless."""
+
+    def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float):
+        self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
+        self.wake = threading.Event()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            self.wake.wait(self._interval)
+            self.wake.clear()
+            try:
+                while self.relay_once():
+                    pass
+            except LedgerError as exc:
+                log.warning("relay: ledger unavailable: %s", exc)
+            except Exception:
+                # API server down or refusing: the claims roll back and the records wait for the
+                # next round; nothing is lost and nothing is sent twice (AlreadyExists is success).
+                log.exception("relay round failed; will retry")
+                self._stop.wait(1.0)
+
+    def relay_once(self) -> int:
+        """Relay one batch; return how many records it sent."""
+        with self._ledger.dispatch_batch(limit=20) as (batch, mark_sent):
+            for dispatch in batch:
+                mark_sent(dispatch, self._send(dispatch))
+            return len(batch)
+
+    def _send(self, dispatch: Dispatch) -> str:
+        spec = TaskSpec.model_validate(dispatch.spec)
+        common = {"task_name": dispatch.name, "task_uid": dispatch.task_uid, "namespace": dispatch.namespace}
+        self._kube.create_lease(build_lease(**common, duration_seconds=spec.lease.duration_seconds))
+        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults)
+        self._kube.create_job(job)
+        failpoint("after-job-create")  # crash-matrix R3: Job exists, outbox not yet marked sent
+        log.info("dispatched attempt %s of %s/%s as Job %s", dispatch.epoch, dispatch.namespace,
+                 dispatch.name, job["metadata"]["name"])
+        return job["metadata"]["name"]
+
+
+class Promoter:
+    """Starts Scheduled and Retrying tasks when due, sleeping until the earliest one (no per-task
+    timers; a far-future task costs nothing until its time)."""
+
+    def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0):
+        self._ledger, self._relay, self._max_sleep = ledger, relay, max_sleep
+        self.wake = threading.Event()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wake.set()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._ledger.promote_due():
+                    self._relay.wake.set()
+                due = self._ledger.next_due_at()
+                sleep = self._max_sleep
+                if due is not None:
+                    sleep = min(sleep, max(0.0, (due - datetime.now(UTC)).total_seconds()))
+            except LedgerError as exc:
+                log.warning("promoter: ledger unavailable: %s", exc)
+                sleep = 1.0
+            self.wake.wait(sleep)
+            self.wake.clear()
+

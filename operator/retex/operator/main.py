@@ -1,0 +1,31 @@
+"""`retex-operator`: runs the kopf operator for Task resources."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import kopf
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="retex operator")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf health endpoint")
+    parser.add_argument("--namespace", action="append", help="watch only these namespaces (default: all)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    import retex.operator.handlers  # noqa: F401  (registers the handlers)
+
+    asyncio.run(
+        kopf.operator(
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or [],
+            standalone=True,  # one active replica; HA by leader election is not built yet
+            liveness_endpoint=args.liveness,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The status mirror: Task.status computed from the ledger, and every status and Event write.
+
+One module owns it so the rules hold in one place: status is a pure function of committed
+ledger state (plus the lease as observed); it is written only when its ledger version is newer
+than the one shown (the CRD's CEL rule refuses an older one anyway); bursts of NOTIFY coalesce
+into one write per task; a periodic resync repairs anything missed, including after restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+
+from retex.api import ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
+from retex.failpoints import failpoint
+from retex.kube.calls import KubeCalls
+from retex.kube.leasewatch import LeaseObservation, LeaseObserver
+from retex.ledger import Ledger, LedgerError, TaskRecord
+from retex.machine import TaskPhase
+
+log = logging.getLogger(__name__)
+
+# (phase) -> (Event reason, warning?) posted when a task enters the phase.
+_PHASE_EVENTS = {
+    TaskPhase.SCHEDULED: ("Scheduled", False),
+    TaskPhase.QUEUED: ("Queued", False),
+    TaskPhase.RETRYING: ("Retrying", True),
+    TaskPhase.SUCCEEDED: ("Succeeded", False),
+    TaskPhase.FAILED: ("Failed", True),
+    TaskPhase.CANCELLED: ("Cancelled", False),
+    TaskPhase.NEEDS_ATTENTION: ("NeedsAttention", True),
+}
+
+
+def _summary(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
+def compute_status(record: TaskRecord, *, lease: LeaseObservation | None, generation: int | None,
+                   previous: TaskStatus | None, now: datetime) -> TaskStatus:
+    """Task.status for `record`. Pure: the same inputs give the same status."""
+    phase = record.phase
+    conditions = previous.conditions if previous else None
+
+    def put(kind: ConditionType, true: bool, reason: str, message: str = "") -> None:
+        nonlocal conditions
+        conditions = set_condition(conditions, kind, "True" if true else "False", reason, message,
+                                   observed_generation=generation, now=now)
+
+    why = record.reason or str(phase)
+    error = record.last_error or ""
+    put(ConditionType.ACCEPTED, True, "Admitted", "recorded in the ledger")
+    put(ConditionType.RUNNING, phase == TaskPhase.RUNNING,
+        "AttemptRunning" if phase == TaskPhase.RUNNING else str(phase),
+        f"attempt {record.epoch}" if phase == TaskPhase.RUNNING else "")
+    put(ConditionType.SUCCEEDED, phase == TaskPhase.SUCCEEDED, why if phase == TaskPhase.SUCCEEDED else "NotSucceeded")
+    put(ConditionType.FAILED, phase == TaskPhase.FAILED, why if phase == TaskPhase.FAILED else "NotFailed",
+        error if phase == TaskPhase.FAILED else "")
+    put(ConditionType.DEAD_LETTERED, record.dead_lettered, why if record.dead_lettered else "NotDeadLettered",
+        error if record.dead_lettered else "")
+    put(ConditionType.NEEDS_ATTENTION, phase == TaskPhase.NEEDS_ATTENTION,
+        why if phase == TaskPhase.NEEDS_ATTENTION else "NoAmbiguousStep",
+        error if phase == TaskPhase.NEEDS_ATTENTION else "")
+
+    lease_status = None
+    if lease is not None and lease.holder_pod is not None and phase == TaskPhase.RUNNING:
+        lease_status = LeaseStatus(holder=f"{lease.holder_pod}:{lease.holder_epoch}",
+                                   renewed_at=datetime.fromtimestamp(lease.changed_wall, UTC),
+                                   duration_seconds=lease.duration_seconds)
+    return TaskStatus(
+        phase=phase,
+        attempt=record.epoch,
+        completed_steps=record.completed_steps,
+        total_steps=len(record.steps),
+        steps=[
+            StepStatus(name=s.name, state=s.state, attempt=s.attempt, started_at=s.started_at,
+                       finished_at=s.finished_at, result=_summary(s.result), error=s.error)
+            for s in record.steps
+        ],
+        lease=lease_status,
+        retries=record.failures,
+        disruptions=record.disruptions,
+        conditions=conditions,
+        ledger_version=record.version,
+        observed_generation=generation,
+        start_time=record.started_at,
+        completion_time=record.finished_at if record.terminal else None,
+        last_error=record.last_error,
+    )
+
+
+class EventLimiter:
+    """At most `burst` Events per task per `window` seconds: a crash-looping task cannot flood
+    the API server."""
+
+    def __init__(self, burst: int = 10, window: float = 60.0):
+        self._burst, self._window = burst, window
+        self._sent: dict[str, list[float]] = {}
+
+    def allow(self, uid: str, now: float) -> bool:
+        recent = [t for t in self._sent.get(uid, []) if now - t < self._window]
+        if len(recent) >= self._burst:
+            self._sent[uid] = recent
+            return False
+        self._sent[uid] = [*recent, now]
+        return True
+
+
+def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tuple[str, str, bool]]:
+    """(reason, message, warning) for what changed between the shown and the new status."""
+    events = []
+    if previous is None or previous.phase is None:
+        events.append(("Accepted", "recorded in the ledger", False))
+    old_attempt = (previous.attempt or 0) if previous else 0
+    if current.phase == TaskPhase.RUNNING and (current.attempt or 0) > old_attempt:
+        events.append(("AttemptStarted", f"attempt {current.attempt} dispatched", False))
+    if previous is None or previous.phase != current.phase:
+        if current.phase in _PHASE_EVENTS:
+            reason, warning = _PHASE_EVENTS[current.phase]
+            events.append((reason, current.last_error or f"task {current.phase}", warning))
+    return events
+
+
+class StatusMirror:
+    """Writes Task.status from the ledger, driven by NOTIFY with a periodic resync."""
+
+    def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, resync_seconds: float):
+        self._ledger, self._kube, self._leases = ledger, kube, leases
+        self._resync_seconds = resync_seconds
+        self._dirty: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._limiter = EventLimiter()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def mark(self, uid: str) -> None:
+        with self._lock:
+            self._dirty.add(uid)
+
+    def listen(self) -> None:
+        """Thread: turn NOTIFY into dirty marks (the write loop coalesces them)."""
+        for change in self._ledger.listen(timeout=0.5):
+            if self._stop.is_set():
+                return
+            if change is not None:
+                self.mark(change[0])
+
+    def run(self) -> None:
+        """Thread: flush dirty tasks every 100 ms; resync everything every `resync_seconds`."""
+        next_resync = 0.0
+        while not self._stop.wait(0.1):
+            try:
+                if time.monotonic() >= next_resync:
+                    self._mark_behind()
+                    next_resync = time.monotonic() + self._resync_seconds
+                with self._lock:
+                    batch, self._dirty = self._dirty, set()
+                for uid in batch:
+                    self.mirror(uid)
+            except LedgerError as exc:
+                log.warning("status mirror: ledger unavailable: %s", exc)
+            except Exception:
+                log.exception("status mirror iteration failed; retrying")
+                self._stop.wait(1.0)
+
+    def _mark_behind(self) -> None:
+        """One LIST: every Task whose shown ledgerVersion lags the ledger is marked for a write."""
+        ledger_versions = self._ledger.versions()
+        for task in self._kube.list_tasks():
+            uid = task["metadata"]["uid"]
+            if uid in ledger_versions and (task.get("status") or {}).get("ledgerVersion", -1) < ledger_versions[uid]:
+                self.mark(uid)
+
+    def mirror(self, uid: str) -> None:
+        """Write the status of one task if the ledger is ahead of what the Task shows."""
+        record = self._ledger.get(uid)
+        task = self._kube.get_task(record.namespace, record.name)
+        if task is None or task["metadata"]["uid"] != uid:
+            return  # deleted (or a newer Task with the same name): nothing to mirror onto
+        shown = task.get("status") or {}
+        if shown.get("ledgerVersion", -1) >= record.version:
+            return  # never write a status older than (or the same as) the one shown
+        previous = TaskStatus.model_validate(shown) if shown else None
+        status = compute_status(record, lease=self._leases.get(uid), generation=task["metadata"].get("generation"),
+                                previous=previous, now=datetime.now(UTC))
+        failpoint("in-status-mirror")
+        try:
+            self._kube.patch_task_status(record.namespace, record.name, uid,
+                                         status.model_dump(mode="json", by_alias=True, exclude_none=True))
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):  # gone, replaced, or a newer status already landed
+                log.info("status of %s/%s not written: %s", record.namespace, record.name, exc.status)
+                return
+            raise
+        for reason, message, warning in _events_between(previous, status):
+            if self._limiter.allow(uid, time.monotonic()):
+                try:
+                    self._kube.post_event(task, reason=reason, message=message, warning=warning)
+                except ApiException as exc:
+                    log.warning("event %s for %s not posted: %s", reason, uid, exc.status)

@@ -1,0 +1,94 @@
+"""The Job and Lease of an attempt, built by pure functions."""
+
+import re
+import uuid
+
+import pytest
+
+from retex.api import TaskSpec
+from retex.kube.objects import LABEL_EPOCH, LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, job_name, lease_name
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DEFAULTS = WorkerDefaults(image="retex-worker:test", service_account="retex-worker", database_secret="retex-db")
+UID = "0b7c5f0e-8a1d-4e52-9d3c-1f2e3d4c5b6a"
+
+
+def spec(**extra):
+    return TaskSpec.model_validate({"steps": [{"name": "charge", "exec": {"command": ["true"]}}], **extra})
+
+
+def job(**extra):
+    return build_job(task_name="order-1", task_uid=UID, namespace="shop", epoch=3, spec=spec(**extra),
+                     defaults=DEFAULTS)
+
+
+@pytest.mark.parametrize("name", ["a", "order-1", "x" * 253, "a.b.c." * 42 + "z", "-weird-"])
+def test_names_fit_a_dns_label_for_any_task_name(name):
+    for built in (job_name(name, UID, 12345), lease_name(name, UID)):
+        assert len(built) <= 63 and DNS_LABEL.match(built), built
+
+
+def test_names_are_deterministic_per_task_and_attempt():
+    assert job_name("order-1", UID, 1) == job_name("order-1", UID, 1)
+    assert job_name("order-1", UID, 1) != job_name("order-1", UID, 2)
+    assert job_name("order-1", UID, 1) != job_name("order-1", str(uuid.uuid4()), 1)  # a recreated Task
+    long = "x" * 253
+    assert job_name(long, UID, 1) != job_name(long, UID, 2)
+
+
+def test_the_job_never_retries_by_itself_and_belongs_to_the_task():
+    body = job()
+    assert body["spec"]["backoffLimit"] == 0
+    assert body["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert body["spec"]["ttlSecondsAfterFinished"] == 600
+    owner = body["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("Task", UID, True)
+    labels = body["spec"]["template"]["metadata"]["labels"]
+    assert (labels[LABEL_TASK_UID], labels[LABEL_EPOCH]) == (UID, "3")
+
+
+def test_the_worker_gets_its_epoch_and_lease_and_the_dsn_only_from_a_secret():
+    container = job()["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["RETEX_EPOCH"]["value"] == "3"
+    assert env["RETEX_LEASE_NAME"]["value"] == lease_name("order-1", UID)
+    assert env["RETEX_LEASE_DURATION_SECONDS"]["value"] == "15"
+    assert env["RETEX_DATABASE_URL"]["valueFrom"] == {"secretKeyRef": {"name": "retex-db", "key": "dsn"}}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_the_worker_pod_is_non_root_without_capabilities():
+    pod = job()["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                            "readOnlyRootFilesystem": True, "runAsNonRoot": True}
+
+
+def test_pods_on_a_lost_node_are_evicted_quickly_and_user_tolerations_are_kept():
+    tolerations = job(worker={"tolerations": [{"key": "gpu", "operator": "Exists"}]})["spec"]["template"]["spec"]["tolerations"]
+    lost = {t["key"]: t["tolerationSeconds"] for t in tolerations if t.get("effect") == "NoExecute"}
+    assert lost == {"node.kubernetes.io/not-ready": 10, "node.kubernetes.io/unreachable": 10}
+    assert {"key": "gpu", "operator": "Exists"} in tolerations
+
+
+def test_the_task_timeout_becomes_the_jobs_active_deadline():
+    assert "activeDeadlineSeconds" not in job()["spec"]
+    assert job(timeoutSeconds=600)["spec"]["activeDeadlineSeconds"] == 600
+
+
+def test_spec_worker_overrides_image_account_resources_and_placement():
+    pod = job(worker={"image": "acme/steps:1", "serviceAccountName": "payments", "nodeSelector": {"pool": "a"},
+                      "resources": {"limits": {"memory": "256Mi"}}})["spec"]["template"]["spec"]
+    assert pod["containers"][0]["image"] == "acme/steps:1"
+    assert pod["serviceAccountName"] == "payments"
+    assert pod["nodeSelector"] == {"pool": "a"}
+    assert pod["containers"][0]["resources"] == {"limits": {"memory": "256Mi"}}
+
+
+def test_the_lease_is_created_free_with_the_spec_duration():
+    lease = build_lease(task_name="order-1", task_uid=UID, namespace="shop", duration_seconds=20)
+    assert lease["spec"] == {"leaseDurationSeconds": 20}
+    assert lease["metadata"]["labels"][LABEL_TASK_UID] == UID
+    assert lease["metadata"]["ownerReferences"][0]["uid"] == UID
