@@ -1,0 +1,106 @@
+"""retex itself on a cluster, for scenarios: the CRD, a tenant namespace with the worker's RBAC
+and DSN Secret, and the operator as a local process that tests can kill and restart.
+
+Used by the cluster tests, the crash-matrix suite and `make dev`; the same calls work against the
+local rig or (through RETEX_KUBECONFIG) an external cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CRD = REPO / "crds" / "tasks.retex.dev.yaml"
+WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
+WORKER_DB_SECRET = "retex-worker-db"
+
+
+def install_crd(kubectl) -> None:
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
+
+
+def prepare_namespace(kubectl, namespace: str, dsn: str) -> None:
+    """A namespace where Tasks may run: the worker ServiceAccount, its Role, and the DSN Secret."""
+    manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+    kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    kubectl("apply", "-n", namespace, "-f", str(WORKER_RBAC))
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": WORKER_DB_SECRET},
+              "stringData": {"dsn": dsn}}
+    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(secret))
+
+
+class OperatorProcess:
+    """`retex-operator` as a child process with its own log file."""
+
+    def __init__(self, kubeconfig: Path, dsn: str, log_path: Path, *, extra_env: dict[str, str] | None = None):
+        self.kubeconfig, self.dsn, self.log_path = kubeconfig, dsn, log_path
+        self.extra_env = extra_env or {}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, **env: str) -> None:
+        environment = {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "RETEX_DATABASE_URL": self.dsn,
+            "RETEX_WORKER_IMAGE": "retex-worker:local",
+            "RETEX_WORKER_DATABASE_SECRET": WORKER_DB_SECRET,
+            "RETEX_WORKER_GRACE_SECONDS": "10",
+            "RETEX_RESYNC_SECONDS": "5",
+            **self.extra_env,
+            **env,
+        }
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "retex-operator"), "--liveness", ""],
+            env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def kill(self) -> None:
+        """kill -9: the operator gets no chance to tidy up."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self, **env: str) -> None:
+        self.kill()
+        self.start(**env)
+
+    def exited(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def task_manifest(name: str, steps: list[dict[str, Any]], **spec: Any) -> str:
+    return yaml.safe_dump({"apiVersion": "retex.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
+                           "spec": {"steps": steps, **spec}})
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)

@@ -1,0 +1,50 @@
+"""Fixtures for scenarios that run all of retex on the cluster: CRD, namespace, operator."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from e2e.system import OperatorProcess, install_crd, prepare_namespace
+from retex.ledger import Ledger
+
+_namespaces = itertools.count()
+
+
+@dataclass
+class RetexOnCluster:
+    rig: object
+    operator: OperatorProcess
+    ledger: Ledger
+    namespace: str
+
+    def kubectl(self, *args, **kwargs):
+        return self.rig.kubectl("-n", self.namespace, *args, **kwargs)
+
+
+@pytest.fixture
+def retex(rig, postgres, tmp_path) -> RetexOnCluster:
+    """retex running against the rig: its own ledger database and tenant namespace per test, and a
+    fresh operator process (tests may kill and restart it)."""
+    number = next(_namespaces)
+    database, namespace = f"retex_system_{number}", f"tenant-{number}"
+    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {database}")
+    dsn = postgres.dsn(dbname=database)
+    install_crd(rig.kubectl)
+    prepare_namespace(rig.kubectl, namespace, dsn)
+    operator = OperatorProcess(rig.kubeconfig, dsn, Path(tmp_path) / "operator.log",
+                               extra_env={"RETEX_NAMESPACES": namespace})
+    operator.start()
+    with Ledger(dsn) as ledger:
+        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace)
+        try:
+            yield system
+        finally:
+            operator.kill()
+            print(f"--- operator log tail ({namespace}) ---\n{operator.log_tail()}")
+            rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -1,0 +1,112 @@
+"""The operator on the local rig with real workers: Pending → Running → Succeeded, lease expiry and
+release to a new attempt, operator restarts at random moments, very long Task names."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+from e2e.system import task_manifest, wait_for
+
+
+def task(system, name):
+    out = system.kubectl("get", "task", name, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def status(system, name) -> dict:
+    return (task(system, name) or {}).get("status") or {}
+
+
+def apply(system, name, steps, **spec):
+    system.kubectl("apply", "-f", "-", input=task_manifest(name, steps, **spec))
+
+
+def sh(name, script, **extra):
+    return {"name": name, "exec": {"command": ["sh", "-c", script]}, **extra}
+
+
+def phase_is(system, name, *phases):
+    return status(system, name).get("phase") in phases
+
+
+def test_a_multi_step_task_goes_from_pending_to_succeeded_showing_each_committed_step(retex):
+    apply(retex, "pipeline", [sh(f"s{i}", f"sleep 1.5; echo step-{i}") for i in range(3)])
+    seen = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        shown = status(retex, "pipeline")
+        if shown.get("progress") and (not seen or seen[-1] != shown["progress"]):
+            seen.append(shown["progress"])
+        if shown.get("phase") == "Succeeded":
+            break
+        time.sleep(0.2)
+    assert seen[-1] == "3/3" and status(retex, "pipeline")["phase"] == "Succeeded", retex.operator.log_tail()
+    assert seen == sorted(seen), seen  # never backwards
+    assert {"1/3", "2/3"} <= set(seen), f"each committed step should show as it lands: {seen}"
+    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=10s", "task/pipeline")
+    shown = status(retex, "pipeline")
+    assert [s["state"] for s in shown["steps"]] == ["done"] * 3
+    assert "step-2" in shown["steps"][2]["result"]
+    columns = retex.kubectl("get", "task", "pipeline").stdout
+    assert "Succeeded" in columns and "3/3" in columns
+
+
+def test_a_worker_whose_renewals_stop_is_replaced_within_lease_ttl_plus_5s(retex):
+    apply(retex, "stalled", [sh("slow", "sleep 8; echo slow-done", idempotent=True)], lease={"durationSeconds": 5})
+    wait_for(lambda: (status(retex, "stalled").get("lease") or {}).get("holder"), timeout=60, what="lease taken")
+    pod = status(retex, "stalled")["lease"]["holder"].rsplit(":", 1)[0]
+    retex.rig.pause_pod(retex.namespace, pod)  # SIGSTOP: alive but silent, the worst case
+    paused_at = time.monotonic()
+    wait_for(lambda: status(retex, "stalled").get("attempt", 0) >= 2, timeout=30, what="attempt 2")
+    replaced_after = time.monotonic() - paused_at
+    assert replaced_after <= 5 + 5, f"replacement took {replaced_after:.1f}s"
+    retex.rig.resume_pod(retex.namespace, pod)  # the zombie wakes up; the fence must stop it
+    wait_for(lambda: phase_is(retex, "stalled", "Succeeded"), timeout=60, what="Succeeded")
+    record = retex.ledger.find(retex.namespace, "stalled")
+    commits = [h for h in retex.ledger.history(record.uid) if h.event == "step-commit"]
+    assert [h.epoch for h in commits] == [record.epoch], "only the current attempt commits"
+    assert record.failures == 0 and record.disruptions >= 1
+
+
+def test_a_released_lease_is_replaced_at_once_without_waiting_for_expiry(retex):
+    apply(retex, "evicted", [sh("first", "echo one"), sh("long", "sleep 6; echo two", idempotent=True)],
+          lease={"durationSeconds": 60})
+    wait_for(lambda: (status(retex, "evicted").get("steps") or [{}])[0].get("state") == "done", timeout=60,
+             what="first step committed")
+    pod = status(retex, "evicted")["lease"]["holder"].rsplit(":", 1)[0]
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": pod, "namespace": retex.namespace}}
+    evicted_at = time.monotonic()
+    retex.rig.kubectl("create", "--raw", f"/api/v1/namespaces/{retex.namespace}/pods/{pod}/eviction",
+                      "-f", "-", input=json.dumps(eviction))
+    wait_for(lambda: status(retex, "evicted").get("attempt", 0) >= 2, timeout=40, what="attempt 2")
+    assert time.monotonic() - evicted_at < 30, "a released lease must not wait out its 60 s duration"
+    wait_for(lambda: phase_is(retex, "evicted", "Succeeded"), timeout=60, what="Succeeded")
+    record = retex.ledger.find(retex.namespace, "evicted")
+    assert (record.failures, record.disruptions) == (0, 1), "a disruption does not consume the retry budget"
+    first_step_commits = [h for h in retex.ledger.history(record.uid) if h.event == "step-commit" and h.step_idx == 0]
+    assert len(first_step_commits) == 1, "a committed step never runs again"
+
+
+def test_operator_restarts_at_random_moments_still_converge_with_each_step_committed_once(retex):
+    rng = random.Random(1234)
+    names = [f"order-{i}" for i in range(4)]
+    for name in names:
+        apply(retex, name, [sh("a", "sleep 0.5; echo a"), sh("b", "sleep 0.5; echo b")])
+    for _ in range(3):
+        time.sleep(rng.uniform(0.5, 3.0))
+        retex.operator.restart()
+    for name in names:
+        wait_for(lambda n=name: phase_is(retex, n, "Succeeded"), timeout=120, what=f"{name} Succeeded")
+    for name in names:
+        record = retex.ledger.find(retex.namespace, name)
+        commits = [(h.step_idx) for h in retex.ledger.history(record.uid) if h.event == "step-commit"]
+        assert sorted(commits) == [0, 1], f"{name}: {commits}"
+
+
+def test_a_task_with_a_253_character_name_runs(retex):
+    name = ("a" * 60 + ".") * 4 + "b" * 9
+    assert len(name) == 253
+    apply(retex, name, [sh("only", "echo long-name")])
+    wait_for(lambda: phase_is(retex, name, "Succeeded"), timeout=60, what="Succeeded")
