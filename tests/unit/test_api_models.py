@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from retex.api import (
@@ -21,6 +25,24 @@ from retex.api.models import ERROR_MAX_CHARS, STEP_RESULT_MAX_CHARS
 from retex.machine import StepState, TaskPhase
 
 T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def docs_task_examples() -> list[dict[str, Any]]:
+    """The Task manifests in docs/api.md (also applied to the API server by the cluster tests)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(), flags=re.S)
+    return [doc for block in blocks for doc in yaml.safe_load_all(block) if doc and doc.get("kind") == "Task"]
+
+
+def test_every_task_example_in_the_docs_is_valid():
+    examples = docs_task_examples()
+    assert [example["metadata"]["name"] for example in examples] == [
+        "order-1042",
+        "nightly-etl-2026-12-02",
+        "reminder-c-77",
+    ]
+    for example in examples:
+        Task.model_validate(example)
 
 
 def test_minimal_spec_gets_documented_defaults():

@@ -50,20 +50,28 @@ _NULL = {"type": "null"}
 
 def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """Merge $ref / single allOf / Optional anyOf into one node; the referring node's own keys
-    (its field description, default) win over the referenced model's."""
+    (its default, its extensions) win over the referenced model's; descriptions are joined."""
     node = dict(node)
     if "$ref" in node:
-        target = defs[node.pop("$ref").removeprefix("#/$defs/")]
-        return _resolve({**target, **node}, defs)
+        return _merge(defs[node.pop("$ref").removeprefix("#/$defs/")], node, defs)
     if "allOf" in node:
         (only,) = node.pop("allOf")
-        return _resolve({**_resolve(only, defs), **node}, defs)
+        return _merge(only, node, defs)
     if "anyOf" in node and _NULL in node["anyOf"]:
         (only,) = [option for option in node.pop("anyOf") if option != _NULL]
         if node.get("default", ...) is None:
             del node["default"]
-        return _resolve({**_resolve(only, defs), **node}, defs)
+        return _merge(only, node, defs)
     return node
+
+
+def _merge(target: dict[str, Any], referrer: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    target = _resolve(target, defs)
+    merged = {**target, **referrer}
+    # The field says what it is for, the model's docstring what it is: `kubectl explain` shows both.
+    if "description" in target and "description" in referrer:
+        merged["description"] = f"{referrer['description']} {target['description']}"
+    return merged
 
 
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:

@@ -246,11 +246,8 @@ class Action(ApiModel):
     model_config = ConfigDict(json_schema_extra=validations(_ONE_KIND_RULE))
 
     exec: ExecAction | None = None
-    """Run a command in the worker container."""
     http: HttpAction | None = None
-    """Send an HTTP request from the worker."""
     python: PythonAction | None = None
-    """Call a Python function in the worker."""
 
     @model_validator(mode="after")
     def _exactly_one_kind(self) -> Action:
@@ -277,9 +274,9 @@ class Step(Action):
     """Step name, unique in the task: a DNS label (lowercase letters, digits, '-'; at most 63). It is
     part of the step's idempotency key."""
     verify: Action | None = None
-    """A read-only check, exactly one of exec, http or python, run when a step was started but its
-    result was never committed (the worker died): success means the effect happened and the step
-    is committed without running it again; failure means it did not, and the step runs again."""
+    """A read-only check run when a step was started but its result was never committed (the worker
+    died): success means the effect happened and the step is committed without running it again;
+    failure means it did not, and the step runs again."""
     idempotent: bool = False
     """True if running the step twice has the same effect as once. An interrupted step with no
     verify is re-run only if idempotent; otherwise the task stops in NeedsAttention for a human."""
@@ -384,14 +381,13 @@ class Toleration(ApiModel):
 
 
 class WorkerSpec(ApiModel):
-    """The worker Pod that runs the steps."""
+    """The worker Pod that runs the steps: image, service account, resources and placement."""
 
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     """Worker container image; defaults to the operator's configured worker image."""
     service_account_name: Annotated[str, Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)] | None = None
     """Service account of the worker Pod: the way to give steps credentials."""
     resources: ResourceRequirements | None = None
-    """Compute resources of the worker container."""
     node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]], Field(max_length=32)] | None = None
     """Labels a node must have to run the worker."""
     tolerations: Annotated[list[Toleration], Field(max_length=32)] | None = None
@@ -440,9 +436,7 @@ class TaskSpec(ApiModel):
     the operator when it accepts the task). Pass large data by reference (a URL or object-store
     key). Immutable once the task is created."""
     retry: RetryPolicy = defaulted(RetryPolicy)
-    """Retry budget and backoff."""
     lease: LeasePolicy = defaulted(LeasePolicy)
-    """Worker liveness lease."""
     timeout_seconds: Annotated[int, Field(ge=1, le=604800)] | None = None
     """Wall-clock limit for the whole task from its first start, across attempts; then it fails.
     Unset: no limit beyond the step timeouts and the retry budget."""
@@ -459,7 +453,6 @@ class TaskSpec(ApiModel):
     """Set to true to cancel: the running step is stopped and no further step starts. Cannot be
     set back to false."""
     worker: WorkerSpec | None = None
-    """The worker Pod: image, service account, resources and placement."""
 
     @field_validator("steps")
     @classmethod
@@ -578,7 +571,6 @@ class TaskStatus(StatusModel):
     ) = None
     """Per-step state, in step order."""
     lease: LeaseStatus | None = None
-    """The current attempt's lease."""
     retries: Annotated[int, Field(ge=0)] | None = None
     """Attempts that ended in a retryable failure (counted against retry.maxAttempts)."""
     disruptions: Annotated[int, Field(ge=0)] | None = None

@@ -1,0 +1,276 @@
+"""The Task CRD on a real API server (the local rig): what it accepts, what it refuses and with
+which message, what kubectl shows, and that a status in the model's shape survives a round trip."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retex.api import (
+    Condition,
+    ConditionType,
+    LeaseStatus,
+    StepStatus,
+    TaskSpec,
+    TaskStatus,
+    crd,
+    set_condition,
+)
+from retex.api import models
+from retex.machine import StepState, TaskPhase
+from tests.unit.test_api_models import docs_task_examples
+from tests.unit.test_api_refusals import REFUSALS, spec_with, step
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_FILE = ROOT / "crds" / "tasks.retex.dev.yaml"
+NAMESPACE = "retex-task-api-test"
+T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
+
+
+class Tasks:
+    """kubectl on Tasks in the test namespace."""
+
+    def __init__(self, rig):
+        self.rig = rig
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True):
+        return self.rig.kubectl("-n", NAMESPACE, *args, input=input, check=check)
+
+    def apply(self, name: str, spec: dict[str, Any], check: bool = False):
+        manifest = {"apiVersion": models.API_VERSION, "kind": models.KIND, "metadata": {"name": name}, "spec": spec}
+        return self.kubectl("apply", "-f", "-", input=json.dumps(manifest), check=check)
+
+    def get(self, name: str) -> dict[str, Any]:
+        return json.loads(self.kubectl("get", "task", name, "-o", "json").stdout)
+
+    def patch_spec(self, name: str, patch: Any, type: str = "merge"):
+        return self.kubectl("patch", "task", name, f"--type={type}", "-p", json.dumps(patch), check=False)
+
+    def write_status(self, name: str, status: TaskStatus, check: bool = True):
+        patch = json.dumps({"status": status.to_json()})
+        return self.kubectl("patch", "task", name, "--subresource=status", "--type=merge", "-p", patch, check=check)
+
+
+@pytest.fixture(scope="module")
+def tasks(rig) -> Tasks:
+    rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
+    rig.kubectl("wait", "--for=condition=Established", f"crd/{crd.CRD_NAME}", "--timeout=60s")
+    rig.kubectl("create", "namespace", NAMESPACE)
+    yield Tasks(rig)
+    rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+
+
+def refusal_lines(stderr: str, name: str) -> set[str]:
+    """The error lines of `The Task "<name>" is invalid: ...`, one or a `* `-bulleted list."""
+    prefix = f'The Task "{name}" is invalid: '
+    assert stderr.startswith(prefix), stderr
+    return {line.strip().removeprefix("* ") for line in stderr[len(prefix) :].splitlines() if line.strip()}
+
+
+def test_crd_is_established_and_structural(tasks):
+    crd_object = json.loads(tasks.rig.kubectl("get", "crd", crd.CRD_NAME, "-o", "json").stdout)
+    conditions = {c["type"]: c["status"] for c in crd_object["status"]["conditions"]}
+    assert conditions["Established"] == "True" and conditions["NamesAccepted"] == "True"
+    assert conditions.get("NonStructuralSchema", "False") == "False"
+
+
+def test_minimal_task_is_accepted_with_the_model_defaults_filled_in(tasks):
+    minimal = {"steps": [{"name": "ship", "exec": {"command": ["ship"], "env": [{"name": "MODE"}]}}]}
+    tasks.apply("minimal", minimal, check=True)
+    stored = tasks.get("minimal")["spec"]
+    assert stored == TaskSpec.model_validate(minimal).to_json()
+    assert stored["retry"]["backoff"] == {"initialSeconds": 1, "maxSeconds": 300, "factor": 2}
+    assert stored["steps"][0]["timeoutSeconds"] == 300 and stored["lease"]["durationSeconds"] == 15
+
+
+def test_every_task_example_in_the_docs_is_accepted(tasks):
+    examples = docs_task_examples()
+    assert len(examples) >= 3
+    for example in examples:
+        tasks.kubectl("apply", "-f", "-", input=json.dumps(example))
+        stored = tasks.get(example["metadata"]["name"])["spec"]
+        assert stored == TaskSpec.model_validate(example["spec"]).to_json()
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=lambda refusal: refusal.id)
+def test_bad_manifest_is_refused_with_the_documented_message(tasks, refusal):
+    refused = tasks.apply(refusal.id, copy.deepcopy(refusal.spec))
+    assert refused.returncode != 0
+    assert refusal_lines(refused.stderr, refusal.id) == set(refusal.server_errors)
+    assert tasks.kubectl("get", "task", refusal.id, check=False).returncode != 0
+
+
+def test_unknown_field_is_refused_by_strict_field_validation(tasks):
+    refused = tasks.apply("unknown-field", spec_with(step("only", exec={"command": ["x"]}, retries=3)))
+    assert refused.returncode != 0
+    assert refused.stderr.strip().endswith('strict decoding error: unknown field "spec.steps[0].retries"')
+
+
+@pytest.fixture
+def running_task(tasks, request) -> str:
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower().removeprefix("test_"))[:63].strip("-")
+    spec = spec_with(
+        step("reserve", http={"method": "POST", "url": "https://inventory.example/reservations", "body": {"order": 42}}),
+        step("ship", exec={"command": ["ship"]}),
+        payload={"order": 42, "lines": [{"sku": "A-1", "qty": 2}]},
+        idempotencyKey="order-42",
+    )
+    tasks.apply(name, spec, check=True)
+    return name
+
+
+@pytest.mark.parametrize(
+    ("patch", "error"),
+    [
+        pytest.param(
+            {"spec": {"steps": [{"name": "other", "exec": {"command": ["x"]}}]}},
+            f"spec.steps: Invalid value: {models.MSG_STEPS_IMMUTABLE}",
+            id="replacing-the-steps",
+        ),
+        pytest.param(
+            [{"op": "replace", "path": "/spec/steps/0/http/body/order", "value": 43}],
+            f"spec.steps: Invalid value: {models.MSG_STEPS_IMMUTABLE}",
+            id="editing-free-form-json-inside-a-step",
+        ),
+        pytest.param(
+            [{"op": "replace", "path": "/spec/payload/lines/0/qty", "value": 3}],
+            f"spec.payload: Invalid value: {models.MSG_PAYLOAD_IMMUTABLE}",
+            id="editing-the-payload",
+        ),
+        pytest.param(
+            [{"op": "remove", "path": "/spec/payload"}],
+            f"spec.payload: Invalid value: {models.MSG_PAYLOAD_IMMUTABLE}",
+            id="removing-the-payload",
+        ),
+        pytest.param(
+            {"spec": {"idempotencyKey": "order-43"}},
+            f"spec.idempotencyKey: Invalid value: {models.MSG_IDEMPOTENCY_KEY_IMMUTABLE}",
+            id="changing-the-idempotency-key",
+        ),
+    ],
+)
+def test_immutable_parts_of_a_created_task_cannot_change(tasks, running_task, patch, error):
+    refused = tasks.patch_spec(running_task, patch, type="json" if isinstance(patch, list) else "merge")
+    assert refused.returncode != 0
+    assert refusal_lines(refused.stderr, running_task) == {error}
+
+
+def test_cancel_can_be_set_but_not_undone(tasks, running_task):
+    assert tasks.patch_spec(running_task, {"spec": {"cancel": True}}).returncode == 0
+    undone = tasks.patch_spec(running_task, {"spec": {"cancel": False}})
+    assert undone.returncode != 0
+    assert refusal_lines(undone.stderr, running_task) == {
+        f"spec.cancel: Invalid value: false: {models.MSG_CANCEL_IRREVERSIBLE}"
+    }
+    assert tasks.get(running_task)["spec"]["cancel"] is True
+
+
+def test_mutable_fields_can_change_after_creation(tasks, running_task):
+    patch = {"spec": {"priority": 100, "retry": {"maxAttempts": 10}, "lease": {"durationSeconds": 60}}}
+    assert tasks.patch_spec(running_task, patch).returncode == 0
+    spec = tasks.get(running_task)["spec"]
+    assert (spec["priority"], spec["retry"]["maxAttempts"], spec["lease"]["durationSeconds"]) == (100, 10, 60)
+
+
+def test_oversized_payload_is_stored_by_the_api_server_and_refused_by_the_model(tasks):
+    # CEL can compare free-form JSON but not measure it: the byte limit is the model's (the
+    # operator admits a task through it), and this test pins that division of labour.
+    spec = spec_with(payload={"blob": "x" * models.PAYLOAD_MAX_BYTES})
+    tasks.apply("oversized-payload", spec, check=True)
+    stored = tasks.get("oversized-payload")["spec"]
+    with pytest.raises(ValueError, match=models.MSG_PAYLOAD_TOO_LARGE):
+        TaskSpec.model_validate(stored)
+
+
+def test_kubectl_explain_shows_the_model_docstrings(tasks):
+    steps = tasks.rig.kubectl("explain", "task.spec.steps").stdout
+    assert "One step: exactly one action (exec, http or python)" in steps
+    assert "A read-only check run when a step was started" in " ".join(steps.split())
+    backoff = " ".join(tasks.rig.kubectl("explain", "task.spec.retry.backoff").stdout.split())
+    assert "Exponential backoff between attempts" in backoff and "Cap on the delay." in backoff
+
+
+def full_status() -> TaskStatus:
+    conditions = set_condition([], ConditionType.ACCEPTED, "True", "Valid", "spec recorded", observed_generation=1, now=T0)
+    conditions = set_condition(
+        conditions, ConditionType.RUNNING, "True", "AttemptStarted", "attempt 2 on node-b", observed_generation=1, now=T0
+    )
+    return TaskStatus(
+        phase=TaskPhase.RUNNING,
+        attempt=2,
+        completed_steps=1,
+        total_steps=2,
+        steps=[
+            StepStatus(
+                name="reserve",
+                state=StepState.DONE,
+                attempt=1,
+                started_at=T0,
+                finished_at=T0 + timedelta(seconds=3),
+                result='{"reservation": "r-981"}',
+            ),
+            StepStatus(name="ship", state=StepState.STARTED, attempt=2, started_at=T0 + timedelta(seconds=40), error="worker lost"),
+        ],
+        lease=LeaseStatus(holder="ship-order-42-2-xk2p9", renewed_at=T0 + timedelta(seconds=41), duration_seconds=15),
+        retries=0,
+        disruptions=1,
+        conditions=conditions,
+        ledger_version=7,
+        observed_generation=1,
+        start_time=T0,
+        last_error="attempt 1: node node-a lost",
+    )
+
+
+def test_full_status_round_trips_through_the_status_subresource_without_pruning(tasks, running_task):
+    status = full_status()
+    tasks.write_status(running_task, status)
+    stored = tasks.get(running_task)["status"]
+    assert stored == status.to_json()
+    assert TaskStatus.model_validate(stored) == status
+
+
+def test_status_written_with_the_spec_is_ignored(tasks):
+    manifest = {
+        "apiVersion": models.API_VERSION,
+        "kind": models.KIND,
+        "metadata": {"name": "status-in-manifest"},
+        "spec": spec_with(),
+        "status": {"phase": "Succeeded"},
+    }
+    tasks.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    assert "status" not in tasks.get("status-in-manifest")
+
+
+def test_kubectl_get_tasks_shows_phase_progress_and_attempt(tasks, running_task):
+    tasks.write_status(running_task, full_status())
+    table = tasks.kubectl("get", "tasks", running_task).stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "PROGRESS", "ATTEMPT", "AGE"]
+    assert table[1].split()[:4] == [running_task, "Running", "1/2", "2"]
+    wide = tasks.kubectl("get", "rtask", running_task, "-o", "wide").stdout.splitlines()
+    assert wide[0].split() == ["NAME", "PHASE", "PROGRESS", "ATTEMPT", "RETRIES", "DISRUPTIONS", "AGE"]
+    assert wide[1].split()[:6] == [running_task, "Running", "1/2", "2", "0", "1"]
+    assert running_task in tasks.kubectl("get", "retex").stdout
+
+
+def test_status_ledger_version_never_goes_backwards(tasks, running_task):
+    tasks.write_status(running_task, TaskStatus(phase=TaskPhase.RUNNING, ledger_version=7))
+    stale = tasks.write_status(running_task, TaskStatus(phase=TaskPhase.QUEUED, ledger_version=6), check=False)
+    assert stale.returncode != 0
+    assert refusal_lines(stale.stderr, running_task) == {f"status: Invalid value: {models.MSG_LEDGER_VERSION_MONOTONIC}"}
+    assert tasks.get(running_task)["status"]["phase"] == "Running"
+
+
+def test_kubectl_wait_sees_the_succeeded_condition(tasks, running_task):
+    conditions = set_condition([], ConditionType.SUCCEEDED, "True", "AllStepsDone", "", observed_generation=1, now=T0)
+    done = TaskStatus(phase=TaskPhase.SUCCEEDED, completed_steps=2, total_steps=2, conditions=conditions, ledger_version=9)
+    tasks.write_status(running_task, done)
+    waited = tasks.kubectl("wait", "--for=condition=Succeeded", f"task/{running_task}", "--timeout=10s", check=False)
+    assert waited.returncode == 0, waited.stderr
+    assert isinstance(Condition.model_validate(tasks.get(running_task)["status"]["conditions"][0]), Condition)
