@@ -6,6 +6,7 @@ delete treats NotFound as success.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client
@@ -75,6 +76,7 @@ class KubeCalls:
 
     def post_event(self, task: dict[str, Any], *, reason: str, message: str, warning: bool = False) -> None:
         meta = task["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         self._core.create_namespaced_event(
             meta["namespace"],
             {
@@ -84,6 +86,9 @@ class KubeCalls:
                 "reason": reason,
                 "message": message[:1024],
                 "type": "Warning" if warning else "Normal",
+                "firstTimestamp": now,
+                "lastTimestamp": now,
+                "count": 1,
                 "source": {"component": "retex-operator"},
                 "reportingComponent": "retex.dev/operator",
                 "reportingInstance": "retex-operator",
