@@ -187,7 +187,8 @@ class ExecAction(ApiModel):
         ]
         | None
     ) = None
-    """Extra environment variables, unique by name. The worker also sets RETEX_IDEMPOTENCY_KEY."""
+    """Extra environment variables, unique by name. The worker also sets RETEX_IDEMPOTENCY_KEY,
+    RETEX_TASK_UID, RETEX_STEP, RETEX_ATTEMPT, RETEX_PAYLOAD_FILE and RETEX_RESULTS_FILE."""
 
 
 class HttpAction(ApiModel):
@@ -212,7 +213,8 @@ class HttpAction(ApiModel):
     ) = None
     """Request headers, plain text. Authorization, Proxy-Authorization and Cookie are refused."""
     body: FreeJson = None
-    """Request body: any JSON value, sent as JSON (a string is sent as is)."""
+    """Request body: any JSON value, sent as JSON (a string as is). Without one, POST, PUT and PATCH
+    send {idempotencyKey, taskUid, step, attempt, payload, results}."""
 
     @field_validator("headers")
     @classmethod
@@ -229,8 +231,9 @@ class PythonAction(ApiModel):
     """Call a Python function installed in the worker image."""
 
     callable: Annotated[str, Field(max_length=512, pattern=CALLABLE_PATTERN)]
-    """The function as module.path:function. It receives the step context (payload, idempotency
-    key) and args."""
+    """The function as module.path:function, called as function(context, **args); context holds
+    the payload, the idempotency key and earlier steps' results. Raising
+    retex.worker.PermanentError fails the task; any other exception is retried."""
     args: FreeJsonObject | None = None
     """Keyword arguments for the function: a free-form JSON object."""
 
@@ -274,14 +277,17 @@ class Step(Action):
     """Step name, unique in the task: a DNS label (lowercase letters, digits, '-'; at most 63). It is
     part of the step's idempotency key."""
     verify: Action | None = None
-    """A read-only check run when a step was started but its result was never committed (the worker
-    died): success means the effect happened and the step is committed without running it again;
-    failure means it did not, and the step runs again."""
+    """A read-only check, run when the step's outcome is unknown (its worker died, or the run gave
+    no answer). Found (exec exit 0, http 2xx, python returns a value): the effect happened; the step
+    is committed with that result without running again. Not found (exec exit 1, http 404, python
+    returns None): it did not; the step runs again. Anything else, after a few tries: the task
+    stops in NeedsAttention."""
     idempotent: bool = False
     """True if running the step twice has the same effect as once. An interrupted step with no
     verify is re-run only if idempotent; otherwise the task stops in NeedsAttention for a human."""
     timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 300
-    """Seconds one run of the step may take before it is stopped and counted as a retryable failure."""
+    """Seconds one run of the step may take. Then it is stopped and its outcome is unknown: resolved
+    like an interrupted step (verify, an idempotent re-run, or NeedsAttention)."""
     retryable_exit_codes: Annotated[list[ExitCode], Field(max_length=256)] | None = None
     """exec only: the only exit codes that are retried; any other non-zero code fails the task. By
     default every non-zero code is retried."""
