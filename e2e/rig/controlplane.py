@@ -92,6 +92,52 @@ def binaries(build: bool = True) -> dict[str, Path]:
     return paths
 
 
+def wait_for(what: str, check, timeout: float, *, interval: float = 0.2, abort=None):
+    """Call `check()` until it returns a truthy value, printing progress every few seconds.
+
+    `check` may return (value, detail) to say what it still waits for; connection errors count
+    as "not yet". `abort()` may return a message to give up early (e.g. the process died).
+    """
+    started = time.monotonic()
+    last_report = started
+    detail = ""
+    while True:
+        message = abort() if abort is not None else None
+        if message:
+            raise RigError(message)
+        try:
+            result = check()
+        except (OSError, ssl.SSLError) as e:
+            result, detail = None, f"{type(e).__name__}: {e}"
+        if isinstance(result, tuple):
+            result, detail = result
+        if result:
+            return result
+        elapsed = time.monotonic() - started
+        if elapsed > timeout:
+            raise RigError(f"timed out after {timeout:.0f}s waiting for {what} ({detail})")
+        if time.monotonic() - last_report >= 3:
+            say(f"waiting for {what} ({elapsed:.0f}s){': ' + str(detail) if detail else ''}")
+            last_report = time.monotonic()
+        time.sleep(interval)
+
+
+def create_namespace(api_client, name: str, timeout: float = 30) -> None:
+    """Create a namespace and wait for its `default` service account: pods created before the
+    service-account controller made it are refused by the ServiceAccount admission plugin."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(api_client)
+    core.create_namespace({"metadata": {"name": name}})
+
+    def has_default():
+        try:
+            return bool(core.read_namespaced_service_account("default", name))
+        except client.ApiException as e:
+            return False, e.reason
+    wait_for(f"service account {name}/default", has_default, timeout)
+
+
 def _free_ports(count: int) -> list[int]:
     # All sockets stay open until every port is chosen, so the ports are distinct.
     socks = []
@@ -202,8 +248,10 @@ class Rig:
     def kill_recorded_processes(self) -> bool:
         """Stop all recorded processes of this state directory; True if any was still running."""
         found = False
-        for node_dir in sorted((self.state_dir / "nodes").glob("*")):
-            found |= self._kill_node_processes(node_dir.name)
+        # Agents first: the API server's shutdown would otherwise wait on their watches.
+        nodes = set(self.nodes) | {d.name for d in (self.state_dir / "nodes").glob("*")}
+        for node in sorted(nodes):
+            found |= self._kill_node_processes(node)
         for component in reversed(CONTROL_PLANE):
             found |= procs.stop(self._record(component))
         for leftover in (self.state_dir / "pids").glob("*.pid"):
@@ -319,32 +367,12 @@ class Rig:
             return e.code, e.read().decode(errors="replace")
 
     def _poll(self, what: str, check, timeout: float, component: str | None = None):
-        """Call `check()` until it returns a truthy value; print progress every few seconds.
-
-        `check` may return (False, detail) to explain what it still waits for.
-        """
-        started = time.monotonic()
-        last_report = started
-        detail = ""
-        while True:
+        def died():
             if component is not None and procs.recorded_pid(self._record(component)) is None:
-                raise RigError(f"{component} exited while waiting for {what}; "
-                               f"last log lines:\n{self.log_tail(component)}")
-            try:
-                result = check()
-            except (OSError, ssl.SSLError) as e:
-                result, detail = None, f"{type(e).__name__}: {e}"
-            if isinstance(result, tuple):
-                result, detail = result
-            if result:
-                return result
-            now = time.monotonic()
-            if now - started > timeout:
-                raise RigError(f"timed out after {timeout:.0f}s waiting for {what} ({detail})")
-            if now - last_report >= 3:
-                say(f"waiting for {what} ({now - started:.0f}s){': ' + detail if detail else ''}")
-                last_report = now
-            time.sleep(0.2)
+                return (f"{component} exited while waiting for {what}; "
+                        f"last log lines:\n{self.log_tail(component)}")
+            return None
+        return wait_for(what, check, timeout, abort=died)
 
     def log_tail(self, component: str, lines: int = 20) -> str:
         try:
@@ -410,11 +438,15 @@ class Rig:
 
             def exists():
                 try:
-                    core.read_namespaced_service_account("default", "default")
-                    return True
+                    return bool(core.read_namespaced_service_account("default", "default"))
                 except client.ApiException as e:
                     return False, e.reason
             self._poll("service account default/default", exists, timeout)
+
+    def create_namespace(self, name: str) -> None:
+        """Create namespace `name`, ready for pods (its default service account exists)."""
+        with self.api_client() as api:
+            create_namespace(api, name)
 
     # ----- node agents -------------------------------------------------------------------------
 

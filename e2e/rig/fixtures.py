@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from e2e.rig.controlplane import Rig, RigError, run_kubectl, say, sweep_orphans
+from e2e.rig.controlplane import (Rig, RigError, create_namespace, run_kubectl, say,
+                                  sweep_orphans)
 
 
 class RigUnavailable(RigError):
@@ -46,6 +47,10 @@ class ExternalCluster:
     def kubectl(self, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 60) -> subprocess.CompletedProcess:
         return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
+
+    def create_namespace(self, name: str) -> None:
+        with self.api_client() as api:
+            create_namespace(api, name)
 
     def _unavailable(self, what: str):
         raise RigUnavailable(f"{what} needs the local rig; RETEX_KUBECONFIG={self.kubeconfig} "
