@@ -1,0 +1,110 @@
+"""A counting stub of an external system ("payments"), for proving exactly-once effects.
+
+Every request is a *delivery*. The first delivery of an Idempotency-Key performs the *real
+execution* (counted) and stores its response; later deliveries with that key replay it, as a
+payment provider does. With --no-idempotency every delivery executes, so duplicates show. Counts
+are persisted (written atomically after every change) so a restart of the stub loses nothing.
+
+    POST /effects/<name>[?status=N][&fail_times=K]   perform (or replay) an effect
+         status=N      answer N without executing (e.g. 400 to test permanent errors)
+         fail_times=K  answer 503 to the first K deliveries of each key, then execute
+    GET  /effects/<name>/<key>   verify (query-first): 200 + stored response if executed, else 404
+    GET  /counts                 {"<name>/<key>": {"deliveries": d, "executions": e}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+
+class Ledger:
+    def __init__(self, path: Path):
+        self.path = path
+        self.lock = threading.Lock()
+        self.state = json.loads(path.read_text()) if path.exists() else {"counts": {}, "responses": {}}
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state))
+        os.replace(tmp, self.path)
+
+
+def make_handler(ledger: Ledger, idempotent: bool):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet: the counts are the record
+            pass
+
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            parts = urlparse(self.path).path.strip("/").split("/")
+            with ledger.lock:
+                if parts == ["counts"]:
+                    return self._answer(200, ledger.state["counts"])
+                if len(parts) == 3 and parts[0] == "effects":
+                    stored = ledger.state["responses"].get(f"{parts[1]}/{parts[2]}")
+                    return self._answer(200, stored) if stored else self._answer(404, {"found": False})
+            self._answer(404, {"error": "unknown path"})
+
+        def do_POST(self):
+            url = urlparse(self.path)
+            parts = url.path.strip("/").split("/")
+            if len(parts) != 2 or parts[0] != "effects":
+                return self._answer(404, {"error": "unknown path"})
+            query = {k: v[0] for k, v in parse_qs(url.query).items()}
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length) or b"null")
+            key = self.headers.get("Idempotency-Key") or f"anonymous-{uuid.uuid4()}"
+            ident = f"{parts[1]}/{key}"
+            with ledger.lock:
+                count = ledger.state["counts"].setdefault(ident, {"deliveries": 0, "executions": 0})
+                count["deliveries"] += 1
+                if "status" in query:
+                    ledger.save()
+                    return self._answer(int(query["status"]), {"refused": True})
+                if count["deliveries"] <= int(query.get("fail_times", 0)):
+                    ledger.save()
+                    return self._answer(503, {"error": "try again"})
+                stored = ledger.state["responses"].get(ident)
+                if stored is None or not idempotent:
+                    count["executions"] += 1
+                    stored = {"effect": parts[1], "key": key, "execution": count["executions"], "request": body}
+                    ledger.state["responses"][ident] = stored
+                ledger.save()
+            self._answer(200, stored)
+
+    return Handler
+
+
+def serve(port: int, state: Path, *, idempotent: bool = True) -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(Ledger(state), idempotent))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--state", type=Path, required=True, help="file the counts persist in")
+    parser.add_argument("--no-idempotency", action="store_true", help="execute every delivery")
+    args = parser.parse_args()
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(Ledger(args.state), not args.no_idempotency))
+    print(f"stub listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()
