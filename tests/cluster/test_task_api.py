@@ -191,7 +191,7 @@ def test_oversized_payload_is_stored_by_the_api_server_and_refused_by_the_model(
 def test_kubectl_explain_shows_the_model_docstrings(tasks):
     steps = tasks.rig.kubectl("explain", "task.spec.steps").stdout
     assert "One step: exactly one action (exec, http or python)" in steps
-    assert "A read-only check run when a step was started" in " ".join(steps.split())
+    assert "A read-only check, run when the step's outcome is unknown" in " ".join(steps.split())
     backoff = " ".join(tasks.rig.kubectl("explain", "task.spec.retry.backoff").stdout.split())
     assert "Exponential backoff between attempts" in backoff and "Cap on the delay." in backoff
 
