@@ -1,0 +1,207 @@
+"""One attempt's run through the steps: begin (fenced) → run → record (fenced), one step at a time,
+from the contiguous completed prefix. Knows nothing of Kubernetes: liveness comes in as
+`HeldLease`, so this loop can be driven against a real ledger without a cluster.
+
+Where an outcome is unknown — a step begun by an earlier process and never recorded (crash-matrix
+R6), or a run that timed out or lost its connection — it is resolved without guessing: the step's
+verify if it has one, else a re-run (now or on retry) if it is idempotent, else NeedsAttention.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from retex.api.models import Step, TaskSpec
+from retex.failpoints import failpoint
+from retex.ledger import CancelRequested, FenceRejected, Ledger, LedgerUnavailable, StepRecord, TaskRecord
+from retex.machine import StepState
+from retex.worker.calls import StepCall, Supervision
+from retex.worker.logs import TaskFields, event
+from retex.worker.outcomes import (
+    Abandoned,
+    Failed,
+    Found,
+    NotFound,
+    StepOutcome,
+    Succeeded,
+    Unknown,
+    VerifyFailed,
+    VerifyOutcome,
+    bounded_result,
+)
+from retex.worker.steps import run_step, run_verify
+
+log = logging.getLogger(__name__)
+
+
+class ExitCode(enum.IntEnum):
+    OVER = 0  # this attempt is over and the ledger says why
+    STALE = 3  # not ours: fenced, epoch not current, task terminal, lease held by another
+    DISRUPTED = 75  # drained, lease lost or missing, ledger unavailable: not the task's failure
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    code: ExitCode
+    why: str
+
+
+class HeldLease(Protocol):
+    def still_held(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class _Committed:
+    result: Any
+
+
+_RUN_IT = None  # an interrupted step that must simply run
+
+
+class Attempt:
+    def __init__(self, ledger: Ledger, record: TaskRecord, *, epoch: int, actor: str, lease: HeldLease,
+                 supervision: Supervision, tagger: TaskFields | None = None, verify_tries: int = 3,
+                 verify_retry_seconds: float = 1.0):
+        self._ledger, self._record, self._epoch, self._actor = ledger, record, epoch, actor
+        self._lease, self._sup, self._tagger = lease, supervision, tagger
+        self._verify_tries, self._verify_retry_seconds = verify_tries, verify_retry_seconds
+
+    def run(self) -> AttemptEnd:
+        try:
+            return self._run()
+        except FenceRejected as exc:
+            event(log, logging.WARNING, "fenced: stopping at once", current_epoch=exc.current_epoch, phase=exc.phase)
+            return AttemptEnd(ExitCode.STALE, str(exc))
+        except LedgerUnavailable as exc:
+            event(log, logging.ERROR, "ledger unavailable", error=str(exc))
+            return AttemptEnd(ExitCode.DISRUPTED, str(exc))
+
+    def _run(self) -> AttemptEnd:
+        spec = TaskSpec.model_validate(self._record.spec)
+        uid = self._record.uid
+        results = {s.name: s.result for s in self._record.steps[: self._record.completed_steps]}
+        for idx in range(self._record.completed_steps, len(spec.steps)):
+            step = spec.steps[idx]
+            self._tag(step.name)
+            if self._sup.drain.requested.is_set():
+                return AttemptEnd(ExitCode.DISRUPTED, "drained: no new step started")
+            if not self._lease.still_held():
+                return AttemptEnd(ExitCode.DISRUPTED, "lease lost: no new step started")
+            failpoint("before-step", step.name)
+            try:
+                prior = self._ledger.begin_step(uid, self._epoch, idx, actor=self._actor)
+            except CancelRequested:
+                self._ledger.finish_cancelled(uid, self._epoch, actor=self._actor)
+                event(log, logging.INFO, "cancelled at a step boundary")
+                return AttemptEnd(ExitCode.OVER, "cancelled")
+            failpoint("after-begin", step.name)
+            call = StepCall(task_uid=uid, step=step.name, idempotency_key=prior.idempotency_key,
+                            attempt=self._epoch, payload=spec.payload or {}, results=dict(results))
+            ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
+            if ended is _RUN_IT:
+                event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
+                outcome = run_step(step, call, self._sup)
+                failpoint("after-effect", step.name)
+                ended = self._record_outcome(idx, step, call, outcome)
+            if isinstance(ended, AttemptEnd):
+                return ended
+            failpoint("after-commit", step.name)
+            results[step.name] = ended.result
+        self._tag(None)
+        failpoint("before-complete")
+        self._ledger.complete_task(uid, self._epoch, actor=self._actor)
+        event(log, logging.INFO, "task succeeded")
+        return AttemptEnd(ExitCode.OVER, "succeeded")
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome) -> _Committed | AttemptEnd:
+        match outcome:
+            case Succeeded(result):
+                return self._commit(idx, result, "step committed")
+            case Failed(error, retryable):
+                return self._fail(idx, error, retryable=retryable)
+            case Unknown(why):
+                return self._settle_unknown(idx, step, call, why)
+            case Abandoned(why):
+                event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
+                return AttemptEnd(ExitCode.DISRUPTED, f"drained: {why}")
+        raise AssertionError(outcome)
+
+    def _resolve_interrupted(self, idx: int, step: Step, call: StepCall, prior: StepRecord) -> _Committed | AttemptEnd | None:
+        """R6: begun by attempt `prior.attempt`, never recorded. Did its effect happen?"""
+        event(log, logging.WARNING, "step was begun and never recorded", begun_by_attempt=prior.attempt,
+              has_verify=step.verify is not None, idempotent=step.idempotent)
+        if step.verify is not None:
+            match self._verify(step, call):
+                case Found(result):
+                    return self._commit(idx, result, "verify found the effect: committed without running")
+                case NotFound():
+                    event(log, logging.INFO, "verify found no effect: running the step")
+                    return _RUN_IT
+                case VerifyFailed(error):
+                    return self._flag(idx, f"step was interrupted and its verify could not tell: {error}")
+                case Abandoned(why):
+                    return AttemptEnd(ExitCode.DISRUPTED, f"drained during verify: {why}")
+        if step.idempotent:
+            event(log, logging.INFO, "idempotent: running it again with the same key")
+            return _RUN_IT
+        return self._flag(idx, f"step was begun by attempt {prior.attempt} and never recorded; it has no verify "
+                               "and is not idempotent, so whether its effect happened is unknown")
+
+    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str) -> _Committed | AttemptEnd:
+        """The run gave no answer: the same question as R6, asked now."""
+        event(log, logging.WARNING, "step outcome unknown", why=why)
+        if step.verify is not None:
+            match self._verify(step, call):
+                case Found(result):
+                    return self._commit(idx, result, "verify found the effect: committed")
+                case NotFound():
+                    return self._fail(idx, f"{why}; verify found no effect", retryable=True)
+                case VerifyFailed(error):
+                    return self._flag(idx, f"{why}; verify could not tell: {error}")
+                case Abandoned(reason):
+                    return AttemptEnd(ExitCode.DISRUPTED, f"drained during verify: {reason}")
+        if step.idempotent:
+            return self._fail(idx, why, retryable=True)
+        return self._flag(idx, f"{why}; the step has no verify and is not idempotent, so whether its effect "
+                               "happened is unknown")
+
+    def _verify(self, step: Step, call: StepCall) -> VerifyOutcome:
+        """Verify is read-only, so an error is retried a few times before a human is asked."""
+        outcome: VerifyOutcome = VerifyFailed("not run")
+        for attempt in range(1, self._verify_tries + 1):
+            outcome = run_verify(step.verify, step, call, self._sup)
+            event(log, logging.INFO, "verify ran", outcome=type(outcome).__name__, try_number=attempt)
+            if not isinstance(outcome, VerifyFailed) or self._sup.drain.requested.is_set():
+                return outcome
+            if attempt < self._verify_tries:
+                time.sleep(self._verify_retry_seconds)
+        return outcome
+
+    # -- ledger writes -----------------------------------------------------------------------
+
+    def _commit(self, idx: int, result: Any, message: str) -> _Committed:
+        result = bounded_result(result)
+        self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
+        event(log, logging.INFO, message)
+        return _Committed(result)
+
+    def _fail(self, idx: int, error: str, *, retryable: bool) -> AttemptEnd:
+        record = self._ledger.fail_step(self._record.uid, self._epoch, idx, error, retryable=retryable,
+                                        actor=self._actor)
+        event(log, logging.WARNING, "step failed", error=error, retryable=retryable, phase=str(record.phase))
+        return AttemptEnd(ExitCode.OVER, f"step failed ({'retryable' if retryable else 'permanent'}): task {record.phase}")
+
+    def _flag(self, idx: int, why: str) -> AttemptEnd:
+        self._ledger.flag_step(self._record.uid, self._epoch, idx, why, actor=self._actor)
+        event(log, logging.ERROR, "needs attention", why=why)
+        return AttemptEnd(ExitCode.OVER, f"needs attention: {why}")
+
+    def _tag(self, step: str | None) -> None:
+        if self._tagger is not None:
+            self._tagger.step = step

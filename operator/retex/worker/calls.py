@@ -1,0 +1,39 @@
+"""What every step kind is given, and how its work is bounded."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from retex.worker.drain import Drain
+
+# Never handed to step code: the ledger DSN is the worker's credential, not the step's; a
+# failpoint is meant for the worker process only.
+WORKER_ONLY_ENV = ("RETEX_DATABASE_URL", "RETEX_FAILPOINT")
+
+
+def step_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    return {k: v for k, v in environ.items() if k not in WORKER_ONLY_ENV}
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """What every step kind is given."""
+
+    task_uid: str
+    step: str
+    idempotency_key: str
+    attempt: int
+    payload: dict[str, Any]
+    results: dict[str, Any]  # committed results of the earlier steps, by step name
+
+
+@dataclass(frozen=True)
+class Supervision:
+    """How step work is bounded: the drain, and the environment of step processes."""
+
+    drain: Drain
+    env: Mapping[str, str] = field(default_factory=step_environment)
+    kill_grace_seconds: float = 2.0

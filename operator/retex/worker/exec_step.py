@@ -1,0 +1,130 @@
+"""`exec` steps: a command run without a shell, in its own process group.
+
+Environment: the worker's (minus its credentials), the step's `env`, then RETEX_IDEMPOTENCY_KEY,
+RETEX_TASK_UID, RETEX_STEP, RETEX_ATTEMPT, RETEX_PAYLOAD_FILE and RETEX_RESULTS_FILE (JSON files).
+Result: {"exitCode": 0, "stdout": <last 32 KiB>, "stderr": <last 8 KiB>} (+ "...Truncated": true).
+Verify convention: exit 0 = found (its output is the result), exit 1 = not found, other = error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retex.api.models import ExecAction, Step
+from retex.worker.calls import StepCall, Supervision
+from retex.worker.outcomes import (
+    Abandoned,
+    Failed,
+    Found,
+    NotFound,
+    StepOutcome,
+    Succeeded,
+    Unknown,
+    VerifyFailed,
+    VerifyOutcome,
+    tail_text,
+)
+from retex.worker.processes import ProcessEnd, supervise
+
+STDOUT_TAIL_BYTES = 32 * 1024
+STDERR_TAIL_BYTES = 8 * 1024
+ERROR_TAIL_BYTES = 1024
+VERIFY_NOT_FOUND_EXIT_CODE = 1
+
+
+def exit_code_retryable(step: Step, code: int) -> bool:
+    """By default every non-zero exit is retried; the step's lists narrow that."""
+    if step.retryable_exit_codes is not None:
+        return code in step.retryable_exit_codes
+    if step.permanent_exit_codes is not None:
+        return code not in step.permanent_exit_codes
+    return True
+
+
+@dataclass(frozen=True)
+class _Ran:
+    end: ProcessEnd
+    output: dict[str, Any]  # exitCode, stdout, stderr tails
+    stderr_tail: str
+
+
+def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> _Ran | Failed:
+    workdir = Path(tempfile.mkdtemp(prefix="retex-step-"))
+    try:
+        payload_file, results_file = workdir / "payload.json", workdir / "results.json"
+        payload_file.write_text(json.dumps(call.payload))
+        results_file.write_text(json.dumps(call.results))
+        env = {**sup.env, **{var.name: var.value for var in action.env or []},
+               "RETEX_IDEMPOTENCY_KEY": call.idempotency_key, "RETEX_TASK_UID": call.task_uid,
+               "RETEX_STEP": call.step, "RETEX_ATTEMPT": str(call.attempt),
+               "RETEX_PAYLOAD_FILE": str(payload_file), "RETEX_RESULTS_FILE": str(results_file)}
+        with open(workdir / "stdout", "w+b") as stdout, open(workdir / "stderr", "w+b") as stderr:
+            try:
+                proc = subprocess.Popen([*action.command, *(action.args or [])], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=stdout, stderr=stderr, start_new_session=True)
+            except OSError as exc:  # not found, not executable: no retry will change that
+                return Failed(f"cannot start {action.command[0]!r}: {exc}", retryable=False)
+            end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds)
+            out, out_cut = tail_text(_last_bytes(stdout, STDOUT_TAIL_BYTES), STDOUT_TAIL_BYTES)
+            err, err_cut = tail_text(_last_bytes(stderr, STDERR_TAIL_BYTES), STDERR_TAIL_BYTES)
+        output: dict[str, Any] = {"exitCode": end.returncode, "stdout": out, "stderr": err}
+        if out_cut:
+            output["stdoutTruncated"] = True
+        if err_cut:
+            output["stderrTruncated"] = True
+        return _Ran(end=end, output=output, stderr_tail=err[-ERROR_TAIL_BYTES:])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _last_bytes(file, limit: int) -> bytes:
+    size = file.seek(0, os.SEEK_END)
+    file.seek(max(0, size - limit))
+    return file.read()
+
+
+def _unanswered(end: ProcessEnd, step: Step) -> str | None:
+    """Why the command gave no answer of its own (timeout, drain, a signal), or None if it exited."""
+    if end.timed_out:
+        return f"timed out after {step.timeout_seconds}s (process group killed)"
+    if end.abandoned:
+        return "stopped at the drain deadline"
+    if end.returncode is not None and end.returncode < 0:
+        return f"killed by signal {-end.returncode}"
+    return None
+
+
+def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
+    ran = _execute(action, step, call, sup)
+    if isinstance(ran, Failed):
+        return ran
+    if ran.end.abandoned:
+        return Abandoned(_unanswered(ran.end, step))
+    if (why := _unanswered(ran.end, step)) is not None:
+        return Unknown(why)
+    code = ran.end.returncode
+    if code == 0:
+        return Succeeded(ran.output)
+    return Failed(f"exit code {code}: {ran.stderr_tail}", retryable=exit_code_retryable(step, code))
+
+
+def verify(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
+    ran = _execute(action, step, call, sup)
+    if isinstance(ran, Failed):
+        return VerifyFailed(ran.error)
+    if ran.end.abandoned:
+        return Abandoned(_unanswered(ran.end, step))
+    if (why := _unanswered(ran.end, step)) is not None:
+        return VerifyFailed(f"verify {why}")
+    if ran.end.returncode == 0:
+        return Found({**ran.output, "verified": True})
+    if ran.end.returncode == VERIFY_NOT_FOUND_EXIT_CODE:
+        return NotFound()
+    return VerifyFailed(f"verify exit code {ran.end.returncode}: {ran.stderr_tail}")

@@ -1,0 +1,207 @@
+"""`http` steps: one request, TLS verified, with an `Idempotency-Key` header.
+
+Headers sent besides the step's own: Idempotency-Key, X-Retex-Task-Uid, X-Retex-Step,
+X-Retex-Attempt. Body: the step's `body` as JSON (a string as is); when it has none, POST, PUT and
+PATCH send the envelope {"idempotencyKey", "taskUid", "step", "attempt", "payload", "results"}.
+Redirects are not followed (a 3xx is an answer like any other).
+
+Outcomes: 2xx = success, result {"status", "body"} (JSON body parsed when it fits 32 KiB, else the
+beginning as text with "bodyTruncated": true). A non-2xx status is a failure, retryable for 408,
+425, 429 and 5xx unless the step's status lists say otherwise. No connection (refused, DNS, TLS
+handshake) = retryable failure: nothing was sent. Lost after sending or timed out = unknown.
+Verify convention: 2xx = found (that response is the result), 404 = not found, other = error.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from retex.api.models import HttpAction, Step
+from retex.worker.calls import StepCall, Supervision
+from retex.worker.outcomes import (
+    Abandoned,
+    Failed,
+    Found,
+    NotFound,
+    StepOutcome,
+    Succeeded,
+    Unknown,
+    VerifyFailed,
+    VerifyOutcome,
+    head_text,
+)
+
+BODY_LIMIT_BYTES = 32 * 1024
+ERROR_BODY_BYTES = 512
+DEFAULT_RETRYABLE_STATUSES = frozenset({408, 425, 429})
+_METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
+_POLL_SECONDS = 0.05
+
+
+def status_retryable(step: Step, status: int) -> bool:
+    if step.retryable_statuses is not None:
+        return status in step.retryable_statuses
+    if step.permanent_statuses is not None:
+        return status not in step.permanent_statuses
+    return status in DEFAULT_RETRYABLE_STATUSES or status >= 500
+
+
+@dataclass(frozen=True)
+class _Response:
+    status: int
+    body: Any  # parsed JSON, or text
+    truncated: bool
+
+    def as_result(self) -> dict[str, Any]:
+        result = {"status": self.status, "body": self.body}
+        if self.truncated:
+            result["bodyTruncated"] = True
+        return result
+
+    def summary(self) -> str:
+        text = self.body if isinstance(self.body, str) else json.dumps(self.body)
+        return f"HTTP {self.status}: {text[:ERROR_BODY_BYTES]}"
+
+
+@dataclass(frozen=True)
+class _NotConnected:
+    error: str
+
+
+@dataclass(frozen=True)
+class _LostAfterSending:
+    error: str
+
+
+class _Exchange:
+    """One request/response on a helper thread, so the caller can give up on it at a deadline."""
+
+    def __init__(self, action: HttpAction, call: StepCall, timeout: float):
+        self._action, self._call, self._timeout = action, call, timeout
+        self._connection: http.client.HTTPConnection | None = None
+        self.answer: _Response | _NotConnected | _LostAfterSending | None = None
+        self.done = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="retex-http-step", daemon=True).start()
+
+    def abort(self) -> None:
+        connection = self._connection
+        if connection is not None:
+            connection.close()
+
+    def _run(self) -> None:
+        try:
+            self.answer = self._exchange()
+        finally:
+            self.done.set()
+
+    def _exchange(self) -> _Response | _NotConnected | _LostAfterSending:
+        url = urlsplit(self._action.url)
+        if url.scheme == "https":
+            connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=self._timeout,
+                                                     context=ssl.create_default_context())
+        else:
+            connection = http.client.HTTPConnection(url.hostname, url.port, timeout=self._timeout)
+        self._connection = connection
+        try:
+            try:
+                connection.connect()
+            except OSError as exc:  # includes TLS handshake and certificate errors
+                return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
+            body, content_type = _request_body(self._action, self._call)
+            headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
+            if content_type and not any(h.lower() == "content-type" for h in headers):
+                headers["Content-Type"] = content_type
+            path = url.path or "/"
+            if url.query:
+                path += f"?{url.query}"
+            try:
+                connection.request(self._action.method, path, body=body, headers=headers)
+                response = connection.getresponse()
+                data = response.read(BODY_LIMIT_BYTES + 1)
+            except (OSError, http.client.HTTPException) as exc:
+                return _LostAfterSending(f"{type(exc).__name__}: {exc}")
+            return _parse(response.status, data)
+        finally:
+            connection.close()
+
+
+def _retex_headers(call: StepCall) -> dict[str, str]:
+    return {"Idempotency-Key": call.idempotency_key, "X-Retex-Task-Uid": call.task_uid,
+            "X-Retex-Step": call.step, "X-Retex-Attempt": str(call.attempt)}
+
+
+def _request_body(action: HttpAction, call: StepCall) -> tuple[bytes | None, str | None]:
+    if isinstance(action.body, str):
+        return action.body.encode(), None
+    if action.body is not None:
+        return json.dumps(action.body).encode(), "application/json"
+    if action.method in _METHODS_WITH_BODY:
+        envelope = {"idempotencyKey": call.idempotency_key, "taskUid": call.task_uid, "step": call.step,
+                    "attempt": call.attempt, "payload": call.payload, "results": call.results}
+        return json.dumps(envelope).encode(), "application/json"
+    return None, None
+
+
+def _parse(status: int, data: bytes) -> _Response:
+    if len(data) <= BODY_LIMIT_BYTES:
+        try:
+            return _Response(status, json.loads(data) if data else None, truncated=False)
+        except ValueError:
+            pass
+    text, cut = head_text(data[:BODY_LIMIT_BYTES], BODY_LIMIT_BYTES)
+    return _Response(status, text, truncated=cut or len(data) > BODY_LIMIT_BYTES)
+
+
+def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
+    """The answer, or "timeout" / "abandoned" when the step's time or the drain ran out first."""
+    exchange = _Exchange(action, call, timeout=step.timeout_seconds)
+    exchange.start()
+    deadline = time.monotonic() + step.timeout_seconds
+    while not exchange.done.wait(_POLL_SECONDS):
+        now = time.monotonic()
+        if now >= deadline:
+            exchange.abort()
+            return "timeout"
+        if sup.drain.deadline is not None and now >= sup.drain.deadline:
+            exchange.abort()
+            return "abandoned"
+    return exchange.answer
+
+
+def run(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
+    answer = _exchange(action, step, call, sup)
+    if answer == "abandoned":
+        return Abandoned("stopped at the drain deadline")
+    if answer == "timeout":
+        return Unknown(f"no response within {step.timeout_seconds}s")
+    if isinstance(answer, _NotConnected):
+        return Failed(answer.error, retryable=True)
+    if isinstance(answer, _LostAfterSending):
+        return Unknown(f"connection lost after sending: {answer.error}")
+    if 200 <= answer.status < 300:
+        return Succeeded(answer.as_result())
+    return Failed(answer.summary(), retryable=status_retryable(step, answer.status))
+
+
+def verify(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
+    answer = _exchange(action, step, call, sup)
+    if answer == "abandoned":
+        return Abandoned("stopped at the drain deadline")
+    if answer == "timeout":
+        return VerifyFailed(f"verify: no response within {step.timeout_seconds}s")
+    if isinstance(answer, _NotConnected | _LostAfterSending):
+        return VerifyFailed(f"verify: {answer.error}")
+    if 200 <= answer.status < 300:
+        return Found({**answer.as_result(), "verified": True})
+    if answer.status == 404:
+        return NotFound()
+    return VerifyFailed(f"verify: {answer.summary()}")

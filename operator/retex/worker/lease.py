@@ -1,0 +1,178 @@
+"""The worker's hold on its attempt's Lease: acquire, renew in the background, release.
+
+The Lease is liveness for the operator, not safety: every ledger write is fenced by epoch, so a
+worker that loses its Lease without noticing cannot corrupt anything. What the worker must do is
+stop starting steps once it can no longer show it is alive (`still_held`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import urllib3
+from kubernetes import client
+
+from retex.kube.leases import (
+    Holder,
+    LeaseConflict,
+    LeaseNotFound,
+    LeaseView,
+    RenewalWatch,
+    Verdict,
+    acquired,
+    judge,
+    read_lease,
+    released,
+    renewed,
+    replace_lease,
+)
+from retex.worker.logs import event
+
+log = logging.getLogger(__name__)
+
+
+class LeaseRefused(Exception):
+    """Held by a live pod of our epoch, by a newer epoch, or by something that is not retex."""
+
+
+class LeaseUnavailable(Exception):
+    """The Lease is missing, or the API server stayed unreachable for a lease duration."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Errors worth retrying: no connection, timeouts, and the server's 429/5xx."""
+    if isinstance(exc, client.ApiException):
+        return exc.status == 429 or (exc.status or 0) >= 500
+    return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
+
+
+class AttemptLease:
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, me: Holder, duration_seconds: int, *,
+                 clock: Callable[[], float] = time.monotonic):
+        self._api, self._namespace, self._name, self.me = api, namespace, name, me
+        self.duration = duration_seconds
+        self._clock = clock
+        self._timeout = max(1.0, min(5.0, duration_seconds / 3))
+        self._body: dict[str, Any] | None = None
+        self._last_renewal = float("-inf")
+        self._taken_from_us = False
+        self._stopping = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    # -- acquiring ---------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the Lease, or raise LeaseRefused / LeaseUnavailable. Waits (at most about one lease
+        duration) only while a same-epoch holder is neither seen renewing nor silent long enough."""
+        watch = RenewalWatch()
+        unreachable_since: float | None = None
+        poll = min(1.0, self.duration / 6)
+        while True:
+            try:
+                body = self._read()
+                view = LeaseView.of(body)
+                watch.observe(view, self._clock())
+                verdict = judge(view, self.me, watch, self._clock(), default_duration=self.duration)
+                if verdict is Verdict.REFUSE:
+                    raise LeaseRefused(f"lease {self._name} is held by {view.holder_identity}")
+                if verdict is Verdict.TAKE:
+                    self._body = self._replace(acquired(body, self.me, self.duration, datetime.now(UTC)))
+                    self._last_renewal = self._clock()
+                    event(log, logging.INFO, "lease acquired", lease=self._name, holder=self.me.identity,
+                          previous_holder=view.holder_identity)
+                    return
+                unreachable_since = None
+            except LeaseConflict:
+                continue  # someone wrote it between our read and our write: re-read, re-decide
+            except LeaseNotFound as exc:
+                raise LeaseUnavailable(str(exc)) from exc
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                unreachable_since = unreachable_since or self._clock()
+                if self._clock() - unreachable_since > self.duration:
+                    raise LeaseUnavailable(f"API server unreachable for {self.duration}s: {exc}") from exc
+                event(log, logging.WARNING, "lease read/write failed, retrying", error=str(exc))
+            time.sleep(poll)
+
+    # -- renewing ----------------------------------------------------------------------------
+
+    def start_renewing(self) -> None:
+        self._renewer = threading.Thread(target=self._renew_loop, name="retex-lease-renewer", daemon=True)
+        self._renewer.start()
+
+    def still_held(self) -> bool:
+        """False once someone else took it or renewals have failed for longer than the duration."""
+        return not self._taken_from_us and self._clock() - self._last_renewal <= self.duration
+
+    def _renew_loop(self) -> None:
+        while not self._stopping.wait(self.duration / 3):
+            if self._taken_from_us:
+                return
+            self._renew_once()
+
+    def _renew_once(self) -> None:
+        for _ in range(2):  # a conflict while we still hold it (someone touched metadata): once more
+            try:
+                self._body = self._replace(renewed(self._body, datetime.now(UTC)))
+                self._last_renewal = self._clock()
+                return
+            except LeaseConflict:
+                if not self._refresh_if_ours():
+                    return
+            except LeaseNotFound:
+                self._lost("the lease was deleted")
+                return
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                event(log, logging.WARNING, "lease renewal failed", error=str(exc),
+                      seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
+                return
+
+    def _refresh_if_ours(self) -> bool:
+        current = self._read()
+        if LeaseView.of(current).holder_identity != self.me.identity:
+            self._lost(f"taken by {LeaseView.of(current).holder_identity}")
+            return False
+        self._body = current
+        return True
+
+    def _lost(self, why: str) -> None:
+        self._taken_from_us = True
+        event(log, logging.WARNING, "lease lost", why=why)
+
+    # -- releasing ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Stop renewing and clear the holder, only if it is still ours. Best effort: if it fails,
+        the Lease simply expires."""
+        self._stopping.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        if self._body is None or self._taken_from_us:
+            return
+        try:
+            for _ in range(2):
+                try:
+                    self._replace(released(self._body, datetime.now(UTC)))
+                    event(log, logging.INFO, "lease released", lease=self._name)
+                    return
+                except LeaseConflict:
+                    if not self._refresh_if_ours():
+                        return
+        except Exception as exc:  # noqa: BLE001 - the Lease expires on its own
+            event(log, logging.WARNING, "lease release failed; it will expire", error=str(exc))
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _read(self) -> dict[str, Any]:
+        return read_lease(self._api, self._namespace, self._name, timeout=self._timeout)
+
+    def _replace(self, body: dict[str, Any]) -> dict[str, Any]:
+        return replace_lease(self._api, self._namespace, self._name, body, timeout=self._timeout)

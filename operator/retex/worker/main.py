@@ -1,0 +1,105 @@
+"""`retex-worker`: run one attempt of one task, then exit with a code the operator acts on.
+
+0 = the attempt is over and the ledger says why; 3 = not ours (stale), nothing done;
+75 = disrupted (drain, lease lost or missing, ledger unavailable); anything else = crash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+
+from retex.failpoints import failpoint
+from retex.kube.client import api_client
+from retex.kube.leases import Holder
+from retex.ledger import FenceRejected, Ledger, LedgerUnavailable, TaskNotFound
+from retex.machine import TaskPhase
+from retex.worker import logs
+from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
+from retex.worker.calls import Supervision
+from retex.worker.config import LEDGER_RETRY_SECONDS, ConfigError, WorkerConfig
+from retex.worker.drain import Drain
+from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
+from retex.worker.logs import event
+
+log = logging.getLogger("retex.worker")
+_PR_SET_DUMPABLE = 4
+
+
+def main() -> int:
+    try:
+        config = WorkerConfig.from_env()
+    except ConfigError as exc:
+        print(f"retex-worker: {exc}", file=sys.stderr)
+        return 2
+    tagger = logs.configure(task_uid=config.task_uid, namespace=config.namespace, name=config.name,
+                            epoch=config.epoch, pod=config.pod_name)
+    drain = Drain(config.drain_seconds)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: _begin_drain(drain))
+    _refuse_same_user_inspection()
+    ledger = Ledger(config.database_url, max_connections=2, retry_for_seconds=LEDGER_RETRY_SECONDS)
+    ledger.open(migrate_schema=False)  # workers never run DDL
+    try:
+        end = run(config, ledger, drain, tagger)
+    finally:
+        ledger.close()
+    event(log, logging.INFO, "worker exiting", exit_code=int(end.code), why=end.why)
+    return int(end.code)
+
+
+def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFields) -> AttemptEnd:
+    # Read before touching the Lease: a stale pod (old epoch, terminal task) must leave no trace.
+    try:
+        record = ledger.get(config.task_uid)
+    except TaskNotFound:
+        return AttemptEnd(ExitCode.STALE, "the task is not in the ledger")
+    except LedgerUnavailable as exc:
+        return AttemptEnd(ExitCode.DISRUPTED, str(exc))
+    if record.epoch != config.epoch or record.phase != TaskPhase.RUNNING:
+        return AttemptEnd(ExitCode.STALE, f"task is {record.phase} at epoch {record.epoch}")
+
+    lease = AttemptLease(api_client(), config.namespace, config.lease_name, Holder(config.pod_name, config.epoch),
+                         config.lease_duration_seconds)
+    try:
+        lease.acquire()
+    except LeaseRefused as exc:
+        return AttemptEnd(ExitCode.STALE, str(exc))
+    except LeaseUnavailable as exc:
+        return AttemptEnd(ExitCode.DISRUPTED, str(exc))
+    failpoint("after-lease")
+    lease.start_renewing()
+    end: AttemptEnd | None = None
+    try:
+        actor = f"worker:{config.pod_name}"
+        claimed = ledger.claim_attempt(config.task_uid, config.epoch, pod=config.pod_name, node=config.node_name)
+        end = Attempt(ledger, claimed, epoch=config.epoch, actor=actor, lease=lease,
+                      supervision=Supervision(drain=drain), tagger=tagger).run()
+    except FenceRejected as exc:
+        end = AttemptEnd(ExitCode.STALE, str(exc))
+    except LedgerUnavailable as exc:
+        end = AttemptEnd(ExitCode.DISRUPTED, str(exc))
+    finally:
+        if end is not None:  # a crash leaves the Lease to expire: the operator counts it as a failure
+            lease.release()
+    return end
+
+
+def _begin_drain(drain: Drain) -> None:
+    drain.begin()
+    event(log, logging.INFO, "SIGTERM: draining", drain_seconds=drain.seconds)
+
+
+def _refuse_same_user_inspection() -> None:
+    """Make /proc/<worker>/environ and ptrace unavailable to other processes of our user (step
+    code runs as the same user and must not read the ledger DSN from us). Linux only."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

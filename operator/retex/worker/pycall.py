@@ -1,0 +1,61 @@
+"""The child interpreter of a python step: `python -m retex.worker.pycall REQUEST RESPONSE`.
+
+A child process, not a thread, so that a timeout or the drain can really stop the call (a thread
+cannot be killed, and one still running could perform its effect after the worker moved on).
+Reads the request JSON, imports `module:function`, calls `function(context, **args)` and writes
+{"outcome": "ok" | "permanent" | "retryable", "result" | "error"} atomically: no response file
+means the call ended without answering (killed, crashed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+from retex.worker.context import PermanentError, RetryableError, StepContext
+
+ERROR_TAIL_CHARS = 2048
+
+
+def _resolve(target: str):
+    module_name, _, function_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    try:
+        function = _resolve(request["callable"])
+    except (ImportError, AttributeError) as exc:  # the image lacks it: no retry will change that
+        return {"outcome": "permanent", "error": f"cannot import {request['callable']}: {exc}"}
+    context = StepContext(idempotency_key=request["idempotencyKey"], task_uid=request["taskUid"],
+                          step=request["step"], attempt=request["attempt"], payload=request["payload"],
+                          results=request["results"])
+    signal.signal(signal.SIGTERM, lambda *_: context.cancelled.set())
+    try:
+        result = function(context, **request["args"])
+    except PermanentError as exc:
+        return {"outcome": "permanent", "error": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # RetryableError and anything unexpected: retried
+        kind = "RetryableError" if isinstance(exc, RetryableError) else "unexpected"
+        return {"outcome": "retryable", "error": f"{kind}: {traceback.format_exc()[-ERROR_TAIL_CHARS:]}"}
+    return {"outcome": "ok", "result": result}
+
+
+def main(argv: list[str]) -> int:
+    request_path, response_path = argv
+    with open(request_path) as request_file:
+        answer = _answer(json.load(request_file))
+    partial = f"{response_path}.partial"
+    with open(partial, "w") as response_file:
+        json.dump(answer, response_file, default=repr)  # a non-JSON result is kept as its repr
+    os.replace(partial, response_path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""`python` steps: `module:function` from the worker image, called as `function(context, **args)`
+in a child interpreter (see `pycall`) with a `StepContext`.
+
+Outcomes: a return value = success (the result, JSON; other values are stored as their repr);
+`PermanentError` = permanent failure; `RetryableError` or any other exception = retryable failure;
+killed, crashed or timed out without answering = unknown.
+Verify convention: returns a result = found (that is the result); returns None = not found;
+raises = error.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from retex.api.models import PythonAction, Step
+from retex.worker.calls import StepCall, Supervision
+from retex.worker.outcomes import (
+    Abandoned,
+    Failed,
+    Found,
+    NotFound,
+    StepOutcome,
+    Succeeded,
+    Unknown,
+    VerifyFailed,
+    VerifyOutcome,
+)
+from retex.worker.processes import ProcessEnd, supervise
+
+
+def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> tuple[ProcessEnd, dict[str, Any] | None]:
+    workdir = Path(tempfile.mkdtemp(prefix="retex-step-"))
+    try:
+        request, response = workdir / "request.json", workdir / "response.json"
+        request.write_text(json.dumps({
+            "callable": action.callable, "args": action.args or {}, "idempotencyKey": call.idempotency_key,
+            "taskUid": call.task_uid, "step": call.step, "attempt": call.attempt, "payload": call.payload,
+            "results": call.results,
+        }))
+        proc = subprocess.Popen([sys.executable, "-m", "retex.worker.pycall", str(request), str(response)],
+                                env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True)
+        end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds)
+        answer = json.loads(response.read_text()) if response.exists() else None
+        return end, answer
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _unanswered(end: ProcessEnd, step: Step) -> str:
+    if end.timed_out:
+        return f"timed out after {step.timeout_seconds}s (process killed)"
+    return f"the call ended without answering (exit code {end.returncode})"
+
+
+def run(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
+    end, answer = _call(action, step, call, sup)
+    if end.abandoned and (answer is None or answer["outcome"] != "ok"):
+        # A failure it raised because the drain cancelled it is not the step's failure.
+        return Abandoned("stopped at the drain deadline")
+    if answer is None:
+        return Unknown(_unanswered(end, step))
+    if answer["outcome"] == "ok":
+        return Succeeded(answer["result"])
+    return Failed(answer["error"], retryable=answer["outcome"] == "retryable")
+
+
+def verify(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
+    end, answer = _call(action, step, call, sup)
+    if end.abandoned and answer is None:
+        return Abandoned("stopped at the drain deadline")
+    if answer is None:
+        return VerifyFailed(f"verify: {_unanswered(end, step)}")
+    if answer["outcome"] != "ok":
+        return VerifyFailed(f"verify: {answer['error']}")
+    if answer["result"] is None:
+        return NotFound()
+    return Found(answer["result"])

@@ -1,0 +1,144 @@
+"""exec steps against real subprocesses: environment, output bounding, exit-code classification,
+timeouts that kill the whole process group, the drain, and the verify convention."""
+
+import json
+import os
+import sys
+import time
+
+from retex.worker import exec_step
+from retex.worker.calls import step_environment
+from retex.worker.outcomes import Abandoned, Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
+from tests.unit.worker_steps_helpers import call, drain_after, step, supervision
+
+PY = sys.executable
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan killed here may wait for a reaper that never comes)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def run(script: str, sup=None, **step_fields):
+    s = step(exec={"command": [PY, "-c", script]}, **step_fields)
+    return exec_step.run(s.exec, s, call(), sup or supervision())
+
+
+def verify(script: str):
+    s = step(exec={"command": ["true"]}, verify={"exec": {"command": [PY, "-c", script]}})
+    return exec_step.verify(s.verify.exec, s, call(), supervision())
+
+
+def test_success_stores_exit_code_and_output_tails():
+    outcome = run("import sys; print('charged'); print('note', file=sys.stderr)")
+    assert outcome == Succeeded({"exitCode": 0, "stdout": "charged\n", "stderr": "note\n"})
+
+
+def test_step_gets_key_task_step_attempt_payload_and_earlier_results():
+    script = (
+        "import json, os; e = os.environ; print(json.dumps({k: e[k] for k in "
+        "['RETEX_IDEMPOTENCY_KEY', 'RETEX_TASK_UID', 'RETEX_STEP', 'RETEX_ATTEMPT', 'GREETING']} | "
+        "{'payload': json.load(open(e['RETEX_PAYLOAD_FILE'])), 'results': json.load(open(e['RETEX_RESULTS_FILE']))}))"
+    )
+    s = step(exec={"command": [PY, "-c", script], "env": [{"name": "GREETING", "value": "hi"}]})
+    outcome = exec_step.run(s.exec, s, call(), supervision())
+    seen = json.loads(outcome.result["stdout"])
+    assert seen == {"RETEX_IDEMPOTENCY_KEY": "uid-1:charge:abcd1234", "RETEX_TASK_UID": "uid-1",
+                    "RETEX_STEP": "charge", "RETEX_ATTEMPT": "2", "GREETING": "hi",
+                    "payload": {"amount": 42}, "results": {"reserve": {"id": "r-1"}}}
+
+
+def test_the_ledger_dsn_and_failpoint_never_reach_step_code():
+    env = step_environment({"PATH": os.environ["PATH"], "RETEX_DATABASE_URL": "host=db password=s3cret",
+                            "RETEX_FAILPOINT": "after-effect", "KEEP": "1"})
+    outcome = run("import os, json; print(json.dumps(sorted(os.environ)))", sup=supervision(env=env))
+    names = json.loads(outcome.result["stdout"])
+    assert "RETEX_DATABASE_URL" not in names and "RETEX_FAILPOINT" not in names and "KEEP" in names
+
+
+def test_output_is_bounded_to_its_last_kibibytes():
+    outcome = run("import sys\nfor i in range(20000): print(f'line {i:05d} ' + 'x' * 20)\nprint('THE END')")
+    stdout = outcome.result["stdout"]
+    assert outcome.result["stdoutTruncated"] is True
+    assert stdout.endswith("THE END\n") and "line 00000" not in stdout
+    assert len(json.dumps(stdout).encode()) <= exec_step.STDOUT_TAIL_BYTES
+
+
+def test_escaped_output_still_fits_the_bound():
+    outcome = run("import sys; sys.stdout.write('\\x01' * 100000)")
+    assert len(json.dumps(outcome.result["stdout"]).encode()) <= exec_step.STDOUT_TAIL_BYTES
+
+
+def test_non_zero_exit_is_retryable_by_default_with_stderr_in_the_error():
+    outcome = run("import sys; print('card declined', file=sys.stderr); sys.exit(7)")
+    assert isinstance(outcome, Failed) and outcome.retryable
+    assert "exit code 7" in outcome.error and "card declined" in outcome.error
+
+
+def test_listed_permanent_exit_code_fails_permanently_and_others_stay_retryable():
+    assert run("raise SystemExit(3)", permanentExitCodes=[3]) == Failed("exit code 3: ", retryable=False)
+    assert run("raise SystemExit(4)", permanentExitCodes=[3]).retryable
+
+
+def test_retryable_exit_codes_list_makes_every_other_code_permanent():
+    assert run("raise SystemExit(75)", retryableExitCodes=[75]).retryable
+    assert not run("raise SystemExit(1)", retryableExitCodes=[75]).retryable
+
+
+def test_missing_command_is_a_permanent_failure():
+    s = step(exec={"command": ["/nonexistent/charge-card"]})
+    outcome = exec_step.run(s.exec, s, call(), supervision())
+    assert isinstance(outcome, Failed) and not outcome.retryable
+
+
+def test_killed_by_a_signal_is_an_unknown_outcome():
+    outcome = run("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert outcome == Unknown("killed by signal 9")
+
+
+def test_timeout_kills_the_whole_process_group_and_the_outcome_is_unknown(tmp_path):
+    pids = tmp_path / "pids"
+    # The step starts a grandchild that ignores SIGTERM, then hangs.
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        f"open({str(pids)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    started = time.monotonic()
+    outcome = run(script, timeoutSeconds=1)
+    assert isinstance(outcome, Unknown) and "timed out after 1s" in outcome.error
+    assert time.monotonic() - started < 5
+    assert not running(int(pids.read_text()))
+
+
+def test_drain_lets_a_step_finish_within_the_deadline():
+    sup = supervision(drain_seconds=10)
+    drain_after(sup, 0.1)
+    assert run("import time; time.sleep(0.5); print('done')", sup=sup) == Succeeded(
+        {"exitCode": 0, "stdout": "done\n", "stderr": ""})
+
+
+def test_drain_deadline_abandons_the_step_and_kills_it():
+    sup = supervision(drain_seconds=0.3)
+    drain_after(sup, 0.1)
+    started = time.monotonic()
+    outcome = run("import time; time.sleep(60)", sup=sup)
+    assert isinstance(outcome, Abandoned)
+    assert time.monotonic() - started < 3
+
+
+def test_verify_exit_zero_is_found_with_its_output_as_the_result():
+    outcome = verify("import os; print('charge', os.environ['RETEX_IDEMPOTENCY_KEY'])")
+    assert outcome == Found({"exitCode": 0, "stdout": "charge uid-1:charge:abcd1234\n", "stderr": "",
+                             "verified": True})
+
+
+def test_verify_exit_one_is_not_found_and_other_codes_are_errors():
+    assert verify("raise SystemExit(1)") == NotFound()
+    assert isinstance(verify("raise SystemExit(2)"), VerifyFailed)

@@ -1,0 +1,190 @@
+"""http steps against a real local HTTP server: headers, bodies, status classification, timeouts,
+lost connections, TLS verification and the verify convention."""
+
+import json
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from retex.worker import http_step
+from retex.worker.outcomes import Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
+from tests.unit.worker_steps_helpers import call, step, supervision
+
+
+class Stub:
+    """A scripted HTTP server: every request is recorded, then answered by `reply`."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.reply = lambda handler: (200, {"ok": True})
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _handle(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                stub.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                                      "body": self.rfile.read(length)})
+                answer = stub.reply(self)
+                if answer is None:  # drop the connection without answering
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                status, body = answer
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.handle_error = lambda *args: None  # a client that gave up is part of some tests
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def url(self, path="/charges", scheme="http"):
+        return f"{scheme}://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def stub():
+    server = Stub()
+    yield server
+    server.close()
+
+
+def run(stub, method="POST", path="/charges", body=None, **step_fields):
+    action = {"method": method, "url": stub.url(path)}
+    if body is not None:
+        action["body"] = body
+    s = step(http=action, **step_fields)
+    return http_step.run(s.http, s, call(), supervision())
+
+
+def test_success_stores_status_and_json_body_and_sends_the_idempotency_key(stub):
+    stub.reply = lambda h: (201, {"charge": "ch_1"})
+    outcome = run(stub, body={"amount": 42})
+    assert outcome == Succeeded({"status": 201, "body": {"charge": "ch_1"}})
+    request = stub.requests[0]
+    assert request["headers"]["Idempotency-Key"] == "uid-1:charge:abcd1234"
+    assert request["headers"]["X-Retex-Attempt"] == "2" and request["headers"]["X-Retex-Step"] == "charge"
+    assert request["headers"]["Content-Type"] == "application/json"
+    assert json.loads(request["body"]) == {"amount": 42}
+
+
+def test_without_a_body_a_post_sends_the_envelope_of_payload_and_results(stub):
+    run(stub)
+    assert json.loads(stub.requests[0]["body"]) == {
+        "idempotencyKey": "uid-1:charge:abcd1234", "taskUid": "uid-1", "step": "charge", "attempt": 2,
+        "payload": {"amount": 42}, "results": {"reserve": {"id": "r-1"}}}
+
+
+def test_a_string_body_is_sent_as_is_and_a_get_sends_none(stub):
+    run(stub, body="plain words")
+    run(stub, method="GET", path="/status?x=1")
+    assert stub.requests[0]["body"] == b"plain words"
+    assert stub.requests[1]["body"] == b"" and stub.requests[1]["path"] == "/status?x=1"
+
+
+def test_a_body_that_is_not_json_is_stored_as_text(stub):
+    stub.reply = lambda h: (200, b"<html>ok</html>")
+    assert run(stub) == Succeeded({"status": 200, "body": "<html>ok</html>"})
+
+
+def test_a_large_body_is_bounded_and_marked(stub):
+    stub.reply = lambda h: (200, {"blob": "x" * 100_000})
+    result = run(stub).result
+    assert result["bodyTruncated"] is True
+    assert len(json.dumps(result["body"]).encode()) <= http_step.BODY_LIMIT_BYTES
+
+
+@pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 503])
+def test_timeouts_throttling_and_server_errors_are_retryable(stub, status):
+    stub.reply = lambda h: (status, {"error": "busy"})
+    outcome = run(stub)
+    assert isinstance(outcome, Failed) and outcome.retryable and f"HTTP {status}" in outcome.error
+
+
+@pytest.mark.parametrize("status", [400, 402, 404, 409, 422, 301])
+def test_other_statuses_fail_permanently_by_default(stub, status):
+    stub.reply = lambda h: (status, {"error": "no"})
+    outcome = run(stub)
+    assert isinstance(outcome, Failed) and not outcome.retryable
+
+
+def test_the_step_can_make_a_4xx_retryable_or_a_5xx_permanent(stub):
+    stub.reply = lambda h: (409, {})
+    assert run(stub, permanentStatuses=[400]).retryable
+    stub.reply = lambda h: (503, {})
+    assert not run(stub, retryableStatuses=[429]).retryable
+
+
+def test_connection_refused_is_a_retryable_failure_nothing_was_sent():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: refused
+        s2 = step(http={"method": "POST", "url": f"http://127.0.0.1:{port}/x"})
+        outcome = http_step.run(s2.http, s2, call(), supervision())
+    assert isinstance(outcome, Failed) and outcome.retryable
+
+
+def test_no_answer_within_the_step_timeout_is_unknown(stub):
+    stub.reply = lambda h: (time.sleep(5), (200, {}))[1]
+    started = time.monotonic()
+    outcome = run(stub, timeoutSeconds=1)
+    assert isinstance(outcome, Unknown) and time.monotonic() - started < 3
+
+
+def test_connection_dropped_after_sending_is_unknown(stub):
+    stub.reply = lambda h: None
+    outcome = run(stub)
+    assert isinstance(outcome, Unknown) and "after sending" in outcome.error
+    assert len(stub.requests) == 1  # it did arrive: this is why the outcome is unknown
+
+
+def test_tls_certificates_are_verified(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1"], check=True, capture_output=True)
+    server = Stub()
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.server.socket = context.wrap_socket(server.server.socket, server_side=True)
+    try:
+        s = step(http={"method": "POST", "url": server.url(scheme="https")})
+        outcome = http_step.run(s.http, s, call(), supervision())
+    finally:
+        server.close()
+    assert isinstance(outcome, Failed) and "CERTIFICATE_VERIFY_FAILED" in outcome.error
+    assert server.requests == []
+
+
+def verify(stub, status, body=None):
+    stub.reply = lambda h: (status, body if body is not None else {})
+    s = step(http={"method": "POST", "url": stub.url()},
+             verify={"http": {"method": "GET", "url": stub.url("/charges/by-key")}})
+    return http_step.verify(s.verify.http, s, call(), supervision())
+
+
+def test_verify_2xx_is_found_with_the_response_as_result(stub):
+    assert verify(stub, 200, {"charge": "ch_1"}) == Found({"status": 200, "body": {"charge": "ch_1"}, "verified": True})
+    assert stub.requests[0]["headers"]["Idempotency-Key"] == "uid-1:charge:abcd1234"
+
+
+def test_verify_404_is_not_found_and_other_statuses_are_errors(stub):
+    assert verify(stub, 404) == NotFound()
+    assert isinstance(verify(stub, 500), VerifyFailed)
+    assert isinstance(verify(stub, 403), VerifyFailed)

@@ -1,0 +1,22 @@
+"""The worker stays out of the operator's world: it never imports kopf, and what a python step's
+child interpreter imports from retex.worker stays light."""
+
+import subprocess
+import sys
+
+
+def modules_after(statement: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", f"{statement}; import sys; print(' '.join(sys.modules))"],
+                         check=True, capture_output=True, text=True).stdout
+    return set(out.split())
+
+
+def test_the_worker_never_imports_kopf_or_the_operator():
+    loaded = modules_after("import retex.worker.main")
+    assert "kopf" not in loaded
+    assert not any(name.startswith("retex.operator") for name in loaded)
+
+
+def test_step_code_importing_retex_worker_does_not_pull_in_kubernetes_or_the_ledger():
+    loaded = modules_after("from retex.worker import PermanentError, RetryableError, StepContext")
+    assert "kubernetes" not in loaded and "psycopg" not in loaded
