@@ -42,9 +42,9 @@ class Tasks:
     def kubectl(self, *args: str, input: str | None = None, check: bool = True):
         return self.rig.kubectl("-n", NAMESPACE, *args, input=input, check=check)
 
-    def apply(self, name: str, spec: dict[str, Any], check: bool = False):
+    def apply(self, name: str, spec: dict[str, Any], check: bool = False, verb: str = "apply"):
         manifest = {"apiVersion": models.API_VERSION, "kind": models.KIND, "metadata": {"name": name}, "spec": spec}
-        return self.kubectl("apply", "-f", "-", input=json.dumps(manifest), check=check)
+        return self.kubectl(verb, "-f", "-", input=json.dumps(manifest), check=check)
 
     def get(self, name: str) -> dict[str, Any]:
         return json.loads(self.kubectl("get", "task", name, "-o", "json").stdout)
@@ -104,6 +104,20 @@ def test_bad_manifest_is_refused_with_the_documented_message(tasks, refusal):
     assert refused.returncode != 0
     assert refusal_lines(refused.stderr, refusal.id) == set(refusal.server_errors)
     assert tasks.kubectl("get", "task", refusal.id, check=False).returncode != 0
+
+
+def test_largest_task_the_schema_allows_stays_within_the_cel_cost_budget(tasks):
+    # The API server caps the CEL cost of one request; the rules that scale with the object
+    # (unique names, env names, steps == oldSelf) must fit even when every list is full.
+    env = [{"name": f"{i:03d}".rjust(128, "V"), "value": "v"} for i in range(64)]
+    action = {"exec": {"command": ["run"], "env": env}}
+    steps = [{"name": f"{i:02d}".rjust(63, "s"), **action, "verify": action} for i in range(models.MAX_STEPS)]
+    TaskSpec.model_validate({"steps": steps})
+    # create, not apply: apply's last-applied annotation would exceed the 256 KiB annotation limit.
+    created = tasks.apply("largest", {"steps": steps}, verb="create")
+    assert created.returncode == 0, created.stderr
+    updated = tasks.patch_spec("largest", {"spec": {"priority": 1}})
+    assert updated.returncode == 0, updated.stderr
 
 
 def test_unknown_field_is_refused_by_strict_field_validation(tasks):
