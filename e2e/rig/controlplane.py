@@ -285,6 +285,7 @@ class Rig:
         ]
 
     def _start_etcd(self, bins: dict[str, Path]) -> None:
+        say("starting etcd")
         self._spawn("etcd", self._etcd_argv(bins))
 
     def _apiserver_argv(self, bins: dict[str, Path]) -> list[str]:
@@ -314,6 +315,7 @@ class Rig:
         ]
 
     def _start_apiserver(self, bins: dict[str, Path]) -> None:
+        say("starting kube-apiserver")
         self._spawn("kube-apiserver", self._apiserver_argv(bins))
 
     def _controller_manager_argv(self, bins: dict[str, Path]) -> list[str]:
@@ -337,6 +339,7 @@ class Rig:
         ]
 
     def _start_controller_manager(self, bins: dict[str, Path]) -> None:
+        say("starting kube-controller-manager")
         self._spawn("kube-controller-manager", self._controller_manager_argv(bins))
 
     def _scheduler_argv(self, bins: dict[str, Path]) -> list[str]:
@@ -350,6 +353,7 @@ class Rig:
         ]
 
     def _start_scheduler(self, bins: dict[str, Path]) -> None:
+        say("starting kube-scheduler")
         self._spawn("kube-scheduler", self._scheduler_argv(bins))
 
     # ----- readiness ---------------------------------------------------------------------------
@@ -387,7 +391,6 @@ class Rig:
         return '"health":"true"' in body, body.strip()
 
     def _wait_etcd(self, timeout: float = 60) -> None:
-        say("starting etcd")
         self._poll("etcd /health", self._etcd_healthy, timeout, "etcd")
 
     def _apiserver_ready(self) -> tuple[bool, str]:
@@ -396,7 +399,6 @@ class Rig:
         return status == 200, ", ".join(failing)[:200] or f"HTTP {status}"
 
     def _wait_apiserver(self, timeout: float = 120) -> None:
-        say("starting kube-apiserver")
         self._poll("kube-apiserver /readyz", self._apiserver_ready, timeout, "kube-apiserver")
 
     def _wait_component(self, component: str, port: int, timeout: float = 60) -> None:

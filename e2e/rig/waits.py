@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kubernetes import client
 
+from e2e.rig import procs
 from e2e.rig.controlplane import wait_for
 
 
@@ -57,3 +58,8 @@ def wait_job_finished(batch: client.BatchV1Api, namespace: str, name: str,
 
 def job_pods(core: client.CoreV1Api, namespace: str, job: str) -> list[client.V1Pod]:
     return core.list_namespaced_pod(namespace, label_selector=f"batch.kubernetes.io/job-name={job}").items
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` has exited (a zombie awaiting its reaper counts as exited)."""
+    return procs.is_zombie(pid)

@@ -10,7 +10,7 @@ import pytest
 from kubernetes import client, watch
 
 from e2e.rig.controlplane import wait_for
-from e2e.rig.waits import container_pid, wait_pod_gone, wait_pod_phase
+from e2e.rig.waits import container_pid, process_gone, wait_pod_gone, wait_pod_phase
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("RETEX_KUBECONFIG")),
                                 reason="proves the local rig itself")
@@ -30,13 +30,6 @@ def pod(name: str, script: str, grace: int, env: dict[str, str]) -> dict:
         "restartPolicy": "Never", "terminationGracePeriodSeconds": grace,
         "containers": [{"name": "main", "image": "retex", "command": ["sh", "-c", script],
                         "env": [{"name": k, "value": v} for k, v in env.items()]}]}}
-
-
-def alive(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_evicted_pod_gets_sigterm_exits_and_is_deleted_with_a_disruption_condition(core, tmp_path):
@@ -72,7 +65,7 @@ def test_evicted_pod_gets_sigterm_exits_and_is_deleted_with_a_disruption_conditi
 
     assert marker.read_text().split() == ["started", "got-SIGTERM"]
     assert elapsed < 10, "the process should exit on SIGTERM, long before the 30 s grace period"
-    assert not alive(container_pid(running))
+    assert process_gone(container_pid(running))
     disruption = [c for p in seen for c in p.status.conditions or [] if c.type == "DisruptionTarget"]
     assert disruption and disruption[0].reason == "EvictionByEvictionAPI"
     final = [p for p in seen if p.metadata.deletion_timestamp is not None][-1]
@@ -91,4 +84,4 @@ def test_process_ignoring_sigterm_is_killed_when_the_grace_period_ends(core):
     elapsed = time.monotonic() - started
 
     assert 2 <= elapsed < 8, f"deleted after {elapsed:.1f}s; grace period is 2s"
-    assert not alive(pid)
+    assert process_gone(pid)
