@@ -1,0 +1,283 @@
+"""The worker's attempt loop against a real ledger on a real Postgres, with real step processes.
+
+The external system is a counting stub: every real execution of an exec step appends the step's
+idempotency key to a file, so "executed exactly once" is counted, not assumed. The Lease is stood
+in for by a plain object here (these tests isolate step and ledger logic); the real Lease is
+exercised on the rig in tests/cluster/test_worker_*.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from retex.ledger import FenceRejected, Ledger, TaskAdmission
+from retex.machine import Backoff, StepState, TaskPhase
+from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
+from retex.worker.calls import Supervision
+from retex.worker.drain import Drain
+
+PY = sys.executable
+# The counting stub: one line per real execution, naming the idempotency key it ran with.
+EFFECT = [PY, "-c", "import os; open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+# Query-first verify of the stub: exit 0 and print the key if it ran, exit 1 if not.
+VERIFY = [PY, "-c", "import os, sys\n"
+                    "key, path = os.environ['RETEX_IDEMPOTENCY_KEY'], os.environ['COUNTS']\n"
+                    "ran = os.path.exists(path) and key in open(path).read().split()\n"
+                    "print(key) if ran else sys.exit(1)"]
+
+
+class Lease:
+    """Stands in for the worker's Lease: held until told otherwise."""
+
+    def __init__(self, held: bool = True):
+        self.held = held
+
+    def still_held(self) -> bool:
+        return self.held
+
+
+class Stub:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def executions(self) -> list[str]:
+        return self.path.read_text().split() if self.path.exists() else []
+
+    def record(self, key: str) -> None:
+        """An effect that happened, as a worker that died before committing would leave it."""
+        with self.path.open("a") as f:
+            f.write(key + "\n")
+
+
+@pytest.fixture
+def stub(tmp_path) -> Stub:
+    return Stub(tmp_path / "executions")
+
+
+def exec_step(name: str, stub: Stub, command=None, **fields) -> dict:
+    env = [{"name": "COUNTS", "value": str(stub.path)}]
+    return {"name": name, "exec": {"command": command or EFFECT, "env": env}, **fields}
+
+
+def with_verify(name: str, stub: Stub, **fields) -> dict:
+    verify = {"exec": {"command": VERIFY, "env": [{"name": "COUNTS", "value": str(stub.path)}]}}
+    return exec_step(name, stub, verify=verify, **fields)
+
+
+def admit(ledger: Ledger, steps: list[dict], *, max_attempts: int = 3, payload: dict | None = None) -> str:
+    uid = str(uuid.uuid4())
+    spec = {"steps": steps, **({"payload": payload} if payload else {})}
+    ledger.admit(TaskAdmission(uid=uid, namespace="shop", name=f"order-{uid[:8]}", spec=spec,
+                               step_names=[s["name"] for s in steps], max_attempts=max_attempts,
+                               backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
+    return uid
+
+
+def run_attempt(ledger: Ledger, uid: str, epoch: int, *, lease: Lease | None = None,
+                drain: Drain | None = None) -> AttemptEnd:
+    record = ledger.claim_attempt(uid, epoch, pod=f"pod-{epoch}", node="node-1")
+    return Attempt(ledger, record, epoch=epoch, actor=f"worker:pod-{epoch}", lease=lease or Lease(),
+                   supervision=Supervision(drain=drain or Drain(30), kill_grace_seconds=0.5),
+                   verify_retry_seconds=0.05).run()
+
+
+def interrupted_at_first_step(ledger: Ledger, uid: str, stub: Stub, *, effect_happened: bool) -> int:
+    """Attempt 1 begins step 0 (and maybe performs its effect), then dies before committing; the
+    operator starts attempt 2. Returns the new epoch."""
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    if effect_happened:
+        stub.record(ledger.get(uid).steps[0].idempotency_key)
+    return ledger.replace_attempt(uid, 1, cause="lease-expired").epoch
+
+
+def test_a_fresh_attempt_runs_every_step_once_passes_results_on_and_succeeds(ledger, stub):
+    show_results = [PY, "-c", "import os, json; print(json.dumps(json.load(open(os.environ['RETEX_RESULTS_FILE']))))"]
+    uid = admit(ledger, [exec_step("charge", stub), exec_step("ship", stub), exec_step("report", stub, show_results)])
+    end = run_attempt(ledger, uid, 1)
+    record = ledger.get(uid)
+    assert end == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert record.phase == TaskPhase.SUCCEEDED
+    assert stub.executions() == [s.idempotency_key for s in record.steps[:2]]
+    assert '"charge": {"exitCode": 0' in record.steps[2].result["stdout"]
+
+
+def test_a_resumed_attempt_starts_after_the_completed_prefix_and_never_reruns_committed_steps(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub), exec_step("ship", stub), exec_step("email", stub)])
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    ledger.commit_step(uid, 1, 0, {"done": "by attempt 1"}, actor="worker:pod-1")
+    epoch = ledger.replace_attempt(uid, 1, cause="lease-expired").epoch
+    assert run_attempt(ledger, uid, epoch).code == ExitCode.OVER
+    record = ledger.get(uid)
+    assert record.phase == TaskPhase.SUCCEEDED
+    assert record.steps[0].result == {"done": "by attempt 1"}
+    assert stub.executions() == [record.steps[1].idempotency_key, record.steps[2].idempotency_key]
+
+
+def test_interrupted_step_whose_verify_finds_the_effect_is_committed_without_running(ledger, stub):
+    uid = admit(ledger, [with_verify("charge", stub), exec_step("ship", stub)])
+    epoch = interrupted_at_first_step(ledger, uid, stub, effect_happened=True)
+    assert run_attempt(ledger, uid, epoch).code == ExitCode.OVER
+    record = ledger.get(uid)
+    key = record.steps[0].idempotency_key
+    assert record.phase == TaskPhase.SUCCEEDED
+    assert stub.executions().count(key) == 1  # the effect of attempt 1 only
+    assert record.steps[0].result["verified"] is True and record.steps[0].result["stdout"] == f"{key}\n"
+
+
+def test_interrupted_step_whose_verify_finds_nothing_runs_once(ledger, stub):
+    uid = admit(ledger, [with_verify("charge", stub)])
+    epoch = interrupted_at_first_step(ledger, uid, stub, effect_happened=False)
+    assert run_attempt(ledger, uid, epoch).code == ExitCode.OVER
+    record = ledger.get(uid)
+    assert record.phase == TaskPhase.SUCCEEDED
+    assert stub.executions() == [record.steps[0].idempotency_key]
+    assert "verified" not in record.steps[0].result
+
+
+def test_interrupted_idempotent_step_without_verify_is_rerun_with_the_same_key(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub, idempotent=True)])
+    epoch = interrupted_at_first_step(ledger, uid, stub, effect_happened=True)
+    assert run_attempt(ledger, uid, epoch).code == ExitCode.OVER
+    key = ledger.get(uid).steps[0].idempotency_key
+    assert ledger.get(uid).phase == TaskPhase.SUCCEEDED
+    assert stub.executions() == [key, key]  # delivered twice, one key: the external system dedupes
+
+
+def test_interrupted_step_neither_verifiable_nor_idempotent_stops_for_a_human_and_runs_nothing(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub), exec_step("ship", stub)])
+    epoch = interrupted_at_first_step(ledger, uid, stub, effect_happened=False)
+    end = run_attempt(ledger, uid, epoch)
+    record = ledger.get(uid)
+    assert end.code == ExitCode.OVER and end.why.startswith("needs attention")
+    assert record.phase == TaskPhase.NEEDS_ATTENTION
+    assert record.steps[0].state == StepState.NEEDS_ATTENTION
+    assert stub.executions() == []
+
+
+def test_a_verify_that_cannot_tell_stops_for_a_human_rather_than_guessing(ledger, stub):
+    broken_verify = {"exec": {"command": [PY, "-c", "raise SystemExit(2)"]}}
+    uid = admit(ledger, [exec_step("charge", stub, verify=broken_verify)])
+    epoch = interrupted_at_first_step(ledger, uid, stub, effect_happened=False)
+    run_attempt(ledger, uid, epoch)
+    assert ledger.get(uid).phase == TaskPhase.NEEDS_ATTENTION
+    assert stub.executions() == []
+
+
+def test_a_fence_rejection_stops_the_worker_at_once(ledger, stub):
+    slow = [PY, "-c", "import os, time; time.sleep(1); "
+                      "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+    uid = admit(ledger, [exec_step("charge", stub, slow), exec_step("ship", stub)])
+    # While step 0 runs, the operator decides attempt 1 is lost and starts attempt 2.
+    threading.Timer(0.3, ledger.replace_attempt, args=(uid, 1), kwargs={"cause": "lease-expired"}).start()
+    end = run_attempt(ledger, uid, 1)
+    record = ledger.get(uid)
+    assert end.code == ExitCode.STALE
+    assert record.epoch == 2 and record.steps[0].state == StepState.STARTED  # its commit was refused
+    assert record.steps[1].state == StepState.PENDING
+    assert stub.executions() == [record.steps[0].idempotency_key]  # step 1 never ran
+
+
+def test_a_stale_epoch_cannot_even_claim_the_attempt(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub)])
+    ledger.replace_attempt(uid, 1, cause="lease-expired")
+    with pytest.raises(FenceRejected):
+        ledger.claim_attempt(uid, 1, pod="zombie", node=None)
+
+
+def test_a_lost_lease_stops_before_the_next_step(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub)])
+    end = run_attempt(ledger, uid, 1, lease=Lease(held=False))
+    assert end.code == ExitCode.DISRUPTED
+    assert ledger.get(uid).steps[0].state == StepState.PENDING and stub.executions() == []
+
+
+def test_a_drain_before_a_step_starts_nothing(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub)])
+    drain = Drain(30)
+    drain.begin()
+    assert run_attempt(ledger, uid, 1, drain=drain).code == ExitCode.DISRUPTED
+    assert ledger.get(uid).steps[0].state == StepState.PENDING
+
+
+def test_a_drain_lets_the_running_step_commit_then_stops_before_the_next(ledger, stub):
+    slow = [PY, "-c", "import os, time; time.sleep(0.6); "
+                      "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+    uid = admit(ledger, [exec_step("charge", stub, slow), exec_step("ship", stub)])
+    drain = Drain(10)
+    threading.Timer(0.2, drain.begin).start()
+    end = run_attempt(ledger, uid, 1, drain=drain)
+    record = ledger.get(uid)
+    assert end.code == ExitCode.DISRUPTED
+    assert [s.state for s in record.steps] == [StepState.DONE, StepState.PENDING]
+
+
+def test_a_step_abandoned_at_the_drain_deadline_is_left_started_with_nothing_recorded(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub, [PY, "-c", "import time; time.sleep(60)"])])
+    drain = Drain(0.3)
+    threading.Timer(0.1, drain.begin).start()
+    end = run_attempt(ledger, uid, 1, drain=drain)
+    step = ledger.get(uid).steps[0]
+    assert end.code == ExitCode.DISRUPTED
+    assert (step.state, step.result, step.error) == (StepState.STARTED, None, None)
+
+
+def test_a_permanent_failure_fails_the_task_and_a_retryable_one_schedules_a_retry(ledger, stub):
+    fail_3 = [PY, "-c", "raise SystemExit(3)"]
+    permanent = admit(ledger, [exec_step("charge", stub, fail_3, permanentExitCodes=[3])])
+    retryable = admit(ledger, [exec_step("charge", stub, fail_3)])
+    assert run_attempt(ledger, permanent, 1).code == ExitCode.OVER
+    assert run_attempt(ledger, retryable, 1).code == ExitCode.OVER
+    assert (ledger.get(permanent).phase, ledger.get(permanent).reason) == (TaskPhase.FAILED, "PermanentError")
+    assert ledger.get(retryable).phase == TaskPhase.RETRYING
+
+
+def test_a_timed_out_step_that_is_not_idempotent_goes_to_a_human_not_to_a_blind_retry(ledger, stub):
+    hang = [PY, "-c", "import time; time.sleep(60)"]
+    uid = admit(ledger, [exec_step("charge", stub, hang, timeoutSeconds=1)])
+    end = run_attempt(ledger, uid, 1)
+    assert end.code == ExitCode.OVER
+    assert ledger.get(uid).phase == TaskPhase.NEEDS_ATTENTION
+
+
+def test_a_timed_out_idempotent_step_is_a_retryable_failure(ledger, stub):
+    hang = [PY, "-c", "import time; time.sleep(60)"]
+    uid = admit(ledger, [exec_step("charge", stub, hang, timeoutSeconds=1, idempotent=True)])
+    run_attempt(ledger, uid, 1)
+    assert ledger.get(uid).phase == TaskPhase.RETRYING
+
+
+def test_a_timed_out_step_whose_verify_finds_the_effect_is_committed(ledger, stub):
+    effect_then_hang = [PY, "-c", "import os, time; "
+                                  "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n'); "
+                                  "time.sleep(60)"]
+    uid = admit(ledger, [with_verify("charge", stub, timeoutSeconds=1) | {"exec": {
+        "command": effect_then_hang, "env": [{"name": "COUNTS", "value": str(stub.path)}]}}])
+    run_attempt(ledger, uid, 1)
+    record = ledger.get(uid)
+    assert record.phase == TaskPhase.SUCCEEDED and record.steps[0].result["verified"] is True
+    assert len(stub.executions()) == 1
+
+
+def test_cancel_requested_stops_at_the_next_step_boundary(ledger, stub):
+    uid = admit(ledger, [exec_step("charge", stub)])
+    ledger.request_cancel(uid)
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "cancelled")
+    assert ledger.get(uid).phase == TaskPhase.CANCELLED and stub.executions() == []
+
+
+def test_a_python_step_gets_its_args_and_the_task_payload(ledger):
+    repo = str(Path(__file__).resolve().parents[2])
+    uid = admit(ledger, [{"name": "charge", "python": {"callable": "tests.unit.worker_callables:charge",
+                                                       "args": {"amount": 5}}}], payload={"order": 7})
+    record = ledger.claim_attempt(uid, 1, pod="pod-1", node=None)
+    sup = Supervision(drain=Drain(30), env={**os.environ, "PYTHONPATH": repo})
+    Attempt(ledger, record, epoch=1, actor="worker:pod-1", lease=Lease(), supervision=sup).run()
+    done = ledger.get(uid)
+    assert done.phase == TaskPhase.SUCCEEDED
+    assert done.steps[0].result["payload"] == {"order": 7} and done.steps[0].result["amount"] == 5
