@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast lint rig-binaries crds clean
+.PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -26,6 +26,14 @@ crds: $(STAMP)
 rig-binaries:
 	@echo "==> control-plane binaries for the local rig (cached outside the repo)"
 	@bash e2e/rig/build.sh
+
+# The local rig by hand (state in $RETEX_RIG_STATE_DIR, default /tmp/retex-rig-dev).
+rig-up: $(STAMP) rig-binaries
+	@$(PY) -m e2e.cluster up
+rig-down:
+	@$(PY) -m e2e.cluster down
+rig-status:
+	@$(PY) -m e2e.cluster status
 
 # Everything: unit, Postgres integration and cluster tests. Each pytest run starts its own
 # throwaway Postgres and local rig and tears them down. pytest exit 5 (nothing collected) fails.

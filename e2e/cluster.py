@@ -28,7 +28,13 @@ def up(state_dir: Path) -> int:
     if existing is not None and existing.running():
         print(f"the rig in {state_dir} is already running")
     else:
-        Rig(state_dir).up()
+        rig = Rig(state_dir)
+        try:
+            rig.up()
+        except BaseException:
+            rig.down()  # no half-started rig left behind; the logs stay in the state directory
+            print(f"rig start failed; component logs are in {state_dir}/logs", file=sys.stderr)
+            raise
     rig = Rig.load(state_dir)
     print(f"""
 kubeconfig: {rig.kubeconfig}

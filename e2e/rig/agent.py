@@ -676,6 +676,8 @@ class Agent:
                     last_status = time.monotonic()
             except (client.ApiException, urllib3.exceptions.HTTPError, OSError) as e:
                 log.warning("heartbeat failed: %s", getattr(e, "reason", e))
+            except Exception:  # never let the heartbeat die silently: that would be node loss
+                log.exception("heartbeat failed unexpectedly")
             time.sleep(self.lease_renew_seconds)
 
     def _renew_lease(self, node_uid: str) -> None:

@@ -597,10 +597,10 @@ def run_kubectl(kubeconfig: Path, *args: str, input: str | None = None, check: b
 
 
 def sweep_orphans(parent: Path | None = None) -> None:
-    """Stop rigs left by test sessions that died without teardown (their owner.pid is dead).
-
-    Only state directories named retex-rig-* directly under the temp dir are considered, and
-    only the processes they recorded are signalled.
+    """Stop and delete rigs left by test sessions that died without teardown (their owner.pid
+    is dead). Only state directories named retex-rig-* directly under the temp dir that have an
+    owner record are considered (the CLI's rig has none), and only the processes they recorded
+    are signalled.
     """
     parent = parent or Path(tempfile.gettempdir())
     for state_dir in parent.glob("retex-rig-*"):
@@ -610,4 +610,4 @@ def sweep_orphans(parent: Path | None = None) -> None:
         if (state_dir / "rig.json").exists():
             say(f"stopping orphaned rig in {state_dir} (its owner process is gone)")
             Rig.load(state_dir).kill_recorded_processes()
-        owner.unlink(missing_ok=True)
+        shutil.rmtree(state_dir, ignore_errors=True)
