@@ -63,10 +63,7 @@ SECRET_HEADER_PATTERN = r"(?i)^(authorization|proxy-authorization|cookie)$"
 
 MSG_ONE_KIND = "exactly one of exec, http or python must be set"
 MSG_UNIQUE_STEP_NAMES = "step names must be unique"
-MSG_STEPS_IMMUTABLE = "steps are immutable once the task is created"
 MSG_CANCEL_IRREVERSIBLE = "cancel cannot be undone: once true it stays true"
-MSG_PAYLOAD_IMMUTABLE = "payload is immutable once the task is created"
-MSG_IDEMPOTENCY_KEY_IMMUTABLE = "idempotencyKey is immutable once the task is created"
 MSG_EXIT_CODES_EXCLUSIVE = "set retryableExitCodes or permanentExitCodes, not both"
 MSG_STATUSES_EXCLUSIVE = "set retryableStatuses or permanentStatuses, not both"
 MSG_EXIT_CODES_EXEC_ONLY = "retryableExitCodes and permanentExitCodes apply to exec steps only"
@@ -400,27 +397,35 @@ class WorkerSpec(ApiModel):
     """Taints the worker Pod tolerates."""
 
 
-def _immutable_field(name: str, message: str) -> dict[str, str]:
-    return {
-        **cel(
-            f"has(self.{name}) == has(oldSelf.{name}) && (!has(self.{name}) || self.{name} == oldSelf.{name})",
-            message,
-        ),
-        "fieldPath": f".{name}",
-    }
+MUTABLE_SPEC_FIELDS = frozenset({"cancel"})
+
+
+def immutable_message(field: str) -> str:
+    return f"{field} cannot change once the task is created (only cancel can)"
+
+
+def _spec_immutable_but_cancel(schema: dict[str, Any]) -> None:
+    """One transition rule per spec field but cancel: the operator runs the spec it admitted into
+    the ledger, so an edit would be accepted and silently ignored. The rules sit on the spec, not
+    on the fields, because a field's own transition rule does not run when it is added or removed."""
+    schema["x-kubernetes-validations"] = [
+        {
+            **cel(
+                f"has(self.{name}) == has(oldSelf.{name}) && (!has(self.{name}) || self.{name} == oldSelf.{name})",
+                immutable_message(name),
+            ),
+            "fieldPath": f".{name}",
+        }
+        for name in schema["properties"]
+        if name not in MUTABLE_SPEC_FIELDS
+    ]
 
 
 class TaskSpec(ApiModel):
-    """What to run: an ordered list of steps, and how to retry, time and place them."""
+    """What to run: an ordered list of steps, and how to retry, time and place them. Only cancel
+    can change once the task is created."""
 
-    # On the spec rather than on the fields: a field's own transition rule does not run when the
-    # field is added or removed, and these may not be added or removed either.
-    model_config = ConfigDict(
-        json_schema_extra=validations(
-            _immutable_field("payload", MSG_PAYLOAD_IMMUTABLE),
-            _immutable_field("idempotencyKey", MSG_IDEMPOTENCY_KEY_IMMUTABLE),
-        )
-    )
+    model_config = ConfigDict(json_schema_extra=_spec_immutable_but_cancel)
 
     steps: Annotated[
         list[Step],
@@ -429,18 +434,15 @@ class TaskSpec(ApiModel):
             max_length=MAX_STEPS,
             json_schema_extra={
                 "x-kubernetes-list-type": "atomic",
-                **validations(
-                    cel("self.all(s, self.exists_one(t, t.name == s.name))", MSG_UNIQUE_STEP_NAMES),
-                    cel("self == oldSelf", MSG_STEPS_IMMUTABLE),
-                ),
+                **validations(cel("self.all(s, self.exists_one(t, t.name == s.name))", MSG_UNIQUE_STEP_NAMES)),
             },
         ),
     ]
-    """The steps, run in order (1 to 64, names unique). Immutable once the task is created."""
+    """The steps, run in order (1 to 64, names unique)."""
     payload: FreeJsonObject | None = None
     """Input data for the steps: a free-form JSON object, at most 64 KiB as compact JSON (checked by
     the operator when it accepts the task). Pass large data by reference (a URL or object-store
-    key). Immutable once the task is created."""
+    key)."""
     retry: RetryPolicy = defaulted(RetryPolicy)
     lease: LeasePolicy = defaulted(LeasePolicy)
     timeout_seconds: Annotated[int, Field(ge=1, le=604800)] | None = None
@@ -453,8 +455,7 @@ class TaskSpec(ApiModel):
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     """Higher runs first when tasks wait for capacity or a concurrency key."""
     idempotency_key: Key | None = None
-    """Submission de-duplication: a second task in the namespace with the same key is not run.
-    Immutable once the task is created."""
+    """Submission de-duplication: a second task in the namespace with the same key is not run."""
     cancel: Annotated[bool, Field(json_schema_extra=validations(cel("self || !oldSelf", MSG_CANCEL_IRREVERSIBLE)))] = False
     """Set to true to cancel: the running step is stopped and no further step starts. Cannot be
     set back to false."""
