@@ -143,3 +143,12 @@ def test_transition_rules_freeze_the_spec_but_cancel_and_keep_status_moving_forw
     assert {"steps", "payload", "idempotencyKey", "priority", "worker"} <= frozen
     assert spec["properties"]["steps"]["x-kubernetes-list-type"] == "atomic"
     assert status["properties"]["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+
+
+def test_every_cel_message_is_documented_in_docs_api_md():
+    docs = (ROOT / "docs" / "api.md").read_text()
+    messages = {rule["message"] for _, node in walk(openapi_schema()) for rule in node.get("x-kubernetes-validations", [])}
+    frozen_field_messages = {m for m in messages if m.endswith("cannot change once the task is created (only cancel can)")}
+    assert "<field> cannot change once the task is created (only cancel can)" in docs
+    undocumented = {m for m in messages - frozen_field_messages if m not in docs.replace("`\\|", "`|")}
+    assert not undocumented
