@@ -92,3 +92,13 @@ def test_the_lease_is_created_free_with_the_spec_duration():
     assert lease["spec"] == {"leaseDurationSeconds": 20}
     assert lease["metadata"]["labels"][LABEL_TASK_UID] == UID
     assert lease["metadata"]["ownerReferences"][0]["uid"] == UID
+
+
+def test_a_failpoint_reaches_the_worker_only_when_asked():
+    def env_of(body):
+        return {e["name"]: e.get("value") for e in body["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "RETEX_FAILPOINT" not in env_of(job())
+    armed = build_job(task_name="t", task_uid=UID, namespace="ns", epoch=1, spec=spec(), defaults=DEFAULTS,
+                      failpoint="after-effect:charge")
+    assert env_of(armed)["RETEX_FAILPOINT"] == "after-effect:charge"

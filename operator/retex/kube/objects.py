@@ -15,6 +15,9 @@ from retex.api import API_VERSION, KIND, TaskSpec
 
 LABEL_TASK_UID = "retex.dev/task-uid"
 LABEL_EPOCH = "retex.dev/epoch"
+# On a Task, arms a worker failpoint in its FIRST attempt only, and only when the operator runs
+# with RETEX_FAILPOINTS_FROM_ANNOTATIONS=1 (test rigs): the crash matrix's way into a worker.
+FAILPOINT_ANNOTATION = "retex.dev/failpoint"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "retex"}
 
 # The Job controller copies the Job's name into a pod label (job-name), and label values are at
@@ -80,8 +83,10 @@ def build_lease(*, task_name: str, task_uid: str, namespace: str, duration_secon
 
 
 def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec: TaskSpec,
-              defaults: WorkerDefaults) -> dict[str, Any]:
-    """The Job of attempt `epoch`. Retries belong to retex, so the Job itself never retries."""
+              defaults: WorkerDefaults, failpoint: str | None = None) -> dict[str, Any]:
+    """The Job of attempt `epoch`. Retries belong to retex, so the Job itself never retries.
+
+    `failpoint` arms a crash point in the worker (crash-matrix tests only; see FAILPOINT_ANNOTATION)."""
     worker = spec.worker
     labels = {LABEL_TASK_UID: task_uid, LABEL_EPOCH: str(epoch), "app.kubernetes.io/component": "worker",
               **MANAGED_BY}
@@ -98,6 +103,8 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "TMPDIR", "value": "/tmp"},
     ]
+    if failpoint:
+        env.append({"name": "RETEX_FAILPOINT", "value": failpoint})
     container: dict[str, Any] = {
         "name": "worker",
         "image": (worker and worker.image) or defaults.image,

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
-from retex.kube.objects import WorkerDefaults, build_job, build_lease
+from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
 from retex.ledger import Dispatch, Ledger, LedgerError
 
 log = logging.getLogger(__name__)
@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 class Relay:
     """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless."""
 
-    def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float):
+    def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float,
+                 failpoints_from_annotations: bool = False):
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
+        self._failpoints = failpoints_from_annotations
         self.wake = threading.Event()
         self._stop = threading.Event()
 
@@ -49,11 +51,19 @@ class Relay:
                 mark_sent(dispatch, self._send(dispatch))
             return len(batch)
 
-    def _send(self, dispatch: Dispatch) -> str:
+    def _send(self, dispatch: Dispatch) -> str | None:
+        task = self._kube.get_task(dispatch.namespace, dispatch.name)
+        if task is None or task["metadata"]["uid"] != dispatch.task_uid:
+            # Deleted while nobody watched (the operator was down): stop it, keep its history.
+            self._ledger.abandon(dispatch.task_uid, reason="TaskDeleted")
+            return None
+        failpoint_armed = None
+        if self._failpoints and dispatch.epoch == 1:
+            failpoint_armed = (task["metadata"].get("annotations") or {}).get(FAILPOINT_ANNOTATION)
         spec = TaskSpec.model_validate(dispatch.spec)
         common = {"task_name": dispatch.name, "task_uid": dispatch.task_uid, "namespace": dispatch.namespace}
         self._kube.create_lease(build_lease(**common, duration_seconds=spec.lease.duration_seconds))
-        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults)
+        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults, failpoint=failpoint_armed)
         self._kube.create_job(job)
         failpoint("after-job-create")  # crash-matrix R3: Job exists, outbox not yet marked sent
         log.info("dispatched attempt %s of %s/%s as Job %s", dispatch.epoch, dispatch.namespace,

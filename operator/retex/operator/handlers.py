@@ -38,7 +38,8 @@ class Runtime:
         api = api_client()
         self.kube = KubeCalls(api)
         self.leases = LeaseObserver(api)
-        self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds)
+        self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
+                           failpoints_from_annotations=settings.failpoints_from_annotations)
         self.promoter = Promoter(self.ledger, self.relay)
         self.reaper = Reaper(self.ledger, self.kube, self.leases, interval=settings.reaper_interval_seconds,
                              on_replaced=self.relay.wake.set)
@@ -88,6 +89,7 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
     """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1)."""
     runtime: Runtime = memo.runtime
+    failpoint("before-admit")  # crash-matrix R1: the Task exists, the ledger row does not
     result = runtime.ledger.admit(admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec)))
     failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
     if result.duplicate_of:

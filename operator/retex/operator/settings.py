@@ -15,6 +15,7 @@ class OperatorSettings:
     resync_seconds: float = 30.0  # full status resync, for anything NOTIFY missed
     reaper_interval_seconds: float = 1.0
     relay_interval_seconds: float = 2.0
+    failpoints_from_annotations: bool = False  # test rigs only: see retex.kube.objects
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -32,4 +33,5 @@ class OperatorSettings:
                 termination_grace_seconds=int(env.get("RETEX_WORKER_GRACE_SECONDS", "30")),
             ),
             resync_seconds=float(env.get("RETEX_RESYNC_SECONDS", "30")),
+            failpoints_from_annotations=env.get("RETEX_FAILPOINTS_FROM_ANNOTATIONS") == "1",
         )

@@ -3,7 +3,10 @@
 Environment: the worker's (minus its credentials), the step's `env`, then RETEX_IDEMPOTENCY_KEY,
 RETEX_TASK_UID, RETEX_STEP, RETEX_ATTEMPT, RETEX_PAYLOAD_FILE and RETEX_RESULTS_FILE (JSON files).
 Result: {"exitCode": 0, "stdout": <last 32 KiB>, "stderr": <last 8 KiB>} (+ "...Truncated": true).
-Verify convention: exit 0 = found (its output is the result), exit 1 = not found, other = error.
+Verify convention: exit 0 = found (its output is the result); exit 44 = not found (the verify also
+gets it as RETEX_NOT_FOUND_EXIT_CODE); any other exit = the verify could not tell. Not exit 1:
+that is what a crashing script exits with (a Python traceback, a `set -e` shell, a missing
+variable), and a crash must never be read as "the effect did not happen" — that re-runs it.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from retex.worker.processes import ProcessEnd, supervise
 STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024
 ERROR_TAIL_BYTES = 1024
-VERIFY_NOT_FOUND_EXIT_CODE = 1
+VERIFY_NOT_FOUND_EXIT_CODE = 44
 
 
 def exit_code_retryable(step: Step, code: int) -> bool:
@@ -55,7 +58,8 @@ class _Ran:
     stderr_tail: str
 
 
-def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> _Ran | Failed:
+def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
+             extra_env: dict[str, str] | None = None) -> _Ran | Failed:
     workdir = Path(tempfile.mkdtemp(prefix="retex-step-"))
     try:
         payload_file, results_file = workdir / "payload.json", workdir / "results.json"
@@ -64,7 +68,8 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -
         env = {**sup.env, **{var.name: var.value for var in action.env or []},
                "RETEX_IDEMPOTENCY_KEY": call.idempotency_key, "RETEX_TASK_UID": call.task_uid,
                "RETEX_STEP": call.step, "RETEX_ATTEMPT": str(call.attempt),
-               "RETEX_PAYLOAD_FILE": str(payload_file), "RETEX_RESULTS_FILE": str(results_file)}
+               "RETEX_PAYLOAD_FILE": str(payload_file), "RETEX_RESULTS_FILE": str(results_file),
+               **(extra_env or {})}
         with open(workdir / "stdout", "w+b") as stdout, open(workdir / "stderr", "w+b") as stderr:
             try:
                 proc = subprocess.Popen([*action.command, *(action.args or [])], env=env, stdin=subprocess.DEVNULL,
@@ -116,7 +121,7 @@ def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> Ste
 
 
 def verify(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
-    ran = _execute(action, step, call, sup)
+    ran = _execute(action, step, call, sup, {"RETEX_NOT_FOUND_EXIT_CODE": str(VERIFY_NOT_FOUND_EXIT_CODE)})
     if isinstance(ran, Failed):
         return VerifyFailed(ran.error)
     if ran.end.abandoned:
