@@ -446,14 +446,16 @@ class TaskSpec(ApiModel):
     retry: RetryPolicy = defaulted(RetryPolicy)
     lease: LeasePolicy = defaulted(LeasePolicy)
     timeout_seconds: Annotated[int, Field(ge=1, le=604800)] | None = None
-    """Wall-clock limit for the whole task from its first start, across attempts; then it fails.
-    Unset: no limit beyond the step timeouts and the retry budget."""
+    """Wall-clock limit for each attempt: the worker Job's activeDeadlineSeconds, after which
+    Kubernetes stops the attempt. Unset: no limit beyond the step timeouts."""
     not_before: AwareDatetime | None = None
     """Do not start before this time (RFC 3339, e.g. 2026-12-24T18:00:00Z)."""
     concurrency_key: Key | None = None
-    """Tasks in a namespace with the same key run one at a time (in priority, then creation order)."""
+    """Tasks in a namespace with the same key are to run one at a time. Not acted on yet: retex
+    stores the key but does not serialize on it."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
-    """Higher runs first when tasks wait for capacity or a concurrency key."""
+    """Higher is to run first when tasks wait for capacity. Not acted on yet: retex stores it but
+    does not order by it."""
     idempotency_key: Key | None = None
     """Submission de-duplication: a second task in the namespace with the same key is not run."""
     cancel: Annotated[bool, Field(json_schema_extra=validations(cel("self || !oldSelf", MSG_CANCEL_IRREVERSIBLE)))] = False
