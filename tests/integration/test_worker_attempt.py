@@ -25,11 +25,11 @@ from retex.worker.drain import Drain
 PY = sys.executable
 # The counting stub: one line per real execution, naming the idempotency key it ran with.
 EFFECT = [PY, "-c", "import os; open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
-# Query-first verify of the stub: exit 0 and print the key if it ran, exit 1 if not.
+# Query-first verify of the stub: exit 0 and print the key if it ran, the not-found code if not.
 VERIFY = [PY, "-c", "import os, sys\n"
                     "key, path = os.environ['RETEX_IDEMPOTENCY_KEY'], os.environ['COUNTS']\n"
                     "ran = os.path.exists(path) and key in open(path).read().split()\n"
-                    "print(key) if ran else sys.exit(1)"]
+                    "print(key) if ran else sys.exit(int(os.environ['RETEX_NOT_FOUND_EXIT_CODE']))"]
 
 
 class Lease:

@@ -114,7 +114,11 @@ def test_timeout_kills_the_whole_process_group_and_the_outcome_is_unknown(tmp_pa
     outcome = run(script, timeoutSeconds=1)
     assert isinstance(outcome, Unknown) and "timed out after 1s" in outcome.error
     assert time.monotonic() - started < 5
-    assert not running(int(pids.read_text()))
+    grandchild = int(pids.read_text())
+    deadline = time.monotonic() + 2  # SIGKILL is delivered asynchronously
+    while running(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not running(grandchild)
 
 
 def test_drain_lets_a_step_finish_within_the_deadline():
@@ -139,6 +143,13 @@ def test_verify_exit_zero_is_found_with_its_output_as_the_result():
                              "verified": True})
 
 
-def test_verify_exit_one_is_not_found_and_other_codes_are_errors():
-    assert verify("raise SystemExit(1)") == NotFound()
+def test_verify_exit_44_is_not_found_and_the_code_is_given_to_the_verify():
+    assert verify("raise SystemExit(44)") == NotFound()
+    assert verify("import os; raise SystemExit(int(os.environ['RETEX_NOT_FOUND_EXIT_CODE']))") == NotFound()
+
+
+def test_a_crashing_verify_is_never_read_as_not_found():
+    # Exit 1 is what a traceback, a `set -e` shell or a missing variable exits with.
+    assert isinstance(verify("import os; os.environ['NO_SUCH_VARIABLE']"), VerifyFailed)
+    assert isinstance(verify("raise SystemExit(1)"), VerifyFailed)
     assert isinstance(verify("raise SystemExit(2)"), VerifyFailed)

@@ -1,0 +1,248 @@
+"""`retex-worker` processes against the rig's real API server and a real ledger: the Lease protocol
+(acquire, contention, renewal, release), graceful drain, zombie fencing, stale pods, failpoints.
+
+The workers run directly on the host with the rig's admin kubeconfig; the Lease is created the
+way the operator creates it (retex.kube.objects.build_lease). One test runs the worker as a real
+pod with the worker's own ServiceAccount and RBAC. The external system is a counting stub: each
+delivery of an exec step appends its idempotency key to a file; a deduping system executes once
+per key, so "real executions" are distinct keys, "deliveries" are lines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from retex.kube.leases import read_lease, released_by
+from retex.kube.objects import build_lease, lease_name
+from retex.ledger import Ledger, TaskAdmission
+from retex.machine import Backoff, StepState, TaskPhase
+
+NAMESPACE = "worker-lease"
+DURATION = 3
+PY = sys.executable
+WORKER = str(Path(sys.executable).parent / "retex-worker")
+EFFECT = [PY, "-c", "import os; open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+VERIFY = [PY, "-c", "import os, sys\n"
+                    "key, path = os.environ['RETEX_IDEMPOTENCY_KEY'], os.environ['COUNTS']\n"
+                    "ran = os.path.exists(path) and key in open(path).read().split()\n"
+                    "print(key) if ran else sys.exit(int(os.environ['RETEX_NOT_FOUND_EXIT_CODE']))"]
+
+
+def slow_effect(seconds: float) -> list[str]:
+    return [PY, "-c", f"import os, time; time.sleep({seconds}); "
+                      "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+
+
+@pytest.fixture(scope="module")
+def api(rig):
+    rig.create_namespace(NAMESPACE)
+    with rig.api_client() as api_client:
+        yield api_client
+    rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+
+
+class Task:
+    """A task admitted to the ledger with its Lease created, as the operator would leave them."""
+
+    def __init__(self, ledger: Ledger, api, tmp_path: Path, steps: list[dict]):
+        self.ledger, self.api, self.tmp_path = ledger, api, tmp_path
+        self.counts = tmp_path / "deliveries"
+        self.uid = str(uuid.uuid4())
+        self.name = f"order-{self.uid[:8]}"
+        env = [{"name": "COUNTS", "value": str(self.counts)}]
+        # Every exec (step and verify) gets the stub's file.
+        with_env = lambda action: {**action, "exec": {**action["exec"], "env": env}}  # noqa: E731
+        steps = [with_env({**s, **({"verify": with_env(s["verify"])} if "verify" in s else {})}) for s in steps]
+        spec = {"steps": steps,
+                "lease": {"durationSeconds": 5}}
+        ledger.admit(TaskAdmission(uid=self.uid, namespace=NAMESPACE, name=self.name, spec=spec,
+                                   step_names=[s["name"] for s in steps],
+                                   backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
+        self.lease_name = lease_name(self.name, self.uid)
+        client.CoordinationV1Api(api).create_namespaced_lease(
+            NAMESPACE, build_lease(task_name=self.name, task_uid=self.uid, namespace=NAMESPACE,
+                                   duration_seconds=DURATION))
+
+    def lease(self) -> dict:
+        return read_lease(self.api, NAMESPACE, self.lease_name, timeout=5)
+
+    def holder(self) -> str | None:
+        return self.lease()["spec"].get("holderIdentity")
+
+    def record(self):
+        return self.ledger.get(self.uid)
+
+    def deliveries(self) -> list[str]:
+        return self.counts.read_text().split() if self.counts.exists() else []
+
+    def key(self, idx: int) -> str:
+        return self.record().steps[idx].idempotency_key
+
+    def worker(self, pod: str, epoch: int, dsn: str, kubeconfig: Path, **env: str) -> Worker:
+        return Worker(self, pod, epoch, dsn, kubeconfig, env)
+
+
+class Worker:
+    """One `retex-worker` process, in its own process group (so it can be paused like a pod)."""
+
+    def __init__(self, task: Task, pod: str, epoch: int, dsn: str, kubeconfig: Path, extra_env: dict[str, str]):
+        self.pod = pod
+        self.log_path = task.tmp_path / f"{pod}.log"
+        environment = {
+            **os.environ, "KUBECONFIG": str(kubeconfig), "RETEX_TASK_UID": task.uid,
+            "RETEX_TASK_NAMESPACE": NAMESPACE, "RETEX_TASK_NAME": task.name, "RETEX_EPOCH": str(epoch),
+            "RETEX_LEASE_NAME": task.lease_name, "RETEX_LEASE_DURATION_SECONDS": str(DURATION),
+            "RETEX_DATABASE_URL": dsn, "POD_NAME": pod, "NODE_NAME": "host", **extra_env,
+        }
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([WORKER], env=environment, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"worker {self.pod} still running after {timeout}s:\n{self.log()}") from None
+
+    def signal_group(self, signum: int) -> None:
+        os.killpg(self.proc.pid, signum)
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def wait_until(what: str, check, timeout: float = 15):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def new_task(ledger, api, tmp_path):
+    return lambda steps: Task(ledger, api, tmp_path, steps)
+
+
+def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(2.5)}}])
+    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    wait_until("the lease to be taken", lambda: task.holder() == "pod-a:1")
+    first = task.lease()["spec"]
+    assert first["leaseDurationSeconds"] == DURATION and first["leaseTransitions"] == 1
+    # Renewed while the step runs (every duration/3): the renewTime moves, the holder stays.
+    wait_until("a renewal", lambda: task.lease()["spec"].get("renewTime") != first["renewTime"])
+    assert task.holder() == "pod-a:1"
+    assert worker.wait() == 0, worker.log()
+    lease = task.lease()
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert lease["spec"].get("holderIdentity") is None and released_by(lease).identity == "pod-a:1"
+    assert lease["spec"]["acquireTime"] == first["acquireTime"]  # history kept, lease not deleted
+    assert task.deliveries() == [task.key(0)]
+    assert task.ledger.attempts(task.uid)[0].pod == "pod-a"
+
+
+def test_two_pods_for_one_attempt_exactly_one_runs_the_other_exits_3_without_a_trace(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(2)}}])
+    a, b = task.worker("pod-a", 1, dsn, rig.kubeconfig), task.worker("pod-b", 1, dsn, rig.kubeconfig)
+    codes = {"pod-a": a.wait(), "pod-b": b.wait()}
+    assert sorted(codes.values()) == [0, 3], (a.log(), b.log())
+    winner = next(pod for pod, code in codes.items() if code == 0)
+    loser = next(pod for pod, code in codes.items() if code == 3)
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert task.deliveries() == [task.key(0)]  # one execution
+    assert task.ledger.attempts(task.uid)[0].pod == winner
+    assert not [h for h in task.ledger.history(task.uid) if h.actor == f"worker:{loser}"]
+    assert released_by(task.lease()).pod == winner
+
+
+def test_sigterm_drains_the_current_step_commits_it_releases_the_lease_and_exits_75(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(1.5)}},
+                     {"name": "ship", "exec": {"command": EFFECT}}])
+    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    worker.proc.send_signal(signal.SIGTERM)  # to the worker only, as the kubelet signals PID 1
+    assert worker.wait() == 75, worker.log()
+    record, lease = task.record(), task.lease()
+    assert [s.state for s in record.steps] == [StepState.DONE, StepState.PENDING]
+    assert record.phase == TaskPhase.RUNNING and record.failures == 0  # nothing counted as a failure
+    assert lease["spec"].get("holderIdentity") is None and released_by(lease).identity == "pod-a:1"
+    assert task.deliveries() == [task.key(0)]
+
+
+def test_paused_zombie_is_fenced_after_a_new_attempt_every_write_rejected(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(1)}, "verify": {"exec": {"command": VERIFY}}},
+                     {"name": "ship", "exec": {"command": EFFECT}}])
+    zombie = task.worker("pod-old", 1, dsn, rig.kubeconfig)
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    zombie.signal_group(signal.SIGSTOP)  # the worker and its step: alive, doing nothing
+    # The operator sees no renewal for the lease duration and starts attempt 2.
+    time.sleep(DURATION + 0.5)
+    epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
+    successor = task.worker("pod-new", epoch, dsn, rig.kubeconfig)
+    assert successor.wait() == 0, successor.log()
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    lease_before = task.lease()
+    version_before = task.record().version
+
+    zombie.signal_group(signal.SIGCONT)
+    assert zombie.wait() == 3, zombie.log()
+    record = task.record()
+    assert record.version == version_before  # not one ledger write landed
+    assert task.lease()["metadata"]["resourceVersion"] == lease_before["metadata"]["resourceVersion"]
+    # The zombie's step delivered again with the same key; the deduping system executes it once.
+    assert set(task.deliveries()) == {task.key(0), task.key(1)}
+    assert "fenced" in zombie.log()
+
+
+def test_a_stale_pod_after_the_task_is_terminal_exits_3_touching_nothing(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}}])
+    assert task.worker("pod-a", 1, dsn, rig.kubeconfig).wait() == 0
+    lease, version = task.lease(), task.record().version
+    stale = task.worker("pod-a-again", 1, dsn, rig.kubeconfig)
+    assert stale.wait() == 3, stale.log()
+    assert task.lease()["metadata"]["resourceVersion"] == lease["metadata"]["resourceVersion"]
+    assert task.record().version == version and task.deliveries() == [task.key(0)]
+
+
+def test_a_pod_of_an_older_epoch_refuses_a_lease_held_by_a_newer_one(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(2)}}])
+    task.ledger.replace_attempt(task.uid, 1, cause="lease-expired")
+    current = task.worker("pod-new", 2, dsn, rig.kubeconfig)
+    wait_until("the lease to be taken", lambda: task.holder() == "pod-new:2")
+    old = task.worker("pod-old", 1, dsn, rig.kubeconfig)
+    assert old.wait() == 3
+    assert current.wait() == 0
+    assert task.deliveries() == [task.key(0)]
+
+
+def test_a_missing_lease_means_disrupted(new_task, dsn, rig, api):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}}])
+    client.CoordinationV1Api(api).delete_namespaced_lease(task.lease_name, NAMESPACE)
+    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    assert worker.wait() == 75, worker.log()
+    assert task.deliveries() == [] and task.record().steps[0].state == StepState.PENDING
+
+
+def test_killed_after_the_effect_the_next_attempt_verifies_and_commits_without_rerunning(new_task, dsn, rig):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}}])
+    crashed = task.worker("pod-a", 1, dsn, rig.kubeconfig, RETEX_FAILPOINT="after-effect:charge")
+    assert crashed.wait() == -signal.SIGKILL
+    assert task.holder() == "pod-a:1"  # a crash does not release: the lease expires
+    epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
+    assert task.worker("pod-b", epoch, dsn, rig.kubeconfig).wait() == 0
+    record = task.record()
+    assert record.phase == TaskPhase.SUCCEEDED and record.steps[0].result["verified"] is True
+    assert task.deliveries() == [task.key(0)]  # one real execution, one delivery
