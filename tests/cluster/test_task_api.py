@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,11 @@ class Tasks:
 def tasks(rig) -> Tasks:
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
     rig.kubectl("wait", "--for=condition=Established", f"crd/{crd.CRD_NAME}", "--timeout=60s")
+    # The OpenAPI document (kubectl explain, field validation) is published a moment after Established.
+    deadline = time.monotonic() + 30
+    while rig.kubectl("explain", "task.spec.steps", check=False).returncode != 0:
+        assert time.monotonic() < deadline, "the Task schema never appeared in the OpenAPI document"
+        time.sleep(0.5)
     rig.kubectl("create", "namespace", NAMESPACE)
     yield Tasks(rig)
     rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)

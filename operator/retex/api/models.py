@@ -257,8 +257,8 @@ class Action(ApiModel):
 
 
 class Step(Action):
-    """One step: exactly one action (exec, http or python), run at most once to completion. Steps
-    run in order; a resumed task continues after the last committed step."""
+    """One step: exactly one action (exec, http or python). Steps run in order; a committed step
+    never runs again, and a resumed task continues after the last committed step."""
 
     model_config = ConfigDict(
         json_schema_extra=validations(
