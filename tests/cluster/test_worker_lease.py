@@ -14,15 +14,20 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 from kubernetes import client
+from kubernetes.client import BatchV1Api, CoreV1Api
 
+from e2e.rig.waits import job_pods, wait_job_finished
+from e2e.system import WORKER_DB_SECRET, prepare_namespace
+from retex.api.models import TaskSpec
 from retex.kube.leases import read_lease, released_by
-from retex.kube.objects import build_lease, lease_name
+from retex.kube.objects import WorkerDefaults, build_job, build_lease, lease_name
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import Backoff, StepState, TaskPhase
 
@@ -53,9 +58,9 @@ def api(rig):
 class Task:
     """A task admitted to the ledger with its Lease created, as the operator would leave them."""
 
-    def __init__(self, ledger: Ledger, api, tmp_path: Path, steps: list[dict]):
+    def __init__(self, ledger: Ledger, api, tmp_path: Path, steps: list[dict], counts: Path | None = None):
         self.ledger, self.api, self.tmp_path = ledger, api, tmp_path
-        self.counts = tmp_path / "deliveries"
+        self.counts = counts or tmp_path / "deliveries"
         self.uid = str(uuid.uuid4())
         self.name = f"order-{self.uid[:8]}"
         env = [{"name": "COUNTS", "value": str(self.counts)}]
@@ -133,7 +138,7 @@ def wait_until(what: str, check, timeout: float = 15):
 
 @pytest.fixture
 def new_task(ledger, api, tmp_path):
-    return lambda steps: Task(ledger, api, tmp_path, steps)
+    return lambda steps, **kwargs: Task(ledger, api, tmp_path, steps, **kwargs)
 
 
 def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task, dsn, rig):
@@ -246,3 +251,39 @@ def test_killed_after_the_effect_the_next_attempt_verifies_and_commits_without_r
     record = task.record()
     assert record.phase == TaskPhase.SUCCEEDED and record.steps[0].result["verified"] is True
     assert task.deliveries() == [task.key(0)]  # one real execution, one delivery
+
+
+@pytest.mark.parametrize("point", ["after-lease", "before-step", "after-begin", "after-effect", "in-commit",
+                                   "after-commit", "before-complete"])
+def test_a_worker_killed_at_any_failpoint_is_recovered_by_the_next_attempt_with_one_execution_per_step(
+        new_task, dsn, rig, point):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}},
+                     {"name": "ship", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}}])
+    # Step-level points are armed for the second step, so the first is committed before the crash.
+    armed = point if point in ("after-lease", "before-complete") else f"{point}:ship"
+    crashed = task.worker("pod-a", 1, dsn, rig.kubeconfig, RETEX_FAILPOINT=armed)
+    assert crashed.wait() == -signal.SIGKILL, crashed.log()
+    epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
+    successor = task.worker("pod-b", epoch, dsn, rig.kubeconfig)
+    assert successor.wait() == 0, successor.log()
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert sorted(task.deliveries()) == sorted([task.key(0), task.key(1)])  # each step really ran once
+
+
+def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, dsn, rig, api):
+    prepare_namespace(rig.kubectl, NAMESPACE, dsn)  # the retex-worker ServiceAccount, Role and DSN Secret
+    shared = Path(tempfile.mkdtemp(prefix="retex-stub-"))
+    shared.chmod(0o777)  # the pod runs as a non-root user
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}}], counts=shared / "deliveries")
+    job = build_job(task_name=task.name, task_uid=task.uid, namespace=NAMESPACE, epoch=1,
+                    spec=TaskSpec.model_validate(task.record().spec),
+                    defaults=WorkerDefaults(image="retex-worker:local", service_account="retex-worker",
+                                            database_secret=WORKER_DB_SECRET, termination_grace_seconds=10))
+    BatchV1Api(api).create_namespaced_job(NAMESPACE, job)
+    job_name = job["metadata"]["name"]
+    assert wait_job_finished(BatchV1Api(api), NAMESPACE, job_name, timeout=60) == "Complete"
+    [pod] = job_pods(CoreV1Api(api), NAMESPACE, job_name)
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert released_by(task.lease()).identity == f"{pod.metadata.name}:1"
+    assert task.ledger.attempts(task.uid)[0].node == pod.spec.node_name
+    assert task.deliveries() == [task.key(0)]
