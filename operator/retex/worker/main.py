@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import sys
@@ -21,11 +20,11 @@ from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
 from retex.worker.calls import Supervision
 from retex.worker.config import LEDGER_RETRY_SECONDS, ConfigError, WorkerConfig
 from retex.worker.drain import Drain
+from retex.worker.hardening import refuse_same_user_inspection
 from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
 from retex.worker.logs import event
 
 log = logging.getLogger("retex.worker")
-_PR_SET_DUMPABLE = 4
 
 
 def main() -> int:
@@ -39,7 +38,7 @@ def main() -> int:
     drain = Drain(config.drain_seconds)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: _begin_drain(drain))
-    _refuse_same_user_inspection()
+    refuse_same_user_inspection()
     ledger = Ledger(config.database_url, max_connections=2, retry_for_seconds=LEDGER_RETRY_SECONDS)
     ledger.open(migrate_schema=False)  # workers never run DDL
     try:
@@ -90,15 +89,6 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
 def _begin_drain(drain: Drain) -> None:
     drain.begin()
     event(log, logging.INFO, "SIGTERM: draining", drain_seconds=drain.seconds)
-
-
-def _refuse_same_user_inspection() -> None:
-    """Make /proc/<worker>/environ and ptrace unavailable to other processes of our user (step
-    code runs as the same user and must not read the ledger DSN from us). Linux only."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 if __name__ == "__main__":
