@@ -459,8 +459,8 @@ class TaskSpec(ApiModel):
     idempotency_key: Key | None = None
     """Submission de-duplication: a second task in the namespace with the same key is not run."""
     cancel: Annotated[bool, Field(json_schema_extra=validations(cel("self || !oldSelf", MSG_CANCEL_IRREVERSIBLE)))] = False
-    """Set to true to cancel: the running step is stopped and no further step starts. Cannot be
-    set back to false."""
+    """Set to true to cancel: a waiting task is cancelled at once, a running one at its next step
+    boundary (the step in progress finishes). Cannot be set back to false."""
     worker: WorkerSpec | None = None
 
     @field_validator("steps")
