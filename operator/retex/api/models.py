@@ -389,7 +389,9 @@ class WorkerSpec(ApiModel):
     image: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     """Worker container image; defaults to the operator's configured worker image."""
     service_account_name: Annotated[str, Field(max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)] | None = None
-    """Service account of the worker Pod: the way to give steps credentials."""
+    """Service account of the worker Pod: the way to give steps credentials. Defaults to the
+    operator's worker service account; another one needs the retex-worker Role (get and update
+    Leases) bound to it too."""
     resources: ResourceRequirements | None = None
     node_selector: Annotated[dict[str, Annotated[str, Field(max_length=63)]], Field(max_length=32)] | None = None
     """Labels a node must have to run the worker."""
