@@ -59,8 +59,6 @@ def _resolve(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         return _merge(only, node, defs)
     if "anyOf" in node and _NULL in node["anyOf"]:
         (only,) = [option for option in node.pop("anyOf") if option != _NULL]
-        if node.get("default", ...) is None:
-            del node["default"]
         return _merge(only, node, defs)
     return node
 
