@@ -4,14 +4,17 @@ which message, what kubectl shows, and that a status in the model's shape surviv
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import re
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from retex.api import (
     Condition,
@@ -124,6 +127,119 @@ def test_largest_task_the_schema_allows_stays_within_the_cel_cost_budget(tasks):
     assert created.returncode == 0, created.stderr
     updated = tasks.patch_spec("largest", {"spec": {"cancel": True}})
     assert updated.returncode == 0, updated.stderr
+
+
+def regex(pattern: str, max_size: int) -> st.SearchStrategy[str]:
+    return st.from_regex(pattern, fullmatch=True).filter(lambda value: len(value) <= max_size)
+
+
+def not_secret_looking(pattern: str) -> Callable[[str], bool]:
+    return lambda name: not re.search(pattern, name)
+
+
+words = st.text(st.characters(codec="utf-8", exclude_categories=["Cc", "Cs"]), max_size=12)
+# Integers only: a float such as 2.0 comes back from the API server as 2, equal but not identical.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**53), 2**53) | words,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(words, children, max_size=3),
+    max_leaves=8,
+)
+env_vars = st.fixed_dictionaries(
+    {"name": regex(models.ENV_NAME_PATTERN, 128).filter(not_secret_looking(models.SECRET_ENV_NAME_PATTERN))},
+    optional={"value": words},
+)
+exec_actions = st.fixed_dictionaries(
+    {"command": st.lists(words, min_size=1, max_size=3)},
+    optional={"args": st.lists(words, max_size=3), "env": st.lists(env_vars, max_size=3, unique_by=lambda e: e["name"])},
+)
+http_actions = st.fixed_dictionaries(
+    {"method": st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE"]), "url": regex(models.URL_PATTERN, 2048)},
+    optional={
+        "headers": st.dictionaries(
+            regex(models.HEADER_NAME_PATTERN, 64).filter(not_secret_looking(models.SECRET_HEADER_PATTERN)), words, max_size=3
+        ),
+        "body": json_values,
+    },
+)
+python_actions = st.fixed_dictionaries(
+    {"callable": regex(models.CALLABLE_PATTERN, 512)}, optional={"args": st.dictionaries(words, json_values, max_size=3)}
+)
+exit_codes = st.lists(st.integers(0, 255), max_size=4)
+statuses = st.lists(st.integers(100, 599), max_size=4)
+# An action with the failure classification that fits its kind.
+step_bodies = st.one_of(
+    st.tuples(
+        exec_actions.map(lambda a: {"exec": a}),
+        st.one_of(st.just({}), exit_codes.map(lambda c: {"retryableExitCodes": c}), exit_codes.map(lambda c: {"permanentExitCodes": c})),
+    ),
+    st.tuples(
+        http_actions.map(lambda a: {"http": a}),
+        st.one_of(st.just({}), statuses.map(lambda c: {"retryableStatuses": c}), statuses.map(lambda c: {"permanentStatuses": c})),
+    ),
+    st.tuples(python_actions.map(lambda a: {"python": a}), st.just({})),
+)
+verifies = st.one_of(
+    exec_actions.map(lambda a: {"exec": a}), http_actions.map(lambda a: {"http": a}), python_actions.map(lambda a: {"python": a})
+)
+steps = st.builds(
+    lambda name, body, extra: {"name": name, **body[0], **body[1], **extra},
+    regex(models.DNS_LABEL_PATTERN, 63),
+    step_bodies,
+    st.fixed_dictionaries(
+        {}, optional={"verify": verifies, "idempotent": st.booleans(), "timeoutSeconds": st.integers(1, 86400)}
+    ),
+)
+backoffs = st.floats(0.1, 3600).flatmap(
+    lambda initial: st.fixed_dictionaries(
+        {"initialSeconds": st.just(initial), "maxSeconds": st.floats(initial, 86400), "factor": st.floats(1, 10)}
+    )
+)
+times = st.datetimes(datetime(2000, 1, 1), datetime(2100, 1, 1), timezones=st.just(timezone.utc))
+specs = st.fixed_dictionaries(
+    {"steps": st.lists(steps, min_size=1, max_size=4, unique_by=lambda s: s["name"])},
+    optional={
+        "payload": st.dictionaries(words, json_values, max_size=4),
+        "retry": st.fixed_dictionaries(
+            {},
+            optional={
+                "maxAttempts": st.integers(1, 100),
+                "maxDisruptions": st.integers(0, 1000),
+                "backoff": backoffs,
+                "jitter": st.sampled_from(["Full", "None"]),
+            },
+        ),
+        "lease": st.fixed_dictionaries({"durationSeconds": st.integers(5, 600)}),
+        "timeoutSeconds": st.integers(1, 604800),
+        "notBefore": times.map(lambda t: t.isoformat().replace("+00:00", "Z")),
+        "concurrencyKey": regex(models.KEY_PATTERN, 253),
+        "priority": st.integers(-1000, 1000),
+        "idempotencyKey": regex(models.KEY_PATTERN, 253),
+        "cancel": st.booleans(),
+        "worker": st.fixed_dictionaries(
+            {},
+            optional={
+                "image": words.filter(bool),
+                "serviceAccountName": regex(models.DNS_SUBDOMAIN_PATTERN, 253),
+                "resources": st.fixed_dictionaries(
+                    {}, optional={"requests": st.dictionaries(st.sampled_from(["cpu", "memory"]), st.sampled_from(["100m", "1Gi", 2]))}
+                ),
+                "nodeSelector": st.dictionaries(words, words, max_size=2),
+            },
+        ),
+    },
+)
+generated_names = itertools.count()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(spec=specs)
+def test_every_spec_the_model_accepts_the_api_server_accepts_and_stores_as_the_model_reads_it(tasks, spec):
+    wire = TaskSpec.model_validate(spec).to_json()
+    name = f"generated-{next(generated_names)}"
+    created = tasks.apply(name, spec, verb="create")
+    assert created.returncode == 0, created.stderr
+    assert tasks.get(name)["spec"] == wire
+    tasks.kubectl("delete", "task", name, "--wait=false")
 
 
 def test_unknown_field_is_refused_by_strict_field_validation(tasks):

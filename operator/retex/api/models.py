@@ -48,8 +48,9 @@ CONDITION_MESSAGE_MAX_CHARS = 32768
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# ASCII classes only, so Go's RE2 (API server) and Rust's regex (pydantic) agree on every string.
 # The authority may not contain '@': credentials in a URL would be stored in the Task.
-URL_PATTERN = r"^https?://[^\s/?#@]+([/?#]\S*)?$"
+URL_PATTERN = r"^https?://[-A-Za-z0-9._~%!$&'()*+,;=:\[\]]+([/?#][!-~]*)?$"
 HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
 CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 KEY_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
