@@ -71,8 +71,8 @@ def test_a_worker_whose_renewals_stop_is_replaced_within_lease_ttl_plus_5s(retex
 
 
 def test_a_released_lease_is_replaced_at_once_without_waiting_for_expiry(retex):
-    apply(retex, "evicted", [sh("first", "echo one"), sh("long", "sleep 6; echo two", idempotent=True)],
-          lease={"durationSeconds": 60})
+    apply(retex, "evicted", [sh("first", "echo one"), sh("long", "sleep 3; echo two", idempotent=True),
+                             sh("third", "echo three")], lease={"durationSeconds": 60})
     wait_for(lambda: (status(retex, "evicted").get("steps") or [{}])[0].get("state") == "done", timeout=60,
              what="first step committed")
     pod = status(retex, "evicted")["lease"]["holder"].rsplit(":", 1)[0]

@@ -55,6 +55,7 @@ def test_the_worker_gets_its_epoch_and_lease_and_the_dsn_only_from_a_secret():
     assert env["RETEX_LEASE_DURATION_SECONDS"]["value"] == "15"
     assert env["RETEX_DATABASE_URL"]["valueFrom"] == {"secretKeyRef": {"name": "retex-db", "key": "dsn"}}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["RETEX_DRAIN_SECONDS"]["value"] == "25"  # 30 s grace, 5 s to commit and release
 
 
 def test_the_worker_pod_is_non_root_without_capabilities():

@@ -102,6 +102,8 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "TMPDIR", "value": "/tmp"},
+        # The running step may finish after SIGTERM, leaving time to commit and release the Lease.
+        {"name": "RETEX_DRAIN_SECONDS", "value": str(max(1, defaults.termination_grace_seconds - 5))},
     ]
     if failpoint:
         env.append({"name": "RETEX_FAILPOINT", "value": failpoint})
