@@ -75,10 +75,10 @@ def retrying(what: str, fn, *, give_up: threading.Event | None = None):
         except (urllib3.exceptions.HTTPError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
         log.warning("%s failed (%s); retrying in %.1fs", what, error, delay)
-        if give_up is not None and give_up.wait(delay):
-            return None
         if give_up is None:
             time.sleep(delay)
+        elif give_up.wait(delay):  # e.g. the pod vanished: nothing left to write
+            return None
         delay = min(delay * 2, 2.0)
 
 
@@ -270,6 +270,7 @@ class PodWorker:
         self.containers: list[Container] = []
         self.init_containers: list[Container] = []
         self.start_time: datetime.datetime | None = None
+        self.transitions: dict[str, tuple[str, str]] = {}  # condition -> (status, since)
         self.thread = threading.Thread(target=self._main, name=f"pod-{self.name}", daemon=True)
         self.update(pod)
 
@@ -286,10 +287,12 @@ class PodWorker:
         try:
             self._run()
         except Exception:
+            # A rig bug. The dead worker stays registered as a tombstone, so later events for
+            # this pod cannot start its command a second time.
             log.error("pod %s/%s: worker failed:\n%s", self.namespace, self.name,
                       traceback.format_exc())
             self._kill_all(signal.SIGKILL)
-        finally:
+        else:
             self.agent.forget(self.uid)
 
     # -- API writes --
@@ -307,12 +310,16 @@ class PodWorker:
             log.info("pod %s/%s gone before its status could be written", self.namespace, self.name)
 
     def _conditions(self, ready: bool, reason: str | None = None) -> list[dict]:
-        t = rfc3339(now())
-        conditions = [{"type": "PodReadyToStartContainers", "status": "True", "lastTransitionTime": t},
-                      {"type": "Initialized", "status": "True", "lastTransitionTime": t}]
-        for kind in ("ContainersReady", "Ready"):
-            condition = {"type": kind, "status": str(ready), "lastTransitionTime": t}
-            if reason:
+        wanted = {"PodReadyToStartContainers": "True", "Initialized": "True",
+                  "ContainersReady": str(ready), "Ready": str(ready)}
+        conditions = []
+        for kind, status in wanted.items():
+            # lastTransitionTime moves only when the status does, as the kubelet reports it.
+            if self.transitions.get(kind, ("", ""))[0] != status:
+                self.transitions[kind] = (status, rfc3339(now()))
+            condition = {"type": kind, "status": status,
+                         "lastTransitionTime": self.transitions[kind][1]}
+            if reason and kind in ("ContainersReady", "Ready"):
                 condition["reason"] = reason
             conditions.append(condition)
         return conditions
@@ -411,6 +418,8 @@ class PodWorker:
         for c in (pod.spec.init_containers or []) + pod.spec.containers:
             env = base | container_env(pod, c, resolver)
             user = run_as(pod, c)
+            if os.geteuid() != 0:  # only root can switch users: run as the agent's user
+                user = None
             argv = [expand(a, env) for a in (c.command or []) + (c.args or [])]
             if not c.command:
                 raise ConfigError(f"container {c.name} has no command: the rig has no images "
@@ -446,7 +455,7 @@ class PodWorker:
     def _start(self, c: Container, plan: dict) -> None:
         argv, env, user = plan[c.name]
         spec = c.spec
-        if user is not None and os.geteuid() == 0:
+        if user is not None:
             uid, gid, groups = user
             sc = spec.security_context
             argv = ["setpriv", f"--reuid={uid}", f"--regid={gid}",
@@ -713,6 +722,8 @@ class Agent:
     def _on_pod_gone(self, uid: str) -> None:
         with self.lock:
             worker = self.workers.get(uid)
+            if worker is not None and not worker.thread.is_alive():
+                del self.workers[uid]  # a tombstone: its pod is gone now
         if worker is not None:
             worker.vanish()
 

@@ -8,6 +8,7 @@ import os
 import pytest
 from kubernetes import client
 
+from e2e.rig.controlplane import wait_for
 from e2e.rig.waits import container_pid, wait_job_finished, wait_pod_phase
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("RETEX_KUBECONFIG")),
@@ -43,7 +44,7 @@ def test_paused_pod_is_stopped_until_resumed(rig, apis, tmp_path):
     pid = container_pid(wait_pod_phase(core, NAMESPACE, "sleeper", "Running"))
 
     rig.pause_pod(NAMESPACE, "sleeper")
-    assert process_state(pid) == "T"
+    wait_for("the pod's process stopped", lambda: process_state(pid) == "T", 5)  # async delivery
     go.touch()
     assert core.read_namespaced_pod("sleeper", NAMESPACE).status.phase == "Running"
 
