@@ -12,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
 
+import kubernetes.client
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -37,6 +38,12 @@ NAMESPACE = "retex-task-api-test"
 T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
 
 
+def as_json(value: Any) -> str:
+    # kubectl reads JSON with a YAML parser, which refuses escaped surrogate pairs such as
+    # "\ud800\udc00": characters outside the BMP must be written as they are.
+    return json.dumps(value, ensure_ascii=False)
+
+
 class Tasks:
     """kubectl on Tasks in the test namespace."""
 
@@ -48,16 +55,16 @@ class Tasks:
 
     def apply(self, name: str, spec: dict[str, Any], check: bool = False, verb: str = "apply"):
         manifest = {"apiVersion": models.API_VERSION, "kind": models.KIND, "metadata": {"name": name}, "spec": spec}
-        return self.kubectl(verb, "-f", "-", input=json.dumps(manifest), check=check)
+        return self.kubectl(verb, "-f", "-", input=as_json(manifest), check=check)
 
     def get(self, name: str) -> dict[str, Any]:
         return json.loads(self.kubectl("get", "task", name, "-o", "json").stdout)
 
     def patch_spec(self, name: str, patch: Any, type: str = "merge"):
-        return self.kubectl("patch", "task", name, f"--type={type}", "-p", json.dumps(patch), check=False)
+        return self.kubectl("patch", "task", name, f"--type={type}", "-p", as_json(patch), check=False)
 
     def write_status(self, name: str, status: TaskStatus, check: bool = True):
-        patch = json.dumps({"status": status.to_json()})
+        patch = as_json({"status": status.to_json()})
         return self.kubectl("patch", "task", name, "--subresource=status", "--type=merge", "-p", patch, check=check)
 
 
@@ -102,7 +109,7 @@ def test_every_task_example_in_the_docs_is_accepted(tasks):
     examples = docs_task_examples()
     assert len(examples) >= 3
     for example in examples:
-        tasks.kubectl("apply", "-f", "-", input=json.dumps(example))
+        tasks.kubectl("apply", "-f", "-", input=as_json(example))
         stored = tasks.get(example["metadata"]["name"])["spec"]
         assert stored == TaskSpec.model_validate(example["spec"]).to_json()
 
@@ -361,6 +368,76 @@ def test_full_status_round_trips_through_the_status_subresource_without_pruning(
     assert TaskStatus.model_validate(stored) == status
 
 
+long_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=6000)
+step_statuses = st.builds(
+    StepStatus,
+    name=regex(models.DNS_LABEL_PATTERN, 63),
+    state=st.sampled_from(StepState),
+    attempt=st.none() | st.integers(0, 1000),
+    started_at=st.none() | times,
+    finished_at=st.none() | times,
+    result=st.none() | long_text,
+    error=st.none() | long_text,
+)
+condition_updates = st.lists(
+    st.tuples(
+        st.sampled_from(ConditionType),
+        st.sampled_from(["True", "False", "Unknown"]),
+        regex(models.CONDITION_REASON_PATTERN, 1024),
+        long_text,
+        times,
+    ),
+    max_size=8,
+)
+
+
+@st.composite
+def task_statuses(draw) -> TaskStatus:
+    conditions: list[Condition] = []
+    for type, status, reason, message, now in draw(condition_updates):
+        conditions = set_condition(conditions, type, status, reason, message, observed_generation=1, now=now)
+    total = draw(st.integers(0, models.MAX_STEPS))
+    return TaskStatus(
+        phase=draw(st.none() | st.sampled_from(TaskPhase)),
+        attempt=draw(st.none() | st.integers(0, 1000)),
+        completed_steps=draw(st.integers(0, total)),
+        total_steps=total,
+        steps=draw(st.lists(step_statuses, max_size=5, unique_by=lambda step: step.name)) or None,
+        lease=draw(st.none() | st.builds(LeaseStatus, holder=words, renewed_at=times, duration_seconds=st.integers(1, 600))),
+        retries=draw(st.none() | st.integers(0, 100)),
+        disruptions=draw(st.none() | st.integers(0, 100)),
+        conditions=conditions or None,
+        start_time=draw(st.none() | times),
+        completion_time=draw(st.none() | times),
+        last_error=draw(st.none() | long_text),
+    )
+
+
+@pytest.fixture(scope="module")
+def status_target(tasks) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """A task whose status a test replaces through the Python client, as the operator writes it."""
+    tasks.apply("status-target", spec_with(), check=True)
+    with tasks.rig.api_client() as api:
+        objects = kubernetes.client.CustomObjectsApi(api)
+        where = (models.GROUP, models.VERSION, NAMESPACE, models.PLURAL, "status-target")
+        yield lambda json_patch: objects.patch_namespaced_custom_object_status(
+            *where, json_patch, _content_type="application/json-patch+json"
+        )
+
+
+ledger_versions = itertools.count(1)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(status=task_statuses())
+def test_every_status_the_model_builds_is_stored_by_the_api_server_unchanged(status_target, status):
+    # Long results, errors and messages are truncated by the model to limits the API server accepts.
+    status = status.model_copy(update={"ledger_version": next(ledger_versions)})
+    stored = status_target([{"op": "add", "path": "/status", "value": status.to_json()}])["status"]
+    assert stored == status.to_json()
+    assert TaskStatus.model_validate(stored) == status
+
+
 def test_status_written_with_the_spec_is_ignored(tasks):
     manifest = {
         "apiVersion": models.API_VERSION,
@@ -369,7 +446,7 @@ def test_status_written_with_the_spec_is_ignored(tasks):
         "spec": spec_with(),
         "status": {"phase": "Succeeded"},
     }
-    tasks.kubectl("apply", "-f", "-", input=json.dumps(manifest))
+    tasks.kubectl("apply", "-f", "-", input=as_json(manifest))
     assert "status" not in tasks.get("status-in-manifest")
 
 
