@@ -309,8 +309,8 @@ class PodWorker:
                 raise
             log.info("pod %s/%s gone before its status could be written", self.namespace, self.name)
 
-    def _conditions(self, ready: bool, reason: str | None = None) -> list[dict]:
-        wanted = {"PodReadyToStartContainers": "True", "Initialized": "True",
+    def _conditions(self, ready: bool, reason: str | None, initialized: bool) -> list[dict]:
+        wanted = {"PodReadyToStartContainers": "True", "Initialized": str(initialized),
                   "ContainersReady": str(ready), "Ready": str(ready)}
         conditions = []
         for kind, status in wanted.items():
@@ -325,12 +325,13 @@ class PodWorker:
         return conditions
 
     def _report(self, phase: str, *, ready: bool = False, condition_reason: str | None = None,
-                reason: str | None = None, message: str | None = None) -> None:
+                reason: str | None = None, message: str | None = None,
+                initialized: bool = True) -> None:
         status = {
             "phase": phase, "hostIP": POD_IP, "hostIPs": [{"ip": POD_IP}],
             "podIP": POD_IP, "podIPs": [{"ip": POD_IP}],
             "startTime": rfc3339(self.start_time or now()),
-            "conditions": self._conditions(ready, condition_reason),
+            "conditions": self._conditions(ready, condition_reason, initialized),
             "containerStatuses": [c.status() for c in self.containers],
         }
         if self.init_containers:
@@ -514,7 +515,7 @@ class PodWorker:
     def _run_init_containers(self, plan: dict) -> bool:
         for c in self.init_containers:
             self._start(c, plan)
-            self._report("Pending")
+            self._report("Pending", initialized=False)
             while not self._reap(c):
                 if self.deleting.is_set():
                     self._terminate([c])
@@ -522,7 +523,7 @@ class PodWorker:
             if c.exit_code != 0 or self.deleting.is_set():
                 for main in self.containers:
                     main.reason = "PodInitializing"
-                self._report("Failed", condition_reason="PodFailed")
+                self._report("Failed", condition_reason="PodFailed", initialized=False)
                 return False
         return True
 
@@ -558,11 +559,15 @@ class PodWorker:
                 if c.exit_code is None and self._reap(c):
                     changed = True
                     if self._should_restart(c) and not self.deleting.is_set():
-                        restart_at[c.name] = time.monotonic() + min(10.0, 0.5 * 2 ** c.restart_count)
+                        delay = min(10.0, 0.5 * 2 ** c.restart_count)
+                        restart_at[c.name] = time.monotonic() + delay
+                        c.last_state = c.state()
+                        c.proc, c.exit_code = None, None
+                        c.reason = "CrashLoopBackOff"
+                        c.message = f"back-off {delay:g}s restarting failed container={c.name}"
             for c in self.containers:
                 if c.name in restart_at and time.monotonic() >= restart_at[c.name]:
                     del restart_at[c.name]
-                    c.last_state = c.state()
                     c.restart_count += 1
                     self._start(c, plan)
                     changed = True
@@ -579,7 +584,7 @@ class PodWorker:
             if not restart_at and all(c.exit_code is not None for c in self.containers):
                 break
             if changed:
-                running = all(c.exit_code is None for c in self.containers)
+                running = all(c.proc is not None and c.exit_code is None for c in self.containers)
                 self._report("Running", ready=running)
             time.sleep(0.1)
 

@@ -83,24 +83,29 @@ class ExternalCluster:
 
 
 @pytest.fixture(scope="session")
-def rig():
+def rig(request):
     """The local cluster (e2e.rig.controlplane.Rig), or ExternalCluster under RETEX_KUBECONFIG."""
     external = os.environ.get("RETEX_KUBECONFIG")
     if external:
         yield ExternalCluster(Path(external))
         return
-    sweep_orphans()
+    # Start-up and teardown progress goes to the terminal, not into pytest's captured output:
+    # nobody should stare at a silent terminal while the rig (or a cold build) starts.
+    uncaptured = request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled
     state_dir = os.environ.get("RETEX_RIG_STATE_DIR") or tempfile.mkdtemp(prefix="retex-rig-")
     cluster = Rig(Path(state_dir))
     try:
-        cluster.up(owner_pid=os.getpid())
+        with uncaptured():
+            sweep_orphans()
+            cluster.up(owner_pid=os.getpid())
         yield cluster
     finally:
-        cluster.down()
-        if os.environ.get("RETEX_RIG_KEEP"):
-            say(f"rig stopped; state kept in {cluster.state_dir}")
-        else:
-            shutil.rmtree(cluster.state_dir, ignore_errors=True)
+        with uncaptured():
+            cluster.down()
+            if os.environ.get("RETEX_RIG_KEEP"):
+                say(f"rig stopped; state kept in {cluster.state_dir}")
+            else:
+                shutil.rmtree(cluster.state_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

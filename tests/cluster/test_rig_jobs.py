@@ -7,7 +7,7 @@ import os
 import pytest
 from kubernetes import client
 
-from e2e.rig.waits import job_pods, wait_job_finished
+from e2e.rig.waits import job_pods, wait_job_finished, wait_pod_phase
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("RETEX_KUBECONFIG")),
                                 reason="proves the local rig itself")
@@ -82,3 +82,19 @@ def test_kubectl_works_against_the_rig_kubeconfig(rig):
     ready = rig.kubectl("get", "nodes", "-o",
                         'jsonpath={.items[*].status.conditions[?(@.type=="Ready")].status}').stdout
     assert ready.split() == ["True"] * len(rig.nodes)
+
+
+def test_on_failure_pod_is_restarted_in_place_and_then_succeeds(rig, apis):
+    core, _ = apis
+    # The working directory survives restarts (it is the pod's), so the second run succeeds.
+    core.create_namespaced_pod(NAMESPACE, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "second-time-lucky"},
+        "spec": {"restartPolicy": "OnFailure", "containers": [{
+            "name": "main", "image": "retex",
+            "command": ["sh", "-c", "[ -e tried ] || { touch tried; exit 1; }"]}]}})
+
+    pod = wait_pod_phase(core, NAMESPACE, "second-time-lucky", "Succeeded", "Failed")
+    assert pod.status.phase == "Succeeded"
+    status = pod.status.container_statuses[0]
+    assert status.restart_count == 1
+    assert status.last_state.terminated.exit_code == 1
