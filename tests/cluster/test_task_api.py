@@ -8,6 +8,7 @@ import itertools
 import json
 import re
 import time
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +35,8 @@ from tests.unit.test_api_refusals import REFUSALS, spec_with, step
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "tasks.retex.dev.yaml"
-NAMESPACE = "retex-task-api-test"
+# Unique per session: on an external cluster (RETEX_KUBECONFIG) an earlier run's namespace may linger.
+NAMESPACE = f"retex-task-api-{uuid.uuid4().hex[:8]}"
 T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
 
 
