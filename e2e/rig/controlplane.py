@@ -221,11 +221,28 @@ class Rig:
         say(f"state directory {self.state_dir}")
 
         pkilib.create(self.pki.dir)
+        for attempt in (1, 2):
+            try:
+                self._start_control_plane(bins)
+                break
+            except RigError as e:
+                # Ports are free when chosen, but another process may bind one before we do.
+                if attempt == 2 or "address already in use" not in str(e):
+                    raise
+                say("a port was taken in the meantime: starting again on fresh ports")
+                self.kill_recorded_processes()
+                shutil.rmtree(self.state_dir / "etcd", ignore_errors=True)
+        for node in self.nodes:
+            self.start_node(node)
+        self.wait_nodes_ready(self.nodes)
+        self._wait_default_service_account()
+        say(f"rig is up in {time.monotonic() - started:.1f}s: kubeconfig {self.kubeconfig}")
+
+    def _start_control_plane(self, bins: dict[str, Path]) -> None:
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
         self.ports = dict(zip(names, _free_ports(len(names))))
         self._save()
         self._write_kubeconfigs()
-
         self._start_etcd(bins)
         self._wait_etcd()
         self._start_apiserver(bins)
@@ -234,11 +251,6 @@ class Rig:
         self._start_scheduler(bins)
         self._wait_component("kube-controller-manager", self.ports["controller-manager"])
         self._wait_component("kube-scheduler", self.ports["scheduler"])
-        for node in self.nodes:
-            self.start_node(node)
-        self.wait_nodes_ready(self.nodes)
-        self._wait_default_service_account()
-        say(f"rig is up in {time.monotonic() - started:.1f}s: kubeconfig {self.kubeconfig}")
 
     def down(self) -> None:
         """Stop every process the rig started (agents and pods first, etcd last)."""
