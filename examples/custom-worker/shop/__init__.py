@@ -1,0 +1,1 @@
+"""Example step code for a custom worker image (examples/custom-worker/Dockerfile)."""
