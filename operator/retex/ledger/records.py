@@ -25,6 +25,9 @@ class TaskAdmission:
     backoff: Backoff = field(default_factory=Backoff)
     idempotency_key: str | None = None
     not_before: datetime | None = None
+    concurrency_key: str | None = None
+    priority: int = 0
+    timeout_seconds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class TaskRecord:
     max_attempts: int
     max_disruptions: int
     not_before: datetime | None
+    concurrency_key: str | None
+    priority: int
+    deadline_at: datetime | None
     cancel_requested: bool
     last_error: str | None
     version: int

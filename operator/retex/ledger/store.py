@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 NOTIFY_CHANNEL = "retex_ledger"
+# Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
+PLACEMENT_LOCK_KEY = 0x706C616365
 # Transient: the operation did not happen or will be found done when repeated.
 _TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
 
@@ -174,6 +176,8 @@ class Ledger:
         ).fetchone()
         self._history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
                       to_state=str(new_phase), detail=detail)
+        if task["phase"] == TaskPhase.RUNNING and new_phase != TaskPhase.RUNNING:
+            self._fill_slots(cur, actor)  # a running slot (and perhaps a concurrency key) came free
         return updated
 
     @staticmethod
@@ -209,21 +213,69 @@ class Ledger:
                        actor: str, **columns: Any) -> dict[str, Any]:
         """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
         epoch = task["epoch"] + 1
+        if task["deadline_at"] is None and task["timeout_seconds"]:
+            columns["deadline_at"] = _db_now(cur) + timedelta(seconds=task["timeout_seconds"])
         updated = self._transition(cur, task, event, actor, detail={"cause": cause}, epoch=epoch,
-                                   not_before=None, reason=None, started_at=task["started_at"] or _NOW, **columns)
+                                   not_before=None, reason=None, next_cause=None,
+                                   started_at=task["started_at"] or _NOW, **columns)
         cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
                     (task["uid"], epoch, cause))
         cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task["uid"], epoch))
         return updated
 
-    def _place(self, cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> dict[str, Any]:
-        """A task that may run: schedule it for later or start its attempt now."""
+    def _place(self, cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> None:
+        """A task that may run: schedule it for later, or queue it and fill the free slots (which
+        starts it at once when limits, its concurrency key and the queue ahead of it allow)."""
         due = task["not_before"] is None or cur.execute(
             "SELECT %s <= now() AS due", (task["not_before"],)
         ).fetchone()["due"]
         if not due:
-            return self._transition(cur, task, TaskEvent.SCHEDULE, actor)
-        return self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, cause, actor)
+            self._transition(cur, task, TaskEvent.SCHEDULE, actor)
+            return
+        self._transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
+        self._fill_slots(cur, actor)
+
+    def _fill_slots(self, cur: psycopg.Cursor, actor: str) -> None:
+        """Start Queued tasks while the run limits allow: per concurrency key only the oldest
+        queued task may run, and only when no task of that key is Running, Retrying or waiting
+        for a human (per-entity order); among what may run, higher priority first, then older.
+
+        Serialized by a transaction-scoped advisory lock, so concurrent placements never exceed
+        a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
+        while holding the lock (whoever holds that row places it when it is done)."""
+        cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
+        limits = cur.execute("SELECT * FROM retex.run_limits").fetchone()
+        by_namespace = {r["namespace"]: r["n"] for r in cur.execute(
+            "SELECT namespace, count(*) AS n FROM retex.tasks WHERE phase = 'Running' GROUP BY namespace")}
+        total = sum(by_namespace.values())
+        busy_keys = {(r["namespace"], r["concurrency_key"]) for r in cur.execute(
+            """SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
+               AND phase IN ('Running', 'Retrying', 'NeedsAttention')""")}
+        candidates = cur.execute(
+            """SELECT uid, namespace, concurrency_key, priority, created_at FROM (
+                   SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority, created_at
+                   FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL
+                   ORDER BY namespace, concurrency_key, created_at, uid) AS key_heads
+               UNION ALL
+               SELECT uid, namespace, concurrency_key, priority, created_at
+               FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL
+               ORDER BY priority DESC, created_at, uid""").fetchall()
+        for candidate in candidates:
+            if limits["max_running"] is not None and total >= limits["max_running"]:
+                return
+            namespace = candidate["namespace"]
+            per_namespace = limits["max_running_per_namespace"]
+            if per_namespace is not None and by_namespace.get(namespace, 0) >= per_namespace:
+                continue
+            if (namespace, candidate["concurrency_key"]) in busy_keys:
+                continue
+            task = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s AND phase = 'Queued' FOR UPDATE SKIP LOCKED",
+                               (candidate["uid"],)).fetchone()
+            if task is None:
+                continue
+            self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, task["next_cause"] or "first", actor)
+            total += 1
+            by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
 
     @staticmethod
     def _end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str) -> None:
@@ -248,12 +300,14 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> AdmitResult:
             inserted = cur.execute(
                 """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
-                                            max_attempts, max_disruptions, backoff, not_before)
-                   VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s)
+                                            max_attempts, max_disruptions, backoff, not_before,
+                                            concurrency_key, priority, timeout_seconds)
+                   VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s, %s, %s, %s)
                    ON CONFLICT DO NOTHING RETURNING *""",
                 (admission.uid, admission.namespace, admission.name, Jsonb(admission.spec),
                  spec_hash(admission.spec), admission.idempotency_key, admission.max_attempts,
-                 admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before),
+                 admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before,
+                 admission.concurrency_key, admission.priority, admission.timeout_seconds),
             ).fetchone()
             if inserted is None:
                 return _existing_admission(cur, admission)
@@ -295,9 +349,20 @@ class Ledger:
         return self._tx(op, op="replace_attempt")
 
     def promote_due(self, *, limit: int = 100, actor: str = "operator") -> list[str]:
-        """Start the attempts of Scheduled and Retrying tasks whose time has come."""
+        """Queue the Scheduled and Retrying tasks whose time has come, fail those past their
+        deadline, and fill the free slots. Returns the uids that were due."""
 
         def op(cur: psycopg.Cursor) -> list[str]:
+            overdue = cur.execute(
+                """SELECT * FROM retex.tasks WHERE deadline_at <= now()
+                   AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled') LIMIT %s FOR UPDATE SKIP LOCKED""",
+                (limit,),
+            ).fetchall()
+            for task in overdue:
+                if task["phase"] == TaskPhase.RUNNING:
+                    self._end_attempt(cur, task["uid"], task["epoch"], "failed")
+                self._transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
+                                 last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
             due = cur.execute(
                 """SELECT * FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying') AND not_before <= now()
                    ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
@@ -305,19 +370,36 @@ class Ledger:
             ).fetchall()
             for task in due:
                 cause = "retry" if task["phase"] == TaskPhase.RETRYING else "first"
-                self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, cause, actor)
+                self._transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
+            if due:
+                self._fill_slots(cur, actor)
             return [task["uid"] for task in due]
 
         return self._tx(op, op="promote_due")
 
     def next_due_at(self) -> datetime | None:
-        """When the earliest Scheduled or Retrying task becomes due: the promoter sleeps until then."""
+        """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
+        the promoter sleeps until then instead of keeping a timer per task."""
         return self._tx(
             lambda cur: cur.execute(
-                "SELECT min(not_before) AS at FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')"
+                """SELECT least(
+                       (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
+                       (SELECT min(deadline_at) FROM retex.tasks
+                        WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled'))) AS at"""
             ).fetchone()["at"],
             op="next_due_at",
         )
+
+    def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
+        """Limits on running attempts, for every process that places tasks; then fill the slots
+        that raised limits opened."""
+
+        def op(cur: psycopg.Cursor) -> None:
+            cur.execute("UPDATE retex.run_limits SET max_running = %s, max_running_per_namespace = %s",
+                        (max_running, max_running_per_namespace))
+            self._fill_slots(cur, "operator")
+
+        self._tx(op, op="set_run_limits")
 
     def request_cancel(self, uid: str, *, actor: str = "operator") -> TaskRecord:
         """Waiting tasks are cancelled at once; a running one at its worker's next step boundary."""
@@ -376,7 +458,8 @@ class Ledger:
                 names = ", ".join(row["name"] for row in flagged)
                 raise IllegalTransition("task", task["phase"], f"requeue before resolving step(s) {names}")
             pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
-                                       dead_lettered=False, reason=None, finished_at=None, not_before=None)
+                                       dead_lettered=False, reason=None, finished_at=None, not_before=None,
+                                       deadline_at=None)
             self._place(cur, pending, "requeue", actor)
             return self._record(cur, uid)
 
