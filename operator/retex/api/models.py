@@ -449,16 +449,16 @@ class TaskSpec(ApiModel):
     retry: RetryPolicy = defaulted(RetryPolicy)
     lease: LeasePolicy = defaulted(LeasePolicy)
     timeout_seconds: Annotated[int, Field(ge=1, le=604800)] | None = None
-    """Wall-clock limit for each attempt: the worker Job's activeDeadlineSeconds, after which
-    Kubernetes stops the attempt. Unset: no limit beyond the step timeouts."""
+    """Wall-clock limit for the whole task, from its first start and across attempts; then it fails
+    with reason Timeout and its worker is fenced out. Unset: no limit beyond the step timeouts."""
     not_before: AwareDatetime | None = None
     """Do not start before this time (RFC 3339, e.g. 2026-12-24T18:00:00Z)."""
     concurrency_key: Key | None = None
-    """Tasks in a namespace with the same key are to run one at a time. Not acted on yet: retex
-    stores the key but does not serialize on it."""
+    """Tasks in a namespace with the same key run one at a time, oldest first (per-entity order): a
+    task waits in Queued while another with the key is Running, Retrying or NeedsAttention."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
-    """Higher is to run first when tasks wait for capacity. Not acted on yet: retex stores it but
-    does not order by it."""
+    """Among queued tasks that may run, higher priority starts first, then older (a concurrency
+    key's order is by creation only)."""
     idempotency_key: Key | None = None
     """Submission de-duplication: a second task in the namespace with the same key is not run."""
     cancel: Annotated[bool, Field(json_schema_extra=validations(cel("self || !oldSelf", MSG_CANCEL_IRREVERSIBLE)))] = False
