@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client import BatchV1Api, CoreV1Api
 
@@ -58,8 +62,9 @@ def api(rig):
 class Task:
     """A task admitted to the ledger with its Lease created, as the operator would leave them."""
 
-    def __init__(self, ledger: Ledger, api, tmp_path: Path, steps: list[dict], counts: Path | None = None):
-        self.ledger, self.api, self.tmp_path = ledger, api, tmp_path
+    def __init__(self, ledger: Ledger, api, tmp_path: Path, steps: list[dict], counts: Path | None = None,
+                 duration: int = DURATION):
+        self.ledger, self.api, self.tmp_path, self.duration = ledger, api, tmp_path, duration
         self.counts = counts or tmp_path / "deliveries"
         self.uid = str(uuid.uuid4())
         self.name = f"order-{self.uid[:8]}"
@@ -75,7 +80,7 @@ class Task:
         self.lease_name = lease_name(self.name, self.uid)
         client.CoordinationV1Api(api).create_namespaced_lease(
             NAMESPACE, build_lease(task_name=self.name, task_uid=self.uid, namespace=NAMESPACE,
-                                   duration_seconds=DURATION))
+                                   duration_seconds=duration))
 
     def lease(self) -> dict:
         return read_lease(self.api, NAMESPACE, self.lease_name, timeout=5)
@@ -105,7 +110,7 @@ class Worker:
         environment = {
             **os.environ, "KUBECONFIG": str(kubeconfig), "RETEX_TASK_UID": task.uid,
             "RETEX_TASK_NAMESPACE": NAMESPACE, "RETEX_TASK_NAME": task.name, "RETEX_EPOCH": str(epoch),
-            "RETEX_LEASE_NAME": task.lease_name, "RETEX_LEASE_DURATION_SECONDS": str(DURATION),
+            "RETEX_LEASE_NAME": task.lease_name, "RETEX_LEASE_DURATION_SECONDS": str(task.duration),
             "RETEX_DATABASE_URL": dsn, "POD_NAME": pod, "NODE_NAME": "host", **extra_env,
         }
         with open(self.log_path, "wb") as log:
@@ -287,3 +292,140 @@ def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, dsn, rig,
     assert released_by(task.lease()).identity == f"{pod.metadata.name}:1"
     assert task.ledger.attempts(task.uid)[0].node == pod.spec.node_name
     assert task.deliveries() == [task.key(0)]
+
+
+def test_a_worker_that_loses_its_lease_finishes_the_running_step_and_starts_no_other(new_task, dsn, rig, api):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(DURATION + 1)}},
+                     {"name": "ship", "exec": {"command": EFFECT}}])
+    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    client.CoordinationV1Api(api).delete_namespaced_lease(task.lease_name, NAMESPACE)
+    assert worker.wait() == 75, worker.log()
+    assert [s.state for s in task.record().steps] == [StepState.DONE, StepState.PENDING]
+    assert task.deliveries() == [task.key(0)]
+    assert "lease lost" in worker.log()
+
+
+def wait_for_file(go: Path) -> list[str]:
+    """A step that delivers once the test creates `go`."""
+    return [PY, "-c", f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+                      "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+
+
+class CuttableProxy:
+    """A TCP forwarder to the API server that a test can cut: while cut, every connection is reset
+    and new ones are closed at once. An API outage for one worker, exactly as long as asked."""
+
+    def __init__(self, target: str):
+        url = urlsplit(target)
+        self._target = (url.hostname, url.port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._cut = threading.Event()
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self._listener.accept()
+            except OSError:
+                return
+            if self._cut.is_set():
+                downstream.close()
+                continue
+            upstream = socket.create_connection(self._target)
+            with self._lock:
+                self._open += [downstream, upstream]
+            for source, sink in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def cut_for(self, seconds: float) -> None:
+        self._cut.set()
+        with self._lock:
+            for sock in self._open:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._open.clear()
+        time.sleep(seconds)
+        self._cut.clear()
+
+    def kubeconfig(self, original: Path, path: Path) -> Path:
+        config = yaml.safe_load(original.read_text())
+        for cluster in config["clusters"]:
+            cluster["cluster"]["server"] = f"https://127.0.0.1:{self.port}"
+        path.write_text(yaml.safe_dump(config))
+        return path
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.fixture
+def proxy(rig, tmp_path):
+    server = yaml.safe_load(Path(rig.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
+    forwarder = CuttableProxy(server)
+    yield forwarder
+    forwarder.close()
+
+
+def test_renewal_rides_out_an_api_outage_shorter_than_the_lease_duration(new_task, dsn, rig, proxy, tmp_path):
+    go = tmp_path / "go"
+    task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
+                     {"name": "ship", "exec": {"command": EFFECT}}], duration=6)
+    worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    proxy.cut_for(3)  # renewals every 2 s: at least one fails; 3 s < 6 s
+    cut_over = task.lease()["spec"]["renewTime"]
+    wait_until("a renewal after the outage", lambda: task.lease()["spec"]["renewTime"] != cut_over)
+    go.touch()
+    assert worker.wait() == 0, worker.log()
+    assert "lease renewal failed" in worker.log()
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert task.deliveries() == [task.key(0), task.key(1)]
+
+
+def test_renewals_failing_for_longer_than_the_duration_stop_the_worker_before_the_next_step(
+        new_task, dsn, rig, proxy, tmp_path):
+    go = tmp_path / "go"
+    task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
+                     {"name": "ship", "exec": {"command": EFFECT}}])
+    worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    threading.Thread(target=proxy.cut_for, args=(DURATION + 3,), daemon=True).start()
+    time.sleep(DURATION + 1.5)  # no renewal has landed for longer than the duration
+    go.touch()
+    assert worker.wait() == 75, worker.log()
+    assert [s.state for s in task.record().steps] == [StepState.DONE, StepState.PENDING]
+    assert task.deliveries() == [task.key(0)]
+
+
+def test_the_attempt_survives_a_real_api_server_restart(new_task, dsn, rig, tmp_path):
+    go = tmp_path / "go"
+    task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
+                     {"name": "ship", "exec": {"command": EFFECT}}], duration=20)
+    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    rig.restart_apiserver(hard=True)
+    go.touch()
+    assert worker.wait(60) == 0, worker.log()
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert released_by(task.lease()).identity == "pod-a:1"
+    assert task.deliveries() == [task.key(0), task.key(1)]

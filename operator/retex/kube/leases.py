@@ -197,6 +197,16 @@ def released(body: dict[str, Any], now: datetime) -> dict[str, Any]:
 
 # --- calls ------------------------------------------------------------------------------------
 
+
+def single_attempt_client(api: client.ApiClient) -> client.ApiClient:
+    """A client with `api`'s credentials whose calls are each one attempt, bounded by the request
+    timeout. urllib3's default retries would turn one renewal into four read timeouts in a row
+    while an API server restarts; the renewal loop retries on its own schedule instead."""
+    configuration = copy.deepcopy(api.configuration)
+    configuration.retries = False
+    return client.ApiClient(configuration)
+
+
 _LEASE_PATH = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
 
 

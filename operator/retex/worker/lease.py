@@ -47,7 +47,8 @@ class LeaseUnavailable(Exception):
 def is_transient(exc: BaseException) -> bool:
     """Errors worth retrying: no connection, timeouts, and the server's 429/5xx."""
     if isinstance(exc, client.ApiException):
-        return exc.status == 429 or (exc.status or 0) >= 500
+        # Status 0: the client wraps connection-level failures (TLS EOF, resets) without a response.
+        return not exc.status or exc.status == 429 or exc.status >= 500
     return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
 
 
@@ -114,7 +115,13 @@ class AttemptLease:
         while not self._stopping.wait(self.duration / 3):
             if self._taken_from_us:
                 return
-            self._renew_once()
+            try:
+                self._renew_once()
+            except Exception as exc:  # noqa: BLE001 - the renewer must outlive any one failure
+                # Even a non-transient error (RBAC revoked) only stops renewals landing: still_held()
+                # turns false after the duration and the worker stops at the next step boundary.
+                event(log, logging.WARNING if is_transient(exc) else logging.ERROR, "lease renewal failed",
+                      error=str(exc), seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
 
     def _renew_once(self) -> None:
         for _ in range(2):  # a conflict while we still hold it (someone touched metadata): once more
@@ -127,12 +134,6 @@ class AttemptLease:
                     return
             except LeaseNotFound:
                 self._lost("the lease was deleted")
-                return
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                event(log, logging.WARNING, "lease renewal failed", error=str(exc),
-                      seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
                 return
 
     def _refresh_if_ours(self) -> bool:

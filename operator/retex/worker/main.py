@@ -12,7 +12,7 @@ import sys
 
 from retex.failpoints import failpoint
 from retex.kube.client import api_client
-from retex.kube.leases import Holder
+from retex.kube.leases import Holder, single_attempt_client
 from retex.ledger import FenceRejected, Ledger, LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.worker import logs
@@ -60,7 +60,7 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
     if record.epoch != config.epoch or record.phase != TaskPhase.RUNNING:
         return AttemptEnd(ExitCode.STALE, f"task is {record.phase} at epoch {record.epoch}")
 
-    lease = AttemptLease(api_client(), config.namespace, config.lease_name, Holder(config.pod_name, config.epoch),
+    lease = AttemptLease(single_attempt_client(api_client()), config.namespace, config.lease_name, Holder(config.pod_name, config.epoch),
                          config.lease_duration_seconds)
     try:
         lease.acquire()
