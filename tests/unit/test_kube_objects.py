@@ -74,9 +74,11 @@ def test_pods_on_a_lost_node_are_evicted_quickly_and_user_tolerations_are_kept()
     assert {"key": "gpu", "operator": "Exists"} in tolerations
 
 
-def test_the_task_timeout_becomes_the_jobs_active_deadline():
+def test_the_time_left_of_the_task_becomes_the_jobs_active_deadline():
     assert "activeDeadlineSeconds" not in job()["spec"]
-    assert job(timeoutSeconds=600)["spec"]["activeDeadlineSeconds"] == 600
+    limited = build_job(task_name="t", task_uid=UID, namespace="ns", epoch=2, spec=spec(timeoutSeconds=600),
+                        defaults=DEFAULTS, active_deadline_seconds=310)
+    assert limited["spec"]["activeDeadlineSeconds"] == 310
 
 
 def test_spec_worker_overrides_image_account_resources_and_placement():

@@ -21,7 +21,8 @@ def record(phase=TaskPhase.RUNNING, states=("done", "started", "pending"), **ext
     )
     fields = dict(uid="u", namespace="ns", name="t", spec={}, spec_hash="h", phase=phase, reason=None,
                   dead_lettered=False, epoch=1, failures=0, disruptions=0, max_attempts=3, max_disruptions=10,
-                  not_before=None, cancel_requested=False, last_error=None, version=7, created_at=T0,
+                  not_before=None, concurrency_key=None, priority=0, deadline_at=None, cancel_requested=False,
+                  last_error=None, version=7, created_at=T0,
                   updated_at=T0, started_at=T0, finished_at=None, steps=steps)
     fields.update(extra)
     return TaskRecord(**fields)

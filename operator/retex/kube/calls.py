@@ -74,6 +74,12 @@ class KubeCalls:
             GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH
         )
 
+    def patch_task_labels(self, namespace: str, name: str, uid: str, labels: dict[str, str | None]) -> None:
+        """Merge-patch labels (None removes one) on the Task with this uid."""
+        body = {"metadata": {"uid": uid, "labels": labels}}
+        self._custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body,
+                                                    _content_type=MERGE_PATCH)
+
     def post_event(self, task: dict[str, Any], *, reason: str, message: str, warning: bool = False) -> None:
         meta = task["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

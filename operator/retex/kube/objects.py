@@ -83,7 +83,8 @@ def build_lease(*, task_name: str, task_uid: str, namespace: str, duration_secon
 
 
 def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec: TaskSpec,
-              defaults: WorkerDefaults, failpoint: str | None = None) -> dict[str, Any]:
+              defaults: WorkerDefaults, active_deadline_seconds: int | None = None,
+              failpoint: str | None = None) -> dict[str, Any]:
     """The Job of attempt `epoch`. Retries belong to retex, so the Job itself never retries.
 
     `failpoint` arms a crash point in the worker (crash-matrix tests only; see FAILPOINT_ANNOTATION)."""
@@ -150,8 +151,8 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         "ttlSecondsAfterFinished": defaults.ttl_after_finished_seconds,
         "template": {"metadata": {"labels": labels}, "spec": pod_spec},
     }
-    if spec.timeout_seconds:
-        job_spec["activeDeadlineSeconds"] = spec.timeout_seconds
+    if active_deadline_seconds:
+        job_spec["activeDeadlineSeconds"] = active_deadline_seconds
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

@@ -121,3 +121,4 @@ class Dispatch:
     namespace: str
     name: str
     spec: dict[str, Any]
+    deadline_at: datetime | None = None  # the task's timeout, if any: the Job gets the time left

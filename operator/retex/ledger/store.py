@@ -508,7 +508,7 @@ class Ledger:
         """
         with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
             rows = cur.execute(
-                """SELECT o.id, o.task_uid, o.epoch, t.namespace, t.name, t.spec,
+                """SELECT o.id, o.task_uid, o.epoch, t.namespace, t.name, t.spec, t.deadline_at,
                           (o.epoch = t.epoch AND t.phase = 'Running') AS current
                    FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
                    WHERE o.sent_at IS NULL ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
@@ -519,7 +519,7 @@ class Ledger:
                 cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
             dispatches = [
                 Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                         name=r["name"], spec=r["spec"])
+                         name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"])
                 for r in rows if r["current"]
             ]
 
@@ -687,6 +687,19 @@ class Ledger:
             return [_task_record(row, []) for row in rows]
 
         return self._tx(op, op="running")
+
+    def purge_finished(self, *, older_than_seconds: float) -> int:
+        """Delete tasks (with their steps, attempts and history) that ended that long ago: the
+        history-retention setting. Returns how many went."""
+
+        def op(cur: psycopg.Cursor) -> int:
+            return cur.execute(
+                """DELETE FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
+                   AND finished_at < now() - make_interval(secs => %s)""",
+                (older_than_seconds,),
+            ).rowcount
+
+        return self._tx(op, op="purge_finished")
 
     def versions(self) -> dict[str, int]:
         """uid → ledger version of every task: what a status resync compares against."""

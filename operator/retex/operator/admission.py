@@ -26,4 +26,7 @@ def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any]) 
                         factor=backoff.factor, full_jitter=parsed.retry.jitter == "Full"),
         idempotency_key=parsed.idempotency_key,
         not_before=parsed.not_before,
+        concurrency_key=parsed.concurrency_key,
+        priority=parsed.priority,
+        timeout_seconds=parsed.timeout_seconds,
     )

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from datetime import UTC, datetime
 
 from retex.api import TaskSpec
@@ -63,7 +65,8 @@ class Relay:
         spec = TaskSpec.model_validate(dispatch.spec)
         common = {"task_name": dispatch.name, "task_uid": dispatch.task_uid, "namespace": dispatch.namespace}
         self._kube.create_lease(build_lease(**common, duration_seconds=spec.lease.duration_seconds))
-        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults, failpoint=failpoint_armed)
+        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults,
+                        active_deadline_seconds=_time_left(dispatch), failpoint=failpoint_armed)
         self._kube.create_job(job)
         failpoint("after-job-create")  # crash-matrix R3: Job exists, outbox not yet marked sent
         log.info("dispatched attempt %s of %s/%s as Job %s", dispatch.epoch, dispatch.namespace,
@@ -75,8 +78,11 @@ class Promoter:
     """Starts Scheduled and Retrying tasks when due, sleeping until the earliest one (no per-task
     timers; a far-future task costs nothing until its time)."""
 
-    def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0):
+    def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0,
+                 retention_seconds: float | None = None):
         self._ledger, self._relay, self._max_sleep = ledger, relay, max_sleep
+        self._retention_seconds = retention_seconds
+        self._next_purge = 0.0
         self.wake = threading.Event()
         self._stop = threading.Event()
 
@@ -89,6 +95,11 @@ class Promoter:
             try:
                 if self._ledger.promote_due():
                     self._relay.wake.set()
+                if self._retention_seconds and time.monotonic() >= self._next_purge:
+                    purged = self._ledger.purge_finished(older_than_seconds=self._retention_seconds)
+                    if purged:
+                        log.info("purged %d finished tasks past the history retention", purged)
+                    self._next_purge = time.monotonic() + 3600
                 due = self._ledger.next_due_at()
                 sleep = self._max_sleep
                 if due is not None:
@@ -99,3 +110,11 @@ class Promoter:
             self.wake.wait(sleep)
             self.wake.clear()
 
+
+
+def _time_left(dispatch: Dispatch) -> int | None:
+    """The Job's activeDeadlineSeconds: what is left of the task's timeout, plus a margin so the
+    ledger's Timeout (which fences the worker) lands first and Kubernetes only stops stragglers."""
+    if dispatch.deadline_at is None:
+        return None
+    return max(1, math.ceil((dispatch.deadline_at - datetime.now(UTC)).total_seconds())) + 10

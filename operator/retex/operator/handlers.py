@@ -13,13 +13,15 @@ import threading
 from typing import Any
 
 import kopf
+import pydantic
 
 from retex.api import GROUP, PLURAL, VERSION
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.client import api_client
 from retex.kube.leasewatch import LeaseObserver
-from retex.ledger import Ledger
+from retex.ledger import Ledger, TaskNotFound
+from retex.machine import IllegalTransition
 from retex.operator.admission import admission_for
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.reaper import Reaper
@@ -28,6 +30,7 @@ from retex.operator.status import StatusMirror
 
 log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
+REQUEUE_ANNOTATION = "retex.dev/requeue"
 
 
 class Runtime:
@@ -35,12 +38,15 @@ class Runtime:
 
     def __init__(self, settings: OperatorSettings):
         self.ledger = Ledger(settings.database_url).open()
+        self.ledger.set_run_limits(max_running=settings.max_running,
+                                   max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
         self.kube = KubeCalls(api)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
-        self.promoter = Promoter(self.ledger, self.relay)
+        retention = settings.history_retention_days
+        self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)
         self.reaper = Reaper(self.ledger, self.kube, self.leases, interval=settings.reaper_interval_seconds,
                              on_replaced=self.relay.wake.set)
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
@@ -49,8 +55,13 @@ class Runtime:
             threading.Thread(target=fn, name=name, daemon=True)
             for name, fn in [("lease-watch", self.leases.run), ("relay", self.relay.run),
                              ("promoter", self.promoter.run), ("reaper", self.reaper.run),
-                             ("status-mirror", self.mirror.run), ("ledger-listen", self.mirror.listen)]
+                             ("status-mirror", self.mirror.run), ("ledger-listen", self.listen)]
         ]
+
+    def listen(self) -> None:
+        """Ledger changes mark the task for the status mirror and wake the relay: a worker that
+        completes a task may have started a queued one, whose Job should not wait for a poll."""
+        self.mirror.listen(on_change=self.relay.wake.set)
 
     def start(self) -> None:
         for thread in self._threads:
@@ -86,11 +97,17 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.resume(*TASKS)
 @kopf.on.create(*TASKS)
-def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo,
+          **_: Any) -> None:
     """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1)."""
     runtime: Runtime = memo.runtime
     failpoint("before-admit")  # crash-matrix R1: the Task exists, the ledger row does not
-    result = runtime.ledger.admit(admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec)))
+    try:
+        admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec))
+    except pydantic.ValidationError as refused:
+        runtime.mirror.refuse(dict(body), str(refused))
+        return
+    result = runtime.ledger.admit(admission)
     failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
     if result.duplicate_of:
         log.info("%s/%s duplicates task %s by idempotencyKey; not run", namespace, name, result.duplicate_of)
@@ -106,8 +123,27 @@ def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
     memo.runtime.ledger.request_cancel(uid)
 
 
-@kopf.on.delete(*TASKS, optional=True)
+@kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
+def requeue(uid: str, new: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Setting (or changing) the annotation gives a Failed or NeedsAttention task a fresh attempt
+    and budget; the ledger records it in history."""
+    if new:
+        try:
+            memo.runtime.ledger.requeue(uid, actor=f"annotation:{new}")
+        except IllegalTransition as refused:
+            log.warning("requeue of %s refused: %s", uid, refused)
+        memo.runtime.relay.wake.set()
+
+
+@kopf.on.delete(*TASKS)
 def deleted(uid: str, memo: kopf.Memo, **_: Any) -> None:
-    """Best effort without a finalizer: the ledger stops the task (its history is kept); owner
-    references take the Job and Lease away."""
-    memo.runtime.ledger.abandon(uid, reason="TaskDeleted")
+    """The finalizer holds deletion until the task is terminal: cancelled at once when waiting,
+    at its worker's next step boundary when running. The ledger keeps its history (see the
+    retention setting); owner references then take the Job and Lease away."""
+    runtime: Runtime = memo.runtime
+    try:
+        record = runtime.ledger.request_cancel(uid)
+    except TaskNotFound:
+        return  # refused at admission: never in the ledger
+    if not record.terminal:
+        raise kopf.TemporaryError("waiting for the worker to stop at a step boundary", delay=2)

@@ -16,6 +16,9 @@ class OperatorSettings:
     reaper_interval_seconds: float = 1.0
     relay_interval_seconds: float = 2.0
     failpoints_from_annotations: bool = False  # test rigs only: see retex.kube.objects
+    max_running: int | None = None  # running attempts in all; None: unlimited
+    max_running_per_namespace: int | None = None
+    history_retention_days: float | None = None  # purge terminal tasks this long after they end
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -34,4 +37,20 @@ class OperatorSettings:
             ),
             resync_seconds=float(env.get("RETEX_RESYNC_SECONDS", "30")),
             failpoints_from_annotations=env.get("RETEX_FAILPOINTS_FROM_ANNOTATIONS") == "1",
+            max_running=_optional(env, "RETEX_MAX_RUNNING", int),
+            max_running_per_namespace=_optional(env, "RETEX_MAX_RUNNING_PER_NAMESPACE", int),
+            history_retention_days=_optional(env, "RETEX_HISTORY_RETENTION_DAYS", float),
         )
+
+
+def _optional(env: dict[str, str], name: str, kind: type):
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        parsed = kind(value)
+    except ValueError:
+        raise SystemExit(f"{name}={value!r} is not a number") from None
+    if parsed <= 0:
+        raise SystemExit(f"{name} must be positive (unset it for no limit)")
+    return parsed

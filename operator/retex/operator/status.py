@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from datetime import UTC, datetime
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -25,6 +26,9 @@ from retex.ledger import Ledger, LedgerError, TaskRecord
 from retex.machine import TaskPhase
 
 log = logging.getLogger(__name__)
+
+# `kubectl get tasks -l retex.dev/dead-letter=true` lists the dead letters.
+DEAD_LETTER_LABEL = "retex.dev/dead-letter"
 
 # (phase) -> (Event reason, warning?) posted when a task enters the phase.
 _PHASE_EVENTS = {
@@ -147,13 +151,14 @@ class StatusMirror:
         with self._lock:
             self._dirty.add(uid)
 
-    def listen(self) -> None:
+    def listen(self, on_change: Callable[[], None]) -> None:
         """Thread: turn NOTIFY into dirty marks (the write loop coalesces them)."""
         for change in self._ledger.listen(timeout=0.5):
             if self._stop.is_set():
                 return
             if change is not None:
                 self.mark(change[0])
+                on_change()
 
     def run(self) -> None:
         """Thread: flush dirty tasks every 100 ms; resync everything every `resync_seconds`."""
@@ -172,6 +177,18 @@ class StatusMirror:
             except Exception:
                 log.exception("status mirror iteration failed; retrying")
                 self._stop.wait(1.0)
+
+    def refuse(self, task: dict[str, Any], message: str) -> None:
+        """A Task the models refuse (what the API server cannot check, e.g. payload size): it is
+        never admitted; Accepted=False says why."""
+        meta = task["metadata"]
+        conditions = set_condition(None, ConditionType.ACCEPTED, "False", "InvalidSpec", message,
+                                   observed_generation=meta.get("generation"), now=datetime.now(UTC))
+        status = TaskStatus(conditions=conditions, observed_generation=meta.get("generation"))
+        self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"],
+                                     status.model_dump(mode="json", by_alias=True, exclude_none=True))
+        if self._limiter.allow(meta["uid"], time.monotonic()):
+            self._kube.post_event(task, reason="InvalidSpec", message=message, warning=True)
 
     def _mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger is marked for a write."""
@@ -202,6 +219,10 @@ class StatusMirror:
                 log.info("status of %s/%s not written: %s", record.namespace, record.name, exc.status)
                 return
             raise
+        labels = task["metadata"].get("labels") or {}
+        if (labels.get(DEAD_LETTER_LABEL) == "true") != record.dead_lettered:
+            self._kube.patch_task_labels(record.namespace, record.name, uid,
+                                         {DEAD_LETTER_LABEL: "true" if record.dead_lettered else None})
         for reason, message, warning in _events_between(previous, status):
             if self._limiter.allow(uid, time.monotonic()):
                 try:
