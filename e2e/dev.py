@@ -1,0 +1,195 @@
+"""`make dev` / `make down`: all of retex running locally, on the local rig, in one command.
+
+    python -m e2e.dev up     rig, Postgres, CRD + RBAC, counting stub, operator, examples
+    python -m e2e.dev down   stop everything `up` started (recorded PIDs only), keep the logs
+
+Everything lives in one state directory, /tmp/retex-dev (or $RETEX_DEV_DIR):
+`rig/` (the local control plane: kubeconfig, component and pod logs), `postgres/`, `pids/`,
+`operator.log`, `stub.log`, `stub-state.json`, `operator.kubeconfig`, `dev.json`.
+
+The operator runs as a local process (the rig has no images) but with the credentials it has on a
+real cluster: a token of the `retex-operator` ServiceAccount, bound to the ClusterRole of
+manifests/base (applied through manifests/overlays/local). Worker pods run as `retex-worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from e2e.postgres import PostgresServer, free_port
+from e2e.rig import procs
+from e2e.rig.controlplane import Rig, wait_for
+from e2e.system import OperatorProcess, prepare_namespace
+
+REPO = Path(__file__).resolve().parent.parent
+STATE_DIR = Path(os.environ.get("RETEX_DEV_DIR", "/tmp/retex-dev"))
+LOCAL_OVERLAY = REPO / "manifests" / "overlays" / "local"
+EXAMPLES = REPO / "examples"
+EXAMPLE_FILES = ("order-fulfilment.yaml", "exec-pipeline.yaml", "delayed-reminder.yaml", "dead-letter.yaml")
+EXAMPLES_NAMESPACE = "retex-examples"
+OPERATOR_NAMESPACE, OPERATOR_ACCOUNT = "retex-system", "retex-operator"
+STUB_PORT = 18089  # the examples' URLs name it
+DELAY_SECONDS = 45  # the delayed example's notBefore, from now
+
+
+def say(message: str) -> None:
+    print(f"[dev {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def service_account_kubeconfig(kubectl, admin_kubeconfig: Path, namespace: str, account: str, path: Path,
+                               duration: str = "24h") -> Path:
+    """A kubeconfig that authenticates as a ServiceAccount (a TokenRequest via `kubectl create
+    token`), on the admin kubeconfig's cluster: RBAC applies to whoever uses it."""
+    token = kubectl("create", "token", account, "-n", namespace, f"--duration={duration}").stdout.strip()
+    admin = yaml.safe_load(admin_kubeconfig.read_text())
+    user = f"system:serviceaccount:{namespace}:{account}"
+    config = {
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "cluster", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": user, "context": {"cluster": "cluster", "user": user}}],
+        "current-context": user,
+    }
+    path.touch(mode=0o600)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _delayed(manifest: str, seconds: int) -> str:
+    task = yaml.safe_load(manifest)
+    not_before = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)
+    task["spec"]["notBefore"] = not_before.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return yaml.safe_dump(task)
+
+
+def up(state: Path) -> int:
+    started = time.monotonic()
+    state.mkdir(parents=True, exist_ok=True)
+    state.chmod(0o755)  # Postgres runs as nobody and pods as other users: they traverse it
+    pids = state / "pids"
+    if any(procs.recorded_pid(record) for record in pids.glob("*")):
+        say(f"a previous `make dev` in {state} is still running: stopping it first")
+        down(state)
+    # A fresh rig means a fresh ledger and fresh stub counts: nothing from a previous run is kept.
+    shutil.rmtree(state / "postgres", ignore_errors=True)
+    (state / "stub-state.json").unlink(missing_ok=True)
+
+    say("[1/7] starting the local rig (etcd, kube-apiserver, controller manager, scheduler, 2 nodes)")
+    rig = Rig(state / "rig")
+    rig.up()
+    kubectl = rig.kubectl
+
+    say("[2/7] starting Postgres (the ledger)")
+    postgres = PostgresServer(state / "postgres", free_port())
+    postgres.start()
+    procs.record(pids / "postgres", postgres.proc.pid)
+    subprocess.run([str(postgres.bindir / "createdb"), "-h", "127.0.0.1", "-p", str(postgres.port),
+                    "-U", "retex_admin", "retex"], check=True)
+    dsn = postgres.dsn(dbname="retex")
+
+    say("[3/7] installing the CRD and the operator's RBAC (kubectl apply -k manifests/overlays/local)")
+    kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_OVERLAY))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
+    say(f"      tenant namespace {EXAMPLES_NAMESPACE}: worker RBAC (manifests/base/worker-rbac.yaml) and DSN Secret")
+    prepare_namespace(kubectl, EXAMPLES_NAMESPACE, dsn)
+
+    say(f"[4/7] starting the counting stub on 127.0.0.1:{STUB_PORT} (the http examples' endpoint)")
+    if not _port_free(STUB_PORT):
+        raise SystemExit(f"port {STUB_PORT} is in use; the examples need it for the stub")
+    procs.spawn([sys.executable, "-m", "e2e.stub", "--port", str(STUB_PORT), "--state", str(state / "stub-state.json")],
+                pids / "stub", state / "stub.log", cwd=REPO)
+    wait_for("the stub", lambda: not _port_free(STUB_PORT), timeout=15)
+
+    say(f"[5/7] starting the operator as ServiceAccount {OPERATOR_NAMESPACE}/{OPERATOR_ACCOUNT} (log: {state / 'operator.log'})")
+    operator_kubeconfig = service_account_kubeconfig(kubectl, rig.kubeconfig, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT,
+                                                     state / "operator.kubeconfig")
+    operator = OperatorProcess(operator_kubeconfig, dsn, state / "operator.log")
+    operator.start()
+    procs.record(pids / "operator", operator.proc.pid)
+
+    say(f"[6/7] applying examples/ in namespace {EXAMPLES_NAMESPACE}")
+    for name in EXAMPLE_FILES:
+        manifest = (EXAMPLES / name).read_text()
+        if name == "delayed-reminder.yaml":
+            manifest = _delayed(manifest, DELAY_SECONDS)
+            say(f"      {name} (notBefore set to {DELAY_SECONDS}s from now)")
+        else:
+            say(f"      {name}")
+        kubectl("apply", "-n", EXAMPLES_NAMESPACE, "-f", "-", input=manifest)
+
+    say("[7/7] waiting for the operator to accept every example")
+
+    def all_accepted():
+        if operator.exited() is not None:
+            raise SystemExit(f"the operator exited ({operator.exited()}):\n{operator.log_tail()}")
+        tasks = json.loads(kubectl("get", "tasks", "-n", EXAMPLES_NAMESPACE, "-o", "json").stdout)["items"]
+        waiting = [t["metadata"]["name"] for t in tasks if not (t.get("status") or {}).get("phase")]
+        return (not waiting, f"not yet accepted: {', '.join(waiting)}")
+
+    wait_for("the operator to accept the examples", all_accepted, timeout=120)
+    (state / "dev.json").write_text(json.dumps({"kubeconfig": str(rig.kubeconfig), "dsn": dsn,
+                                                "stub": f"http://127.0.0.1:{STUB_PORT}"}, indent=2) + "\n")
+    print(kubectl("get", "tasks", "-n", EXAMPLES_NAMESPACE).stdout, end="")
+    say(f"up in {time.monotonic() - started:.0f}s")
+    print(f"""
+retex is running on the local rig. Next:
+
+  export KUBECONFIG={rig.kubeconfig}
+  kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
+  kubectl get tasks -w                                  # PHASE, PROGRESS, ATTEMPT as they change
+  kubectl describe task order-1042                      # conditions, steps, events
+  kubectl wait --for=condition=Succeeded task/order-1042 --timeout=120s
+  kubectl wait --for=condition=DeadLettered task/notify-partner --timeout=120s
+  curl -s 127.0.0.1:{STUB_PORT}/counts                        # real executions per idempotency key
+  kubectl apply -f examples/exec-pipeline.yaml          # (after editing metadata.name) run more
+
+logs:   operator {state / 'operator.log'}, stub {state / 'stub.log'},
+        worker pods {state / 'rig'}/nodes/<node>/pods/<namespace>_<pod>_<uid>/worker.log
+ledger: psql "{dsn}"
+stop:   make down
+""")
+    return 0
+
+
+def down(state: Path) -> int:
+    pids = state / "pids"
+    for name, sig in (("operator", signal.SIGTERM), ("stub", signal.SIGTERM)):
+        if procs.stop(pids / name, grace=20, sig=sig):
+            say(f"stopped the {name}")
+    if (state / "rig" / "rig.json").exists():
+        Rig.load(state / "rig").down()  # agents first (their pods die with them), etcd last
+        say("stopped the rig")
+    # SIGINT is Postgres' fast shutdown: it does not wait for clients to disconnect.
+    if procs.stop(pids / "postgres", grace=30, sig=signal.SIGINT):
+        say("stopped Postgres")
+    say(f"everything `make dev` started is stopped; logs stay in {state} until the next `make dev`")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("--state-dir", type=Path, default=STATE_DIR)
+    args = parser.parse_args()
+    return up(args.state_dir) if args.command == "up" else down(args.state_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
