@@ -79,8 +79,6 @@ class AttemptLease:
                 view = LeaseView.of(body)
                 watch.observe(view, self._clock())
                 verdict = judge(view, self.me, watch, self._clock(), default_duration=self.duration)
-                if verdict is Verdict.REFUSE:
-                    raise LeaseRefused(f"lease {self._name} is held by {view.holder_identity}")
                 if verdict is Verdict.TAKE:
                     self._body = self._replace(acquired(body, self.me, self.duration, datetime.now(UTC)))
                     self._last_renewal = self._clock()
@@ -94,12 +92,16 @@ class AttemptLease:
                 raise LeaseUnavailable(str(exc)) from exc
             except Exception as exc:
                 if not is_transient(exc):
-                    raise
+                    raise  # 403 and the like: a misconfiguration, a crash
                 unreachable_since = unreachable_since or self._clock()
                 if self._clock() - unreachable_since > self.duration:
                     raise LeaseUnavailable(f"API server unreachable for {self.duration}s: {exc}") from exc
                 event(log, logging.WARNING, "lease read/write failed, retrying", error=str(exc))
-            time.sleep(poll)
+                time.sleep(poll)
+                continue
+            if verdict is Verdict.REFUSE:
+                raise LeaseRefused(f"lease {self._name} is held by {view.holder_identity}")
+            time.sleep(poll)  # WAIT: watch the same-epoch holder a little longer
 
     # -- renewing ----------------------------------------------------------------------------
 

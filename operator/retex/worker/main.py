@@ -25,6 +25,8 @@ from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
 from retex.worker.logs import event
 
 log = logging.getLogger("retex.worker")
+CRASHED = 1
+BAD_ENVIRONMENT = 2
 
 
 def main() -> int:
@@ -32,7 +34,7 @@ def main() -> int:
         config = WorkerConfig.from_env()
     except ConfigError as exc:
         print(f"retex-worker: {exc}", file=sys.stderr)
-        return 2
+        return BAD_ENVIRONMENT
     tagger = logs.configure(task_uid=config.task_uid, namespace=config.namespace, name=config.name,
                             epoch=config.epoch, pod=config.pod_name)
     drain = Drain(config.drain_seconds)
@@ -43,6 +45,11 @@ def main() -> int:
     ledger.open(migrate_schema=False)  # workers never run DDL
     try:
         end = run(config, ledger, drain, tagger)
+    except Exception:
+        # A bug or an impossible state (say a spec the models refuse): a crash, counted as a
+        # failure by the operator. The Lease is left to expire.
+        log.exception("worker crashed")
+        return CRASHED
     finally:
         ledger.close()
     event(log, logging.INFO, "worker exiting", exit_code=int(end.code), why=end.why)
@@ -60,8 +67,8 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
     if record.epoch != config.epoch or record.phase != TaskPhase.RUNNING:
         return AttemptEnd(ExitCode.STALE, f"task is {record.phase} at epoch {record.epoch}")
 
-    lease = AttemptLease(single_attempt_client(api_client()), config.namespace, config.lease_name, Holder(config.pod_name, config.epoch),
-                         config.lease_duration_seconds)
+    lease = AttemptLease(single_attempt_client(api_client()), config.namespace, config.lease_name,
+                         Holder(config.pod_name, config.epoch), config.lease_duration_seconds)
     try:
         lease.acquire()
     except LeaseRefused as exc:
