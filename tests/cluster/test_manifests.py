@@ -1,0 +1,130 @@
+"""manifests/ and examples/ build with kustomize and are accepted by a real API server.
+
+`kubectl apply --server-side --dry-run=server` runs everything but the write: schema and CEL validation, defaulting,
+admission (Pod Security included). The namespaces are created for real first (a dry-run namespace
+does not exist for the objects in it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.system import install_crd
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = ROOT / "manifests"
+EXAMPLES = ROOT / "examples"
+OVERLAYS = {"base": MANIFESTS / "base", "dev": MANIFESTS / "overlays" / "dev",
+            "local": MANIFESTS / "overlays" / "local"}
+TASK_EXAMPLES = sorted(EXAMPLES.glob("*.yaml")) + [EXAMPLES / "custom-worker" / "task.yaml"]
+
+
+def kustomize(rig, name: str) -> list[dict]:
+    built = rig.kubectl("kustomize", str(OVERLAYS[name])).stdout
+    return [doc for doc in yaml.safe_load_all(built) if doc]
+
+
+def kinds(objects: list[dict]) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in objects}
+
+
+def dry_run(rig, objects: list[dict], *args: str):
+    """Server-side apply (as docs/install.md says to apply), dry-run; returns kubectl's stderr."""
+    result = rig.kubectl("apply", "--server-side", "--force-conflicts", "--dry-run=server", *args, "-f", "-",
+                         check=False, input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    assert result.returncode == 0, result.stderr
+    return result.stderr
+
+
+@pytest.fixture(scope="module")
+def namespaces(rig):
+    """For real: the local overlay (namespace, CRD, operator RBAC, as `make dev` applies it) and the
+    dev overlay's tenant namespace; everything else is a dry-run."""
+    install_crd(rig.kubectl)
+    rig.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(OVERLAYS["local"]))
+    for namespace in (o for o in kustomize(rig, "dev") if o["kind"] == "Namespace"):
+        rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(namespace))
+    rig.kubectl("create", "namespace", "examples-check", check=False)
+    yield
+    rig.kubectl("delete", "namespace", "examples-check", "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAYS))
+def test_every_kustomization_is_accepted_by_the_api_server(rig, namespaces, name):
+    warnings = dry_run(rig, kustomize(rig, name))
+    assert "Warning" not in warnings, warnings
+
+
+def test_local_overlay_is_the_base_without_the_operator_deployment(rig):
+    base, local = kinds(kustomize(rig, "base")), kinds(kustomize(rig, "local"))
+    assert base - local == {("Deployment", "retex-operator"), ("Service", "retex-operator-metrics")}
+    assert local <= base
+    rules = {name: next(o for o in kustomize(rig, name) if o["kind"] == "ClusterRole")["rules"]
+             for name in ("base", "local", "dev")}
+    assert rules["base"] == rules["local"] == rules["dev"]
+
+
+def test_operator_pod_meets_the_restricted_pod_security_standard(rig, namespaces):
+    """Pod Security admission enforces on Pods, not on Deployments: dry-run the template as a Pod in
+    retex-system, whose namespace enforces `restricted` (a pod without the hardening is refused)."""
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "psa-check-bare", "namespace": "retex-system"},
+            "spec": {"containers": [{"name": "c", "image": "busybox:1.36", "command": ["true"]}]}}
+    refused = rig.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(bare), check=False)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted' in refused.stderr, refused.stderr
+    for name, kind in (("base", "Deployment"), ("dev", "StatefulSet")):
+        workload = next(o for o in kustomize(rig, name) if o["kind"] == kind)
+        spec = workload["spec"]["template"]["spec"]
+        if kind == "StatefulSet":  # its data volume comes from volumeClaimTemplates: an emptyDir stands in
+            spec["volumes"] = spec.get("volumes", []) + [{"name": "data", "emptyDir": {}}]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"psa-check-{kind.lower()}", "namespace": "retex-system"}, "spec": spec}
+        assert "Warning" not in dry_run(rig, [pod])
+
+
+def test_operator_deployment_is_hardened_and_probed_on_kopf_health(rig):
+    deployment = next(o for o in kustomize(rig, "base") if o["kind"] == "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert pod["serviceAccountName"] == "retex-operator"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                             "capabilities": {"drop": ["ALL"]}}
+    assert env["RETEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "dsn"
+    assert env["RETEX_LIVENESS"]["value"] == "http://0.0.0.0:8080/healthz"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+        assert ports[container[probe]["httpGet"]["port"]] == 8080
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_dev_overlay_wires_generated_secrets_and_local_images(rig):
+    objects = kustomize(rig, "dev")
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    secrets = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
+    assert env["RETEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] in secrets
+    assert container["image"] == "retex-operator:dev" and env["RETEX_WORKER_IMAGE"]["value"] == "retex-worker:dev"
+    worker_secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["namespace"] == "retex-examples")
+    assert worker_secret["metadata"]["name"] == "retex-worker-db"  # the name the operator's Jobs use
+
+
+def test_worker_rbac_applies_to_a_tenant_namespace(rig, namespaces):
+    objects = list(yaml.safe_load_all((MANIFESTS / "base" / "worker-rbac.yaml").read_text()))
+    assert "Warning" not in dry_run(rig, objects, "-n", "examples-check")
+
+
+@pytest.mark.parametrize("example", TASK_EXAMPLES, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_example_tasks_are_valid_against_the_crd(rig, namespaces, example):
+    result = rig.kubectl("apply", "--dry-run=server", "--validate=strict", "-n", "examples-check",
+                         "-f", str(example), check=False)
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
