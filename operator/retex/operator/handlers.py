@@ -1,6 +1,6 @@
 """kopf handlers: thin glue. Decisions live in the ledger; API calls in retex.kube.
 
-kopf settings chosen (see docs/operator.md for why): progress in annotations under retex.dev,
+kopf settings chosen (see docs/operator.md for why): progress in annotations under kopf.retex.dev,
 our own finalizer name, handlers return None (nothing dumped into status), watch timeouts so a
 silent stream reconnects, sync handlers (kopf runs them in its thread pool, so the blocking
 Kubernetes and Postgres clients never stall its event loop), log lines not posted as Events.
@@ -31,6 +31,7 @@ from retex.operator.status import StatusMirror
 log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
 REQUEUE_ANNOTATION = "retex.dev/requeue"
+KOPF_PREFIX = "kopf.retex.dev"
 
 
 class Runtime:
@@ -61,7 +62,11 @@ class Runtime:
     def listen(self) -> None:
         """Ledger changes mark the task for the status mirror and wake the relay: a worker that
         completes a task may have started a queued one, whose Job should not wait for a poll."""
-        self.mirror.listen(on_change=self.relay.wake.set)
+        self.mirror.listen(on_change=self._changed)
+
+    def _changed(self) -> None:
+        self.relay.wake.set()
+        self.promoter.wake.set()  # a worker may have scheduled a retry due sooner than its sleep
 
     def start(self) -> None:
         for thread in self._threads:
@@ -78,8 +83,10 @@ class Runtime:
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = "retex.dev/finalizer"
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="retex.dev")
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="retex.dev")
+    # A prefix of kopf's own: kopf drops every annotation under its storage prefixes from the
+    # diffs it computes, so under plain retex.dev the requeue annotation would never be seen.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
     settings.posting.enabled = False
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

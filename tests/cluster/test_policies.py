@@ -1,0 +1,125 @@
+"""Policies on the rig, each also across an operator restart where it matters: dead letter and
+requeue, permanent errors, delayed tasks, concurrency keys, run limits, cancel, delete, timeouts."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from e2e.system import wait_for
+from tests.cluster.test_operator import apply, phase_is, sh, status, task
+
+
+def running_names(system) -> set[str]:
+    items = json.loads(system.kubectl("get", "tasks", "-o", "json").stdout)["items"]
+    return {t["metadata"]["name"] for t in items if (t.get("status") or {}).get("phase") == "Running"}
+
+
+def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it_again(retex):
+    marker = Path(f"/tmp/retex-requeue-{uuid.uuid4().hex}")
+    apply(retex, "flaky", [sh("only", f"test -f {marker} || exit 7")],
+          retry={"maxAttempts": 2, "backoff": {"initialSeconds": 0.1, "maxSeconds": 0.2}})
+    wait_for(lambda: phase_is(retex, "flaky", "Failed"), timeout=90, what="Failed")
+    shown = status(retex, "flaky")
+    conditions = {c["type"]: c for c in shown["conditions"]}
+    assert conditions["DeadLettered"]["status"] == "True"
+    assert conditions["Failed"]["reason"] == "RetriesExhausted"
+    assert (shown["attempt"], shown["retries"]) == (2, 2)
+    wait_for(lambda: "flaky" in retex.kubectl("get", "tasks", "-l", "retex.dev/dead-letter=true", "-o", "name").stdout,
+             timeout=10, what="dead-letter label")
+    marker.touch()
+    try:
+        retex.kubectl("annotate", "task", "flaky", "retex.dev/requeue=first")
+        wait_for(lambda: phase_is(retex, "flaky", "Succeeded"), timeout=60, what="Succeeded after requeue")
+    finally:
+        marker.unlink()
+    record = retex.ledger.find(retex.namespace, "flaky")
+    assert ("annotation:first", "requeue") in [(h.actor, h.event) for h in retex.ledger.history(record.uid)]
+    assert retex.kubectl("get", "tasks", "-l", "retex.dev/dead-letter=true", "-o", "name").stdout.strip() == ""
+
+
+def test_a_permanent_exit_code_fails_at_once_without_retry(retex):
+    apply(retex, "doomed", [{"name": "only", "exec": {"command": ["sh", "-c", "exit 3"]}, "permanentExitCodes": [3]}],
+          retry={"maxAttempts": 5})
+    wait_for(lambda: phase_is(retex, "doomed", "Failed"), timeout=60, what="Failed")
+    shown = status(retex, "doomed")
+    assert (shown["attempt"], {c["type"]: c["reason"] for c in shown["conditions"]}["Failed"]) == (1, "PermanentError")
+
+
+def test_a_delayed_task_waits_scheduled_and_fires_on_time_even_across_an_operator_restart(retex):
+    not_before = datetime.now(UTC) + timedelta(seconds=8)
+    apply(retex, "later", [sh("only", "echo late")], notBefore=not_before.isoformat().replace("+00:00", "Z"))
+    wait_for(lambda: phase_is(retex, "later", "Scheduled"), timeout=20, what="Scheduled")
+    retex.operator.restart()
+    wait_for(lambda: status(retex, "later").get("startTime"), timeout=40, what="started")
+    started = datetime.fromisoformat(status(retex, "later")["startTime"].replace("Z", "+00:00"))
+    assert timedelta(0) <= started - not_before < timedelta(seconds=2), started - not_before
+    wait_for(lambda: phase_is(retex, "later", "Succeeded"), timeout=60, what="Succeeded")
+
+
+def test_one_task_per_concurrency_key_runs_at_a_time_in_creation_order_across_a_restart(retex):
+    names = [f"account-{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        apply(retex, name, [sh("debit", "sleep 2; echo ok")], concurrencyKey="account-42", priority=10 * i)
+        time.sleep(0.3)  # distinct creation times
+    overlap = set()
+    deadline = time.monotonic() + 120
+    restarted = False
+    while not all(phase_is(retex, n, "Succeeded") for n in names):
+        assert time.monotonic() < deadline, "tasks did not finish"
+        running = running_names(retex) & set(names)
+        if len(running) > 1:
+            overlap |= running
+        if not restarted and phase_is(retex, names[1], "Running"):
+            retex.operator.restart()
+            restarted = True
+        time.sleep(0.2)
+    assert not overlap, f"ran at once: {overlap}"
+    starts = [status(retex, n)["startTime"] for n in names]
+    assert starts == sorted(starts), "FIFO by creation, whatever the priority"
+
+
+def test_run_limits_hold_under_a_burst_and_lose_no_task(retex):
+    retex.operator.restart(RETEX_MAX_RUNNING="2")
+    names = [f"burst-{i}" for i in range(6)]
+    for name in names:
+        apply(retex, name, [sh("only", "sleep 1; echo done")])
+    peak = 0
+    deadline = time.monotonic() + 180
+    while not all(phase_is(retex, n, "Succeeded") for n in names):
+        assert time.monotonic() < deadline, "burst did not finish"
+        peak = max(peak, len(running_names(retex)))
+        time.sleep(0.2)
+    assert 1 <= peak <= 2
+
+
+def test_cancel_stops_a_running_task_at_the_next_step_boundary(retex):
+    apply(retex, "cancel-me", [sh("first", "sleep 3; echo one"), sh("second", "echo two")])
+    wait_for(lambda: (status(retex, "cancel-me").get("steps") or [{}])[0].get("state") == "started", timeout=60,
+             what="first step running")
+    retex.kubectl("patch", "task", "cancel-me", "--type=merge", "-p", '{"spec":{"cancel":true}}')
+    wait_for(lambda: phase_is(retex, "cancel-me", "Cancelled"), timeout=60, what="Cancelled")
+    steps = {s["name"]: s["state"] for s in status(retex, "cancel-me")["steps"]}
+    assert steps == {"first": "done", "second": "pending"}
+
+
+def test_deleting_a_running_task_waits_for_its_step_boundary_and_keeps_the_ledger_history(retex):
+    apply(retex, "delete-me", [sh("first", "sleep 3; echo one"), sh("second", "echo two")])
+    wait_for(lambda: (status(retex, "delete-me").get("steps") or [{}])[0].get("state") == "started", timeout=60,
+             what="first step running")
+    uid = task(retex, "delete-me")["metadata"]["uid"]
+    retex.kubectl("delete", "task", "delete-me", "--wait=false")
+    wait_for(lambda: task(retex, "delete-me") is None, timeout=60, what="Task gone")
+    record = retex.ledger.get(uid)
+    assert record.phase == "Cancelled"
+    assert [s.state for s in record.steps] == ["done", "pending"]
+    assert retex.ledger.history(uid)
+
+
+def test_a_task_past_its_timeout_fails_with_reason_timeout(retex):
+    apply(retex, "slowpoke", [sh("only", "sleep 30", idempotent=True)], timeoutSeconds=4)
+    wait_for(lambda: phase_is(retex, "slowpoke", "Failed"), timeout=60, what="Failed")
+    assert {c["type"]: c["reason"] for c in status(retex, "slowpoke")["conditions"]}["Failed"] == "Timeout"
