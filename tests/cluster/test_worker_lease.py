@@ -275,23 +275,48 @@ def test_a_worker_killed_at_any_failpoint_is_recovered_by_the_next_attempt_with_
     assert sorted(task.deliveries()) == sorted([task.key(0), task.key(1)])  # each step really ran once
 
 
-def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, dsn, rig, api):
-    prepare_namespace(rig.kubectl, NAMESPACE, dsn)  # the retex-worker ServiceAccount, Role and DSN Secret
+def shared_stub_file() -> Path:
+    """A delivery file a pod (running as a non-root user) can write."""
     shared = Path(tempfile.mkdtemp(prefix="retex-stub-"))
-    shared.chmod(0o777)  # the pod runs as a non-root user
-    task = new_task([{"name": "charge", "exec": {"command": EFFECT}}], counts=shared / "deliveries")
+    shared.chmod(0o777)
+    return shared / "deliveries"
+
+
+def start_job(task: Task, dsn: str, rig, api) -> str:
+    """The attempt-1 Job exactly as the operator builds it, in a namespace prepared as it would be."""
+    prepare_namespace(rig.kubectl, NAMESPACE, dsn)  # the retex-worker ServiceAccount, Role and DSN Secret
     job = build_job(task_name=task.name, task_uid=task.uid, namespace=NAMESPACE, epoch=1,
                     spec=TaskSpec.model_validate(task.record().spec),
                     defaults=WorkerDefaults(image="retex-worker:local", service_account="retex-worker",
                                             database_secret=WORKER_DB_SECRET, termination_grace_seconds=10))
     BatchV1Api(api).create_namespaced_job(NAMESPACE, job)
-    job_name = job["metadata"]["name"]
+    return job["metadata"]["name"]
+
+
+def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, dsn, rig, api):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}}], counts=shared_stub_file())
+    job_name = start_job(task, dsn, rig, api)
     assert wait_job_finished(BatchV1Api(api), NAMESPACE, job_name, timeout=60) == "Complete"
     [pod] = job_pods(CoreV1Api(api), NAMESPACE, job_name)
     assert task.record().phase == TaskPhase.SUCCEEDED
     assert released_by(task.lease()).identity == f"{pod.metadata.name}:1"
     assert task.ledger.attempts(task.uid)[0].node == pod.spec.node_name
     assert task.deliveries() == [task.key(0)]
+
+
+def test_an_evicted_worker_pod_commits_its_running_step_and_releases_the_lease(new_task, dsn, rig, api):
+    task = new_task([{"name": "charge", "exec": {"command": slow_effect(2)}},
+                     {"name": "ship", "exec": {"command": EFFECT}}], counts=shared_stub_file())
+    job_name = start_job(task, dsn, rig, api)
+    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED, timeout=60)
+    [pod] = job_pods(CoreV1Api(api), NAMESPACE, job_name)
+    CoreV1Api(api).create_namespaced_pod_eviction(pod.metadata.name, NAMESPACE, client.V1Eviction(
+        metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=NAMESPACE)))
+    wait_until("the lease to be released", lambda: released_by(task.lease()) is not None, timeout=20)
+    record = task.record()
+    assert released_by(task.lease()).identity == f"{pod.metadata.name}:1"
+    assert [s.state for s in record.steps] == [StepState.DONE, StepState.PENDING]
+    assert record.failures == 0 and task.deliveries() == [task.key(0)]
 
 
 def test_a_worker_that_loses_its_lease_finishes_the_running_step_and_starts_no_other(new_task, dsn, rig, api):
