@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from e2e.system import install_crd
+from retex.api import TaskSpec
+from retex.kube.objects import WorkerDefaults, build_job
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -128,3 +130,17 @@ def test_example_tasks_are_valid_against_the_crd(rig, namespaces, example):
                          "-f", str(example), check=False)
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr, result.stderr
+
+
+def test_worker_jobs_meet_the_restricted_pod_security_standard_of_the_examples_namespace(rig, namespaces):
+    """The dev overlay's tenant namespace enforces `restricted`: the operator's Jobs must pass it
+    (Pod Security warns on a Job whose pods would be refused)."""
+    namespace = next(o for o in kustomize(rig, "dev") if o["kind"] == "Namespace"
+                     and o["metadata"]["name"] != "retex-system")["metadata"]["name"]
+    assert "restricted" in rig.kubectl("get", "namespace", namespace, "-o", "jsonpath={.metadata.labels}").stdout
+    spec = TaskSpec.model_validate(yaml.safe_load((EXAMPLES / "exec-pipeline.yaml").read_text())["spec"])
+    job = build_job(task_name="psa-check", task_uid="0b7c5f0e-8a1d-4e52-9d3c-1f2e3d4c5b6a", namespace=namespace,
+                    epoch=1, spec=spec, defaults=WorkerDefaults(image="retex-worker:dev", service_account="retex-worker",
+                                                                database_secret="retex-worker-db"))
+    job["metadata"].pop("ownerReferences")  # no such Task exists; the pod template is what is checked
+    assert "Warning" not in dry_run(rig, [job])
