@@ -51,3 +51,13 @@ def found(ctx: StepContext) -> dict:
 
 def not_found(ctx: StepContext) -> None:
     return None
+
+
+def spawn_and_hang(ctx: StepContext) -> None:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(os.environ["PIDS"], "w") as pids:
+        pids.write(f"{os.getpid()} {child.pid}")
+    time.sleep(600)

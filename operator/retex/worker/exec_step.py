@@ -1,4 +1,5 @@
-"""`exec` steps: a command run without a shell, in its own process group.
+"""`exec` steps: a command run without a shell, in its own process group, tethered to the worker
+(`retex.worker.tether`: the group dies if the worker does).
 
 Environment: the worker's (minus its credentials), the step's `env`, then RETEX_IDEMPOTENCY_KEY,
 RETEX_TASK_UID, RETEX_STEP, RETEX_ATTEMPT, RETEX_PAYLOAD_FILE and RETEX_RESULTS_FILE (JSON files).
@@ -15,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,12 +73,14 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
                "RETEX_PAYLOAD_FILE": str(payload_file), "RETEX_RESULTS_FILE": str(results_file),
                **(extra_env or {})}
         with open(workdir / "stdout", "w+b") as stdout, open(workdir / "stderr", "w+b") as stderr:
-            try:
-                proc = subprocess.Popen([*action.command, *(action.args or [])], env=env, stdin=subprocess.DEVNULL,
-                                        stdout=stdout, stderr=stderr, start_new_session=True)
-            except OSError as exc:  # not found, not executable: no retry will change that
-                return Failed(f"cannot start {action.command[0]!r}: {exc}", retryable=False)
+            not_started = workdir / "not-started"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
+                 *action.command, *(action.args or [])],
+                env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
             end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds)
+            if not_started.exists():  # not found, not executable: no retry will change that
+                return Failed(not_started.read_text(), retryable=False)
             out, out_cut = tail_text(_last_bytes(stdout, STDOUT_TAIL_BYTES), STDOUT_TAIL_BYTES)
             err, err_cut = tail_text(_last_bytes(stderr, STDERR_TAIL_BYTES), STDERR_TAIL_BYTES)
         output: dict[str, Any] = {"exitCode": end.returncode, "stdout": out, "stderr": err}

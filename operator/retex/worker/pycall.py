@@ -12,12 +12,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import signal
 import sys
 import traceback
 from typing import Any
 
 from retex.worker.context import PermanentError, RetryableError, StepContext
+from retex.worker.tether import tie_to
 
 ERROR_TAIL_CHARS = 2048
 
@@ -35,7 +35,7 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
     context = StepContext(idempotency_key=request["idempotencyKey"], task_uid=request["taskUid"],
                           step=request["step"], attempt=request["attempt"], payload=request["payload"],
                           results=request["results"])
-    signal.signal(signal.SIGTERM, lambda *_: context.cancelled.set())
+    tie_to(request["workerPid"], on_sigterm=context.cancelled.set)
     try:
         result = function(context, **request["args"])
     except PermanentError as exc:

@@ -11,6 +11,7 @@ raises = error.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
         request.write_text(json.dumps({
             "callable": action.callable, "args": action.args or {}, "idempotencyKey": call.idempotency_key,
             "taskUid": call.task_uid, "step": call.step, "attempt": call.attempt, "payload": call.payload,
-            "results": call.results,
+            "results": call.results, "workerPid": os.getpid(),
         }))
         proc = subprocess.Popen([sys.executable, "-m", "retex.worker.pycall", str(request), str(response)],
                                 env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,0 +1,59 @@
+"""Step processes die with their worker: `python -m retex.worker.tether WORKER_PID NOT_STARTED_FILE COMMAND...`.
+
+In a pod, the end of the container kills every process in it. Run directly on a host — or on the
+test rig, which has no PID namespaces — a step in its own process group would outlive a worker
+that was SIGKILLed and could still perform its effect after the next attempt has moved on. So
+every step's process group is led by a tethered process: it asks the kernel for SIGTERM when its
+parent dies (PR_SET_PDEATHSIG) and then SIGKILLs its whole group. A SIGTERM sent by a live
+worker (step timeout, drain deadline) is left to the step to handle, as before.
+
+If COMMAND cannot be started at all, the reason is written to NOT_STARTED_FILE: that is a
+permanent failure, and it cannot be told from an exit code the command might use itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None) -> None:
+    """Make this process (a step's group leader) take its group down when `worker_pid` dies."""
+
+    def handle_sigterm(signum, frame) -> None:
+        if os.getppid() != worker_pid:  # orphaned: the worker is gone
+            os.killpg(0, signal.SIGKILL)
+        if on_sigterm is not None:
+            on_sigterm()
+
+    signal.signal(signal.SIGTERM, handle_sigterm)
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != worker_pid:  # it died before we asked to be told
+        os.killpg(0, signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    worker_pid, not_started_file, command = int(argv[0]), argv[1], argv[2:]
+    tie_to(worker_pid)
+    try:
+        proc = subprocess.Popen(command)  # same stdio, environment and process group
+    except OSError as exc:
+        with open(not_started_file, "w") as reason:
+            reason.write(f"cannot start {command[0]!r}: {exc}")
+        return 127
+    returncode = proc.wait()
+    if returncode < 0:  # end the way the command did, so the worker sees the signal
+        if -returncode not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled anyway
+            signal.signal(-returncode, signal.SIG_DFL)
+        os.kill(os.getpid(), -returncode)
+    return returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""A step's processes do not outlive a worker that is SIGKILLed mid-step (as they would not in a
+pod), while a live worker still stops its steps gracefully."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = str(Path(__file__).resolve().parents[2])
+# A stand-in worker: runs one step through the real runner, in this process's main thread.
+WORKER = """
+import sys
+from tests.unit.worker_steps_helpers import call, step, supervision
+from retex.worker import exec_step, python_step
+kind, arg = sys.argv[1], sys.argv[2]
+if kind == "exec":
+    s = step(exec={"command": [sys.executable, "-c", arg]})
+    exec_step.run(s.exec, s, call(), supervision(env={**__import__("os").environ}))
+else:
+    s = step(python={"callable": arg})
+    python_step.run(s.python, s, call(), supervision(env={**__import__("os").environ}))
+"""
+# The step: writes its pid and a grandchild's pid, then both hang.
+SPAWNER = ("import os, subprocess, sys, time\n"
+           "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+           "open(os.environ['PIDS'], 'w').write(f'{os.getpid()} {child.pid}')\n"
+           "time.sleep(600)\n")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids, timeout=3.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.02)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.parametrize("kind", ["exec", "python"])
+def test_a_step_and_its_children_die_when_the_worker_is_killed(tmp_path, kind):
+    pids_file = tmp_path / "pids"
+    env = {**os.environ, "PYTHONPATH": REPO, "PIDS": str(pids_file)}
+    arg = SPAWNER if kind == "exec" else "tests.unit.worker_callables:spawn_and_hang"
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, kind, arg], env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 10
+        while not (pids_file.exists() and pids_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        step_pids = [int(p) for p in pids_file.read_text().split()]
+        assert all(alive(p) for p in step_pids)
+        worker.send_signal(signal.SIGKILL)
+        worker.wait()
+        assert wait_gone(step_pids) == []
+    finally:
+        worker.kill()
