@@ -1,11 +1,8 @@
 """python steps, run in a real child interpreter: context, error classification, timeouts,
 cancellation and the verify convention."""
 
-import os
 import time
 from pathlib import Path
-
-import pytest
 
 from retex.worker import python_step
 from retex.worker.calls import step_environment
