@@ -120,7 +120,10 @@ def up(state: Path) -> int:
     say(f"[5/7] starting the operator as ServiceAccount {OPERATOR_NAMESPACE}/{OPERATOR_ACCOUNT} (log: {state / 'operator.log'})")
     operator_kubeconfig = service_account_kubeconfig(kubectl, rig.kubeconfig, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT,
                                                      state / "operator.kubeconfig")
-    operator = OperatorProcess(operator_kubeconfig, dsn, state / "operator.log")
+    # Dev rig only: a Task annotated retex.dev/failpoint=<point>[:<step>] crashes its first worker
+    # there (the tour's crash demo; the crash matrix's switch). Never set on a real cluster.
+    operator = OperatorProcess(operator_kubeconfig, dsn, state / "operator.log",
+                               extra_env={"RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
     operator.start()
     procs.record(pids / "operator", operator.proc.pid)
 
