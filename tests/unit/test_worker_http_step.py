@@ -5,63 +5,18 @@ import json
 import socket
 import ssl
 import subprocess
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from retex.worker import http_step
 from retex.worker.outcomes import Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
-from tests.unit.worker_steps_helpers import call, step, supervision
-
-
-class Stub:
-    """A scripted HTTP server: every request is recorded, then answered by `reply`."""
-
-    def __init__(self):
-        self.requests: list[dict] = []
-        self.reply = lambda handler: (200, {"ok": True})
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _handle(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                stub.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
-                                      "body": self.rfile.read(length)})
-                answer = stub.reply(self)
-                if answer is None:  # drop the connection without answering
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    return
-                status, body = answer
-                data = body if isinstance(body, bytes) else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.server.handle_error = lambda *args: None  # a client that gave up is part of some tests
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def url(self, path="/charges", scheme="http"):
-        return f"{scheme}://127.0.0.1:{self.server.server_address[1]}{path}"
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+from tests.unit.worker_steps_helpers import HttpStub, call, step, supervision
 
 
 @pytest.fixture
 def stub():
-    server = Stub()
+    server = HttpStub()
     yield server
     server.close()
 
@@ -159,7 +114,7 @@ def test_tls_certificates_are_verified(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
                     "-keyout", str(key), "-out", str(cert), "-days", "1"], check=True, capture_output=True)
-    server = Stub()
+    server = HttpStub()
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.server.socket = context.wrap_socket(server.server.socket, server_side=True)
