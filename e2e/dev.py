@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import glob
 import json
 import os
 import shutil
@@ -79,8 +80,28 @@ def _delayed(manifest: str, seconds: int) -> str:
     return yaml.safe_dump(task)
 
 
+def install_missing_tools() -> None:
+    """What the rig and Postgres need from the OS (the Makefile already made .venv and the
+    control-plane binaries). As root, apt-get installs what is missing, as .ci/run does."""
+    if shutil.which("kubectl") is None:
+        raise SystemExit("kubectl is missing: install it (https://kubernetes.io/docs/tasks/tools/)")
+    needed = {"postgresql": not glob.glob("/usr/lib/postgresql/*/bin/postgres") and not shutil.which("postgres"),
+              "openssl": shutil.which("openssl") is None,
+              "util-linux": os.geteuid() == 0 and shutil.which("setpriv") is None}
+    missing = [package for package, absent in needed.items() if absent]
+    if not missing:
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        raise SystemExit(f"missing: {' '.join(missing)} (e.g. sudo apt-get install {' '.join(missing)})")
+    say(f"[0/7] installing {' '.join(missing)} with apt-get")
+    subprocess.run(["apt-get", "update", "-qq"], check=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=True,
+                   env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
 def up(state: Path) -> int:
     started = time.monotonic()
+    install_missing_tools()
     state.mkdir(parents=True, exist_ok=True)
     state.chmod(0o755)  # Postgres runs as nobody and pods as other users: they traverse it
     pids = state / "pids"
