@@ -82,8 +82,6 @@ class LeaseView:
     holder_identity: str | None
     duration_seconds: int | None
     renew_time: str | None
-    transitions: int
-    resource_version: str | None
     released_by: str | None
 
     @classmethod
@@ -94,8 +92,6 @@ class LeaseView:
             holder_identity=spec.get("holderIdentity") or None,
             duration_seconds=spec.get("leaseDurationSeconds"),
             renew_time=spec.get("renewTime"),
-            transitions=spec.get("leaseTransitions") or 0,
-            resource_version=metadata.get("resourceVersion"),
             released_by=(metadata.get("annotations") or {}).get(RELEASED_BY_ANNOTATION),
         )
 
