@@ -38,7 +38,7 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
     install_crd(rig.kubectl)
     prepare_namespace(rig.kubectl, namespace, dsn)
     operator = OperatorProcess(rig.kubeconfig, dsn, Path(tmp_path) / "operator.log",
-                               extra_env={"RETEX_NAMESPACES": namespace})
+                               extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
     operator.start()
     with Ledger(dsn) as ledger:
         system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace)

@@ -105,3 +105,11 @@ def test_a_failpoint_reaches_the_worker_only_when_asked():
     armed = build_job(task_name="t", task_uid=UID, namespace="ns", epoch=1, spec=spec(), defaults=DEFAULTS,
                       failpoint="after-effect:charge")
     assert env_of(armed)["RETEX_FAILPOINT"] == "after-effect:charge"
+
+
+def test_a_replacement_attempt_prefers_a_node_other_than_the_lost_one():
+    assert "affinity" not in job()["spec"]["template"]["spec"]
+    body = build_job(task_name="t", task_uid=UID, namespace="ns", epoch=2, spec=spec(), defaults=DEFAULTS,
+                     avoid_node="node-a")
+    preferred = body["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["preference"]["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]}]

@@ -84,9 +84,11 @@ def build_lease(*, task_name: str, task_uid: str, namespace: str, duration_secon
 
 def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec: TaskSpec,
               defaults: WorkerDefaults, active_deadline_seconds: int | None = None,
-              failpoint: str | None = None) -> dict[str, Any]:
+              avoid_node: str | None = None, failpoint: str | None = None) -> dict[str, Any]:
     """The Job of attempt `epoch`. Retries belong to retex, so the Job itself never retries.
 
+    `avoid_node` is where the previous attempt ran: the scheduler is asked to prefer another node,
+    because a node that just lost an attempt may be dead but not yet NotReady.
     `failpoint` arms a crash point in the worker (crash-matrix tests only; see FAILPOINT_ANNOTATION)."""
     worker = spec.worker
     labels = {LABEL_TASK_UID: task_uid, LABEL_EPOCH: str(epoch), "app.kubernetes.io/component": "worker",
@@ -146,6 +148,11 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
     }
     if worker and worker.node_selector:
         pod_spec["nodeSelector"] = dict(worker.node_selector)
+    if avoid_node:
+        pod_spec["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
+            "weight": 100,
+            "preference": {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": [avoid_node]}]},
+        }]}}
     job_spec: dict[str, Any] = {
         "backoffLimit": 0,
         "ttlSecondsAfterFinished": defaults.ttl_after_finished_seconds,

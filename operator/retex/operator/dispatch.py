@@ -65,8 +65,13 @@ class Relay:
         spec = TaskSpec.model_validate(dispatch.spec)
         common = {"task_name": dispatch.name, "task_uid": dispatch.task_uid, "namespace": dispatch.namespace}
         self._kube.create_lease(build_lease(**common, duration_seconds=spec.lease.duration_seconds))
+        previous_node = None
+        if dispatch.epoch > 1:
+            previous_node = next((a.node for a in self._ledger.attempts(dispatch.task_uid)
+                                  if a.epoch == dispatch.epoch - 1), None)
         job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults,
-                        active_deadline_seconds=_time_left(dispatch), failpoint=failpoint_armed)
+                        active_deadline_seconds=_time_left(dispatch), avoid_node=previous_node,
+                        failpoint=failpoint_armed)
         self._kube.create_job(job)
         failpoint("after-job-create")  # crash-matrix R3: Job exists, outbox not yet marked sent
         log.info("dispatched attempt %s of %s/%s as Job %s", dispatch.epoch, dispatch.namespace,
