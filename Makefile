@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
-        lint-docker images-lock dev down e2e-kind
+        lint-docker images-lock dev down e2e-kind chaos
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -80,3 +80,8 @@ e2e-kind: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
+
+# The long chaos run (CI runs a bounded one inside `make test`). Replay with RETEX_CHAOS_SEED=N.
+chaos: $(STAMP) rig-binaries
+	RETEX_CHAOS_TASKS=$${RETEX_CHAOS_TASKS:-30} RETEX_CHAOS_SECONDS=$${RETEX_CHAOS_SECONDS:-300} \
+	  $(PY) -m pytest tests/cluster/test_chaos.py -s $(PYTEST_ARGS)
