@@ -29,33 +29,16 @@ def set_condition(
     """A new condition list with `type` set. lastTransitionTime moves to `now` only when the status
     changes (or the condition is new), so it tells when the status flipped, not when it was last
     written. Other conditions and their order are kept; a new type is appended."""
-    result: list[Condition] = []
-    replaced = False
-    for existing in conditions or ():
-        if existing.type != type:
-            result.append(existing)
-            continue
-        transitioned = existing.status != status
-        result.append(
-            Condition(
-                type=type,
-                status=status,
-                reason=reason,
-                message=message,
-                observed_generation=observed_generation,
-                last_transition_time=now if transitioned else existing.last_transition_time,
-            )
-        )
-        replaced = True
-    if not replaced:
-        result.append(
-            Condition(
-                type=type,
-                status=status,
-                reason=reason,
-                message=message,
-                observed_generation=observed_generation,
-                last_transition_time=now,
-            )
-        )
-    return result
+    existing = find_condition(conditions, type)
+    flipped = existing is None or existing.status != status
+    updated = Condition(
+        type=type,
+        status=status,
+        reason=reason,
+        message=message,
+        observed_generation=observed_generation,
+        last_transition_time=now if flipped else existing.last_transition_time,
+    )
+    if existing is None:
+        return [*(conditions or ()), updated]
+    return [updated if condition.type == type else condition for condition in conditions]

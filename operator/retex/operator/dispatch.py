@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from datetime import UTC, datetime
 
@@ -13,28 +12,23 @@ from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
 from retex.ledger import Dispatch, Ledger, LedgerError
+from retex.operator.loop import Loop
 
 log = logging.getLogger(__name__)
 
 
-class Relay:
+class Relay(Loop):
     """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless."""
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float,
                  failpoints_from_annotations: bool = False):
+        super().__init__()
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
         self._failpoints = failpoints_from_annotations
-        self.wake = threading.Event()
-        self._stop = threading.Event()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.wake.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
-            self.wake.wait(self._interval)
-            self.wake.clear()
+        while not self.stopping:
+            self.pause(self._interval)
             try:
                 while self.relay_once():
                     pass
@@ -79,24 +73,19 @@ class Relay:
         return job["metadata"]["name"]
 
 
-class Promoter:
+class Promoter(Loop):
     """Starts Scheduled and Retrying tasks when due, sleeping until the earliest one (no per-task
     timers; a far-future task costs nothing until its time)."""
 
     def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0,
                  retention_seconds: float | None = None):
+        super().__init__()
         self._ledger, self._relay, self._max_sleep = ledger, relay, max_sleep
         self._retention_seconds = retention_seconds
         self._next_purge = 0.0
-        self.wake = threading.Event()
-        self._stop = threading.Event()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.wake.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self.stopping:
             try:
                 if self._ledger.promote_due():
                     self._relay.wake.set()
@@ -112,8 +101,7 @@ class Promoter:
             except LedgerError as exc:
                 log.warning("promoter: ledger unavailable: %s", exc)
                 sleep = 1.0
-            self.wake.wait(sleep)
-            self.wake.clear()
+            self.pause(sleep)
 
 
 

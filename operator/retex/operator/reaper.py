@@ -11,13 +11,13 @@ with background propagation; a pod stuck Terminating on a lost node is not waite
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import job_name
 from retex.ledger import Ledger, LedgerError, TaskRecord
+from retex.operator.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +33,17 @@ def _job_failed(job: dict | None) -> bool:
     return failed or bool(status.get("failed"))
 
 
-class Reaper:
+class Reaper(Loop):
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, interval: float,
                  on_replaced=lambda: None):
+        super().__init__()
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._interval, self._on_replaced = interval, on_replaced
         self._job_checked: dict[tuple[str, int], float] = {}
-        self._stop = threading.Event()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self.stopping:
+            self.pause(self._interval)
             if not self._leases.synced.is_set():
                 continue  # blind while the watch is down: judging now would condemn live workers
             try:

@@ -24,6 +24,7 @@ from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.ledger import Ledger, LedgerError, TaskRecord
 from retex.machine import TaskPhase
+from retex.operator.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -133,19 +134,16 @@ def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tu
     return events
 
 
-class StatusMirror:
+class StatusMirror(Loop):
     """Writes Task.status from the ledger, driven by NOTIFY with a periodic resync."""
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, resync_seconds: float):
+        super().__init__()
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._resync_seconds = resync_seconds
         self._dirty: set[str] = set()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._limiter = EventLimiter()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def mark(self, uid: str) -> None:
         with self._lock:
@@ -154,7 +152,7 @@ class StatusMirror:
     def listen(self, on_change: Callable[[], None]) -> None:
         """Thread: turn NOTIFY into dirty marks (the write loop coalesces them)."""
         for change in self._ledger.listen(timeout=0.5):
-            if self._stop.is_set():
+            if self.stopping:
                 return
             if change is not None:
                 self.mark(change[0])
@@ -163,7 +161,8 @@ class StatusMirror:
     def run(self) -> None:
         """Thread: flush dirty tasks every 100 ms; resync everything every `resync_seconds`."""
         next_resync = 0.0
-        while not self._stop.wait(0.1):
+        while not self.stopping:
+            self._stop.wait(0.1)
             try:
                 if time.monotonic() >= next_resync:
                     self._mark_behind()
