@@ -747,6 +747,20 @@ class Ledger:
                 yield None
                 time.sleep(1.0)
 
+    def dead_letters(self, namespace: str | None = None) -> list[TaskRecord]:
+        """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
+        of one namespace, or of all when `namespace` is None. Oldest failure first."""
+
+        def op(cur: psycopg.Cursor) -> list[TaskRecord]:
+            rows = cur.execute(
+                """SELECT * FROM retex.tasks WHERE phase = 'Failed' AND dead_lettered
+                   AND (%(ns)s::text IS NULL OR namespace = %(ns)s) ORDER BY finished_at, namespace, name""",
+                {"ns": namespace},
+            ).fetchall()
+            return [_task_record(row, []) for row in rows]
+
+        return self._tx(op, op="dead_letters")
+
 
 def _durable_commits(conn: psycopg.Connection) -> None:
     """A worker moves on to the next external effect once its commit returns, so the commit must

@@ -1,0 +1,248 @@
+"""`retex` (and `kubectl retex`): history, requeue, resolve and dead-letters, straight on the ledger.
+
+Exit codes: 0 done; 1 refused (unknown task or step, illegal transition, bad input); 2 the ledger
+cannot be reached (no DSN, Postgres unreachable, no retex schema there). Errors are one line on
+stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+import psycopg
+
+from retex.cli import render
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskNotFound, TaskRecord
+from retex.machine import IllegalTransition
+
+DEFAULT_NAMESPACE = "default"
+_UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+class Refused(Exception):
+    """Exit 1: the request was understood and refused."""
+
+
+class Unreachable(Exception):
+    """Exit 2: no ledger to talk to."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors are refusals too: exit 1, one line
+        self.exit(1, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.getLogger().addHandler(logging.NullHandler())  # no stray warnings from retries
+    args = _parser().parse_args(argv)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.command(args)
+    except Refused as exc:
+        return _fail(1, str(exc))
+    except (Unreachable, LedgerUnavailable) as exc:
+        return _fail(2, str(exc))
+    except TaskNotFound as exc:
+        return _fail(1, str(exc))
+    except LedgerError as exc:
+        return _fail(1, str(exc))
+    except psycopg.Error as exc:
+        return _fail(2, f"ledger error: {_one_line(exc)}")
+    except KeyboardInterrupt:
+        return 130
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    with _ledger(args) as ledger:
+        task = _task(ledger, args)
+        attempts, history = ledger.attempts(task.uid), ledger.history(task.uid)
+    if args.output == "json":
+        print(render.dumps(render.history_json(task, attempts, history)))
+    else:
+        print(render.history_text(task, attempts, history))
+    return 0
+
+
+def cmd_requeue(args: argparse.Namespace) -> int:
+    with _ledger(args) as ledger:
+        task = _task(ledger, args)
+        try:
+            task = ledger.requeue(task.uid, actor=actor())
+        except IllegalTransition as exc:
+            raise Refused(f"cannot requeue {render.ref(task)}: {_why(task, exc)}") from None
+    return _done(args, f"requeued {render.summary(task)}", task)
+
+
+def cmd_resolve(args: argparse.Namespace) -> int:
+    if args.result is not None and not args.mark_done:
+        raise Refused("--result goes with --mark-done (a re-run produces its own result)")
+    result = None
+    if args.result is not None:
+        try:
+            result = json.loads(args.result)
+        except json.JSONDecodeError as exc:
+            raise Refused(f"--result is not valid JSON: {exc}") from None
+    with _ledger(args) as ledger:
+        task = _task(ledger, args)
+        try:
+            task = ledger.resolve_step(task.uid, args.step, mark_done=args.mark_done, result=result, actor=actor())
+        except IllegalTransition as exc:
+            raise Refused(f"cannot resolve step {args.step!r} of {render.ref(task)}: {_why(task, exc)}") from None
+    how = "marked done" if args.mark_done else "set to re-run"
+    return _done(args, f"step {args.step!r} {how}; {render.summary(task)}", task)
+
+
+def cmd_dead_letters(args: argparse.Namespace) -> int:
+    with _ledger(args) as ledger:
+        tasks = ledger.dead_letters(None if args.all_namespaces else args.namespace)
+    if args.output == "json":
+        print(render.dumps([{k: v for k, v in render.task_json(t).items() if k != "steps"} for t in tasks]))
+    else:
+        print(render.dead_letters_text(tasks))
+    return 0
+
+
+# -- pieces ---------------------------------------------------------------------------------
+
+
+def actor() -> str:
+    """`cli:<user>`: who acted, as recorded in the ledger history."""
+    user = os.environ.get("USER")
+    if not user:
+        try:
+            user = getpass.getuser()
+        except (OSError, KeyError):
+            user = "unknown"
+    return f"cli:{user}"
+
+
+class _ledger:
+    """Open the ledger for one command: a quick probe first, so an unreachable database is a
+    one-line error in seconds rather than the ledger's long retry window."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.dsn = args.database_url or os.environ.get("RETEX_DATABASE_URL")
+        self.timeout = args.timeout
+        if not self.dsn:
+            raise Unreachable("no ledger: set RETEX_DATABASE_URL or pass --database-url")
+
+    def __enter__(self) -> Ledger:
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=max(1, round(self.timeout))) as conn:
+                schema = conn.execute("SELECT to_regclass('retex.tasks')").fetchone()[0]
+        except psycopg.Error as exc:
+            raise Unreachable(f"cannot reach the ledger: {_one_line(exc)}") from None
+        if schema is None:
+            raise Unreachable("no retex ledger in that database (table retex.tasks is missing)")
+        self.ledger = Ledger(self.dsn, max_connections=2, retry_for_seconds=self.timeout)
+        return self.ledger.open(migrate_schema=False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.ledger.close()
+
+
+def _task(ledger: Ledger, args: argparse.Namespace) -> TaskRecord:
+    task = ledger.find(args.namespace, args.task)
+    if task is None and _UID.match(args.task):
+        try:
+            task = ledger.get(args.task)
+        except TaskNotFound:
+            pass
+    if task is None:
+        raise Refused(f"task {args.namespace}/{args.task} not found in the ledger")
+    return task
+
+
+def _why(task: TaskRecord, exc: IllegalTransition) -> str:
+    if exc.event.startswith("requeue before resolving"):
+        steps = exc.event.removeprefix("requeue before resolving step(s) ")
+        return (f"step(s) {steps} await a decision; first run "
+                f"`retex resolve {task.name} -n {task.namespace} --step <step> --mark-done | --rerun`")
+    if exc.event == "requeue":
+        return f"it is {exc.state}; only Failed and NeedsAttention tasks can be requeued"
+    if exc.event.startswith("resolve of unknown step"):
+        return f"no such step (steps: {', '.join(s.name for s in task.steps)})"
+    if exc.event.startswith("resolve-"):
+        return f"the step is {exc.state}; only a step that needs attention can be resolved"
+    return str(exc)
+
+
+def _done(args: argparse.Namespace, message: str, task: TaskRecord) -> int:
+    print(render.dumps(render.task_json(task)) if args.output == "json" else message)
+    return 0
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"retex: {_one_line(message)}", file=sys.stderr)
+    return code
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+def _parser() -> argparse.ArgumentParser:
+    plugin = os.path.basename(sys.argv[0]).startswith("kubectl-")
+    parser = _Parser(prog="kubectl retex" if plugin else "retex",
+                     description="Inspect and act on retex tasks in the ledger (Postgres).",
+                     epilog="Exit codes: 0 done, 1 refused (unknown task, illegal transition, bad input), "
+                            "2 ledger unreachable.")
+    _common_options(parser)
+    parser.set_defaults(namespace=DEFAULT_NAMESPACE, output="table", database_url=None, timeout=10.0,
+                        verbose=False)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    def command(name: str, fn, help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help, description=help)
+        _common_options(sub)
+        sub.set_defaults(command=fn)
+        return sub
+
+    history = command("history", cmd_history, "the task's transitions, steps and attempts")
+    history.add_argument("task", help="the Task's name (or its uid)")
+
+    requeue = command("requeue", cmd_requeue, "a fresh attempt and budget for a Failed or NeedsAttention task")
+    requeue.add_argument("task", help="the Task's name (or its uid)")
+
+    resolve = command("resolve", cmd_resolve, "decide an ambiguous step: it happened (--mark-done) or not (--rerun)")
+    resolve.add_argument("task", help="the Task's name (or its uid)")
+    resolve.add_argument("--step", required=True, help="the step's name")
+    how = resolve.add_mutually_exclusive_group(required=True)
+    how.add_argument("--mark-done", action="store_true", help="the effect happened: record the step done")
+    how.add_argument("--rerun", action="store_true", help="the effect did not happen: run the step again")
+    resolve.add_argument("--result", metavar="JSON", help="with --mark-done: the step's result, as JSON")
+
+    dead = command("dead-letters", cmd_dead_letters, "Failed tasks that ran out of retries or disruptions")
+    dead.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    return parser
+
+
+def _common_options(parser: argparse.ArgumentParser) -> None:
+    """Accepted before or after the command (kubectl passes `-n` wherever it was typed). Each
+    parser gets its own actions, defaulting to SUPPRESS, so a value given after the command is
+    not overwritten and one given before it is not reset; the top-level parser's set_defaults
+    supplies the defaults."""
+    parser.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
+                        help=f"the task's namespace (default: {DEFAULT_NAMESPACE})")
+    parser.add_argument("-o", "--output", choices=["table", "json"], default=argparse.SUPPRESS,
+                        help="output format (default: table)")
+    parser.add_argument("--database-url", default=argparse.SUPPRESS,
+                        help="the ledger's Postgres DSN (default: $RETEX_DATABASE_URL)")
+    parser.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
+                        help="seconds to keep trying an unreachable ledger (default: 10)")
+    parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log retries")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
