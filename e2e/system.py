@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from e2e.postgres import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
 WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
@@ -46,6 +48,7 @@ class OperatorProcess:
         self.kubeconfig, self.dsn, self.log_path = kubeconfig, dsn, log_path
         self.extra_env = extra_env or {}
         self.proc: subprocess.Popen | None = None
+        self.metrics_port = free_port()
 
     def start(self, **env: str) -> None:
         environment = {
@@ -56,6 +59,7 @@ class OperatorProcess:
             "RETEX_WORKER_DATABASE_SECRET": WORKER_DB_SECRET,
             "RETEX_WORKER_GRACE_SECONDS": "10",
             "RETEX_RESYNC_SECONDS": "5",
+            "RETEX_METRICS_PORT": str(self.metrics_port),
             **self.extra_env,
             **env,
         }
@@ -82,6 +86,10 @@ class OperatorProcess:
     def restart(self, **env: str) -> None:
         self.kill()
         self.start(**env)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc else None

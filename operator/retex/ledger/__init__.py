@@ -17,7 +17,9 @@ from retex.ledger.records import (
     AdmitResult,
     AttemptRecord,
     Dispatch,
+    Histogram,
     HistoryEntry,
+    LedgerFigures,
     StepRecord,
     TaskAdmission,
     TaskRecord,
@@ -26,6 +28,6 @@ from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
-    "FenceRejected", "HistoryEntry", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
+    "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
     "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "step_idempotency_key",
 ]

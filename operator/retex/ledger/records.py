@@ -122,3 +122,21 @@ class Dispatch:
     name: str
     spec: dict[str, Any]
     deadline_at: datetime | None = None  # the task's timeout, if any: the Job gets the time left
+
+
+@dataclass(frozen=True)
+class Histogram:
+    count: int
+    total: float  # sum of the observations, seconds
+    cumulative: list[int]  # observations <= each bucket bound, in the bounds' order
+
+
+@dataclass(frozen=True)
+class LedgerFigures:
+    tasks_by_phase: dict[str, int]
+    dead_lettered: int
+    attempts_by_cause: dict[str, int]
+    outbox_lag_seconds: float  # age of the oldest unsent dispatch record
+    step_seconds: Histogram  # begin → commit or failure, per step run that ended
+    task_seconds: Histogram  # submission → terminal
+    first_step_seconds: Histogram  # submission → first step began

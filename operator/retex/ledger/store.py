@@ -36,6 +36,8 @@ from retex.failpoints import failpoint
 from retex.ledger.migrate import migrate
 from retex.ledger.records import (
     RESULT_LIMIT_BYTES,
+    Histogram,
+    LedgerFigures,
     AdmitResult,
     AttemptRecord,
     Dispatch,
@@ -700,6 +702,40 @@ class Ledger:
             ).rowcount
 
         return self._tx(op, op="purge_finished")
+
+    def figures(self, buckets: tuple[float, ...]) -> LedgerFigures:
+        """What the operator exports as metrics, computed from committed state (so worker-side
+        figures need no scraping of short-lived pods). `buckets` are histogram upper bounds."""
+
+        def histogram(cur: psycopg.Cursor, seconds_sql: str, table_sql: str) -> Histogram:
+            bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(buckets))
+            row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM "
+                              f"(SELECT extract(epoch FROM {seconds_sql}) AS s FROM {table_sql}) AS d").fetchone()
+            return Histogram(count=row["n"], total=float(row["total"]),
+                             cumulative=[int(row[f"le{i}"]) for i in range(len(buckets))])
+
+        def op(cur: psycopg.Cursor) -> LedgerFigures:
+            phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
+            dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
+            causes = {r["cause"]: r["n"] for r in cur.execute("SELECT cause, count(*) AS n FROM retex.attempts GROUP BY cause")}
+            lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
+                              "WHERE sent_at IS NULL").fetchone()["s"]
+            return LedgerFigures(
+                tasks_by_phase=phases,
+                dead_lettered=dead,
+                attempts_by_cause=causes,
+                outbox_lag_seconds=float(lag or 0.0),
+                step_seconds=histogram(cur, "finished_at - started_at",
+                                       "retex.steps WHERE state IN ('done', 'failed') AND started_at IS NOT NULL"),
+                task_seconds=histogram(cur, "finished_at - created_at",
+                                       "retex.tasks WHERE finished_at IS NOT NULL"),
+                first_step_seconds=histogram(cur, "first - created_at",
+                                             "(SELECT t.created_at, min(s.started_at) AS first FROM retex.tasks t "
+                                             "JOIN retex.steps s ON s.task_uid = t.uid WHERE s.started_at IS NOT NULL "
+                                             "GROUP BY t.uid, t.created_at) AS firsts"),
+            )
+
+        return self._tx(op, op="figures")
 
     def versions(self) -> dict[str, int]:
         """uid → ledger version of every task: what a status resync compares against."""

@@ -13,6 +13,7 @@ from retex.kube.calls import KubeCalls
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
 from retex.ledger import Dispatch, Ledger, LedgerError
 from retex.operator.loop import Loop
+from retex.operator.metrics import count_failure
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,12 @@ class Relay(Loop):
                 while self.relay_once():
                     pass
             except LedgerError as exc:
+                count_failure("relay", exc)
                 log.warning("relay: ledger unavailable: %s", exc)
-            except Exception:
+            except Exception as exc:
                 # API server down or refusing: the claims roll back and the records wait for the
                 # next round; nothing is lost and nothing is sent twice (AlreadyExists is success).
+                count_failure("relay", exc)
                 log.exception("relay round failed; will retry")
                 self._stop.wait(1.0)
 
@@ -99,6 +102,7 @@ class Promoter(Loop):
                 if due is not None:
                     sleep = min(sleep, max(0.0, (due - datetime.now(UTC)).total_seconds()))
             except LedgerError as exc:
+                count_failure("promoter", exc)
                 log.warning("promoter: ledger unavailable: %s", exc)
                 sleep = 1.0
             self.pause(sleep)

@@ -24,6 +24,7 @@ from retex.ledger import Ledger, TaskNotFound
 from retex.machine import IllegalTransition
 from retex.operator.admission import admission_for
 from retex.operator.dispatch import Promoter, Relay
+from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
 from retex.operator.settings import OperatorSettings
 from retex.operator.status import StatusMirror
@@ -68,7 +69,9 @@ class Runtime:
         self.relay.wake.set()
         self.promoter.wake.set()  # a worker may have scheduled a retry due sooner than its sleep
 
-    def start(self) -> None:
+    def start(self, metrics_port: int | None) -> None:
+        if metrics_port:
+            serve_metrics(self.ledger, metrics_port)
         for thread in self._threads:
             thread.start()
 
@@ -93,8 +96,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.connect_timeout = 10
     settings.watching.inactivity_timeout = 330
     settings.networking.request_timeout = 30
-    memo.runtime = Runtime(OperatorSettings.from_env())
-    memo.runtime.start()
+    operator_settings = OperatorSettings.from_env()
+    memo.runtime = Runtime(operator_settings)
+    memo.runtime.start(operator_settings.metrics_port)
 
 
 @kopf.on.cleanup()

@@ -18,6 +18,7 @@ from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import job_name
 from retex.ledger import Ledger, LedgerError, TaskRecord
 from retex.operator.loop import Loop
+from retex.operator.metrics import count_failure
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,10 @@ class Reaper(Loop):
                     if cause:
                         self._replace(task, cause)
             except LedgerError as exc:
+                count_failure("reaper", exc)
                 log.warning("reaper: ledger unavailable: %s", exc)
-            except Exception:
+            except Exception as exc:
+                count_failure("reaper", exc)
                 log.exception("reaper iteration failed; retrying")
 
     def lost_cause(self, task: TaskRecord, now: float) -> str | None:

@@ -25,6 +25,7 @@ from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.ledger import Ledger, LedgerError, TaskRecord
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
+from retex.operator.metrics import MIRROR_LAG, count_failure
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +143,14 @@ class StatusMirror(Loop):
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._resync_seconds = resync_seconds
         self._dirty: set[str] = set()
+        self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
 
     def mark(self, uid: str) -> None:
         with self._lock:
             self._dirty.add(uid)
+            self._marked_at.setdefault(uid, time.monotonic())
 
     def listen(self, on_change: Callable[[], None]) -> None:
         """Thread: turn NOTIFY into dirty marks (the write loop coalesces them)."""
@@ -172,8 +175,10 @@ class StatusMirror(Loop):
                 for uid in batch:
                     self.mirror(uid)
             except LedgerError as exc:
+                count_failure("status-mirror", exc)
                 log.warning("status mirror: ledger unavailable: %s", exc)
-            except Exception:
+            except Exception as exc:
+                count_failure("status-mirror", exc)
                 log.exception("status mirror iteration failed; retrying")
                 self._stop.wait(1.0)
 
@@ -218,6 +223,10 @@ class StatusMirror(Loop):
                 log.info("status of %s/%s not written: %s", record.namespace, record.name, exc.status)
                 return
             raise
+        with self._lock:
+            marked_at = self._marked_at.pop(uid, None)
+        if marked_at is not None:
+            MIRROR_LAG.observe(time.monotonic() - marked_at)
         labels = task["metadata"].get("labels") or {}
         if (labels.get(DEAD_LETTER_LABEL) == "true") != record.dead_lettered:
             self._kube.patch_task_labels(record.namespace, record.name, uid,

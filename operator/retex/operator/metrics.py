@@ -1,0 +1,99 @@
+"""Prometheus metrics of the operator, on RETEX_METRICS_PORT (`/metrics`).
+
+Task, attempt and duration figures come from the ledger at scrape time (cached briefly), so what
+workers did reaches Prometheus without scraping short-lived pods, and an operator restart loses
+no count. Process figures (errors, status-mirror lag) are counted here. No label carries a task
+name or UID: cardinality stays bounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kubernetes.client.exceptions import ApiException
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from retex.ledger import Histogram as LedgerHistogram
+from retex.ledger import Ledger, LedgerError, LedgerFigures
+from retex.machine import TaskPhase
+
+# 10 ms to 6 h: P50/P95/P99 of a step or a task stay meaningful from quick calls to long pipelines.
+BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
+
+REGISTRY = CollectorRegistry()
+LOOP_ERRORS = Counter("retex_reconcile_errors_total", "Failed rounds of an operator loop, by loop",
+                      ["loop"], registry=REGISTRY)
+POSTGRES_ERRORS = Counter("retex_postgres_errors_total", "Ledger operations that gave up (Postgres unavailable)",
+                          ["loop"], registry=REGISTRY)
+API_ERRORS = Counter("retex_api_errors_total", "Kubernetes API calls that failed, by loop", ["loop"],
+                     registry=REGISTRY)
+MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change seen to its status written",
+                       buckets=BUCKETS, registry=REGISTRY)
+
+
+def count_failure(loop: str, error: BaseException) -> None:
+    """A failed round of an operator loop, counted by what failed."""
+    LOOP_ERRORS.labels(loop).inc()
+    if isinstance(error, LedgerError):
+        POSTGRES_ERRORS.labels(loop).inc()
+    elif isinstance(error, ApiException):
+        API_ERRORS.labels(loop).inc()
+
+
+class LedgerCollector:
+    """Reads `Ledger.figures` at most every `cache_seconds` and renders it."""
+
+    def __init__(self, ledger: Ledger, cache_seconds: float = 5.0):
+        self._ledger, self._cache_seconds = ledger, cache_seconds
+        self._cached: tuple[float, LedgerFigures] | None = None
+        self._lock = threading.Lock()
+
+    def _figures(self) -> LedgerFigures:
+        with self._lock:
+            if self._cached is None or time.monotonic() - self._cached[0] > self._cache_seconds:
+                self._cached = (time.monotonic(), self._ledger.figures(BUCKETS))
+            return self._cached[1]
+
+    def collect(self):
+        figures = self._figures()
+        phases = GaugeMetricFamily("retex_tasks", "Tasks by phase; queue depth is Queued + Scheduled", labels=["phase"])
+        for phase in TaskPhase:
+            phases.add_metric([str(phase)], figures.tasks_by_phase.get(str(phase), 0))
+        yield phases
+        yield GaugeMetricFamily("retex_tasks_dead_lettered", "Tasks failed for good (budget spent)",
+                                value=figures.dead_lettered)
+        yield CounterMetricFamily("retex_tasks_submitted", "Tasks admitted into the ledger",
+                                  value=sum(figures.tasks_by_phase.values()))
+        finished = CounterMetricFamily("retex_tasks_finished", "Tasks that reached a terminal phase", labels=["outcome"])
+        for phase in (TaskPhase.SUCCEEDED, TaskPhase.FAILED, TaskPhase.CANCELLED):
+            finished.add_metric([str(phase).lower()], figures.tasks_by_phase.get(str(phase), 0))
+        yield finished
+        yield CounterMetricFamily("retex_tasks_dead_lettered", "Tasks that were dead-lettered",
+                                  value=figures.dead_lettered)
+        attempts = CounterMetricFamily("retex_attempts_started", "Attempts started, by cause", labels=["cause"])
+        for cause in ("first", "retry", "disruption", "lease-expired", "requeue"):
+            attempts.add_metric([cause], figures.attempts_by_cause.get(cause, 0))
+        yield attempts
+        yield CounterMetricFamily("retex_lease_expiries", "Attempts replaced because their lease expired",
+                                  value=figures.attempts_by_cause.get("lease-expired", 0))
+        yield GaugeMetricFamily("retex_outbox_lag_seconds", "Age of the oldest dispatch not yet relayed to a Job",
+                                value=figures.outbox_lag_seconds)
+        yield _histogram("retex_step_duration_seconds", "Step runs, from begin to commit or failure",
+                         figures.step_seconds)
+        yield _histogram("retex_task_duration_seconds", "Tasks, from submission to a terminal phase",
+                         figures.task_seconds)
+        yield _histogram("retex_task_first_step_seconds", "From submission to the first step beginning",
+                         figures.first_step_seconds)
+
+
+def _histogram(name: str, documentation: str, observed: LedgerHistogram) -> HistogramMetricFamily:
+    buckets = [(str(bound), count) for bound, count in zip(BUCKETS, observed.cumulative, strict=True)]
+    buckets.append(("+Inf", observed.count))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=observed.total)
+
+
+def serve(ledger: Ledger, port: int) -> None:
+    REGISTRY.register(LedgerCollector(ledger))
+    start_http_server(port, addr="0.0.0.0", registry=REGISTRY)
