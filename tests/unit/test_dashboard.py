@@ -1,0 +1,42 @@
+"""The Grafana dashboard only queries metrics the operator exports."""
+
+import json
+import re
+from pathlib import Path
+
+from retex.ledger import Histogram, LedgerFigures
+from retex.operator.metrics import BUCKETS, REGISTRY, LedgerCollector
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "grafana-dashboard.json"
+
+
+class FakeLedger:
+    """Only the figures, so the collector can render every family it exports."""
+
+    def figures(self, buckets):
+        empty = Histogram(count=0, total=0.0, cumulative=[0] * len(buckets))
+        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, attempts_by_cause={}, outbox_lag_seconds=0.0,
+                             step_seconds=empty, task_seconds=empty, first_step_seconds=empty)
+
+
+def exported_sample_names() -> set[str]:
+    names = set()
+    for collector in (LedgerCollector(FakeLedger()), REGISTRY):
+        for family in collector.collect():
+            names |= {sample.name for sample in family.samples} | {family.name}
+    for family in REGISTRY.collect():  # labelled counters have no samples until first used
+        names |= {f"{family.name}_total", f"{family.name}_bucket", family.name}
+    return names
+
+
+def test_every_metric_the_dashboard_queries_is_exported():
+    queried = set()
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"\b(retex_[a-z_]+)", target["expr"]))
+    assert queried, "the dashboard queries no retex metric"
+    assert queried <= exported_sample_names(), queried - exported_sample_names()
+
+
+def test_histogram_buckets_span_ten_milliseconds_to_hours():
+    assert BUCKETS[0] == 0.01 and BUCKETS[-1] >= 6 * 3600
