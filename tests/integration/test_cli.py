@@ -104,6 +104,8 @@ def test_requeue_gives_a_dead_letter_a_fresh_attempt_recorded_with_the_cli_actor
 
 def test_resolve_mark_done_with_a_result_resumes_the_task(ledger, dsn):
     uid = flagged(ledger, "order-7")
+    before = ok(retex(dsn, "history", "order-7", "-n", "shop"))
+    assert "NeedsAttention (AmbiguousStep)" in before and "charge   needs-attention" in before
     out = ok(retex(dsn, "resolve", "order-7", "-n", "shop", "--step", "charge", "--mark-done",
                    "--result", '{"charge": "ch_9", "found_by": "support"}', user="bob"))
     assert out.startswith("step 'charge' marked done; shop/order-7: Running; epoch 2")
@@ -111,6 +113,8 @@ def test_resolve_mark_done_with_a_result_resumes_the_task(ledger, dsn):
     assert (task.phase, task.epoch) == (TaskPhase.RUNNING, 2)
     assert (task.steps[0].state, task.steps[0].result) == (StepState.DONE, {"charge": "ch_9", "found_by": "support"})
     assert ("cli:bob", "step-resolve-done") in [(h.actor, h.event) for h in ledger.history(uid)]
+    after = ok(retex(dsn, "history", "order-7", "-n", "shop"))
+    assert "step-resolve-done" in after and '{"charge":"ch_9","found_by":"support"}' in after
     assert ledger.attempts(uid)[-1].cause == "requeue"
 
 
@@ -140,6 +144,8 @@ def test_dead_letters_lists_exactly_the_dead_lettered_tasks(ledger, dsn):
     text = ok(retex(dsn, "dead-letters", "-n", "shop"))
     assert "order-1" in text and "RetriesExhausted" in text and "HTTP 503 from shipping" in text
     assert not any(other in text for other in ("order-2", "order-3", "order-4", "order-5", "sync-9"))
+    table = ok(retex(dsn, "dead-letters", "--all-namespaces"))
+    assert "sync-9" in table and "DisruptionBudgetExhausted" in table and "order-1 " in table
     every = json.loads(ok(retex(dsn, "dead-letters", "-A", "-o", "json")))
     assert sorted((t["namespace"], t["name"], t["reason"]) for t in every) == [
         ("other", "sync-9", "DisruptionBudgetExhausted"), ("shop", "order-1", "RetriesExhausted")]
