@@ -6,7 +6,7 @@ import json
 import logging
 
 from retex.worker import logs
-from retex.worker.logs import event
+from retex.logs import event
 
 
 def capture(stream: io.StringIO) -> logs.TaskFields:

@@ -12,6 +12,7 @@ from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
 from retex.ledger import Dispatch, Ledger, LedgerError
+from retex.logs import event
 from retex.operator.loop import Loop
 from retex.operator.metrics import count_failure
 
@@ -71,8 +72,8 @@ class Relay(Loop):
                         failpoint=failpoint_armed)
         self._kube.create_job(job)
         failpoint("after-job-create")  # crash-matrix R3: Job exists, outbox not yet marked sent
-        log.info("dispatched attempt %s of %s/%s as Job %s", dispatch.epoch, dispatch.namespace,
-                 dispatch.name, job["metadata"]["name"])
+        event(log, logging.INFO, "attempt dispatched", uid=dispatch.task_uid, namespace=dispatch.namespace,
+              name=dispatch.name, epoch=dispatch.epoch, job=job["metadata"]["name"])
         return job["metadata"]["name"]
 
 

@@ -21,6 +21,7 @@ from retex.kube.calls import KubeCalls
 from retex.kube.client import api_client
 from retex.kube.leasewatch import LeaseObserver
 from retex.ledger import Ledger, TaskNotFound
+from retex.logs import event
 from retex.machine import IllegalTransition
 from retex.operator.admission import admission_for
 from retex.operator.dispatch import Promoter, Relay
@@ -121,7 +122,8 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, body: kopf.Body,
     result = runtime.ledger.admit(admission)
     failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
     if result.duplicate_of:
-        log.info("%s/%s duplicates task %s by idempotencyKey; not run", namespace, name, result.duplicate_of)
+        event(log, logging.INFO, "duplicate by idempotencyKey: not run", uid=uid, namespace=namespace, name=name,
+              duplicate_of=result.duplicate_of)
     if spec.get("cancel"):
         runtime.ledger.request_cancel(uid)
     runtime.relay.wake.set()
@@ -142,7 +144,7 @@ def requeue(uid: str, new: str | None, memo: kopf.Memo, **_: Any) -> None:
         try:
             memo.runtime.ledger.requeue(uid, actor=f"annotation:{new}")
         except IllegalTransition as refused:
-            log.warning("requeue of %s refused: %s", uid, refused)
+            event(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
         memo.runtime.relay.wake.set()
 
 

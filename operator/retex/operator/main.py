@@ -9,6 +9,8 @@ import os
 
 import kopf
 
+from retex.logs import JsonLines
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="retex operator")
@@ -19,7 +21,9 @@ def main() -> None:
                              "comma-separated, else all)")
     args = parser.parse_args()
     args.namespace = args.namespace or [ns for ns in os.environ.get("RETEX_NAMESPACES", "").split(",") if ns]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLines())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     import retex.operator.handlers  # noqa: F401  (registers the handlers)
 
     asyncio.run(

@@ -17,6 +17,7 @@ from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import job_name
 from retex.ledger import Ledger, LedgerError, TaskRecord
+from retex.logs import event
 from retex.operator.loop import Loop
 from retex.operator.metrics import count_failure
 
@@ -82,7 +83,8 @@ class Reaper(Loop):
         return None
 
     def _replace(self, task: TaskRecord, cause: str) -> None:
-        log.info("attempt %s of %s/%s is gone (%s): starting the next", task.epoch, task.namespace, task.name, cause)
+        event(log, logging.INFO, "attempt gone: starting the next", uid=task.uid, namespace=task.namespace,
+              name=task.name, epoch=task.epoch, cause=cause)
         self._ledger.replace_attempt(task.uid, task.epoch, cause=cause)
         self._kube.delete_job(task.namespace, job_name(task.name, task.uid, task.epoch))
         self._on_replaced()

@@ -23,6 +23,7 @@ from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.ledger import Ledger, LedgerError, TaskRecord
+from retex.logs import event
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
 from retex.operator.metrics import MIRROR_LAG, count_failure
@@ -220,7 +221,8 @@ class StatusMirror(Loop):
                                          status.model_dump(mode="json", by_alias=True, exclude_none=True))
         except ApiException as exc:
             if exc.status in (404, 409, 422):  # gone, replaced, or a newer status already landed
-                log.info("status of %s/%s not written: %s", record.namespace, record.name, exc.status)
+                event(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
+                      name=record.name, epoch=record.epoch, http_status=exc.status)
                 return
             raise
         with self._lock:
@@ -236,4 +238,4 @@ class StatusMirror(Loop):
                 try:
                     self._kube.post_event(task, reason=reason, message=message, warning=warning)
                 except ApiException as exc:
-                    log.warning("event %s for %s not posted: %s", reason, uid, exc.status)
+                    event(log, logging.WARNING, "event not posted", uid=uid, reason=reason, http_status=exc.status)

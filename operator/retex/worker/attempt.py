@@ -20,7 +20,8 @@ from retex.failpoints import failpoint
 from retex.ledger import CancelRequested, FenceRejected, Ledger, LedgerUnavailable, StepRecord, TaskRecord
 from retex.machine import StepState
 from retex.worker.calls import StepCall, Supervision
-from retex.worker.logs import TaskFields, event
+from retex.logs import event
+from retex.worker.logs import TaskFields
 from retex.worker.outcomes import (
     Abandoned,
     Failed,

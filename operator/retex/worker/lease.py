@@ -31,7 +31,7 @@ from retex.kube.leases import (
     renewed,
     replace_lease,
 )
-from retex.worker.logs import event
+from retex.logs import event
 
 log = logging.getLogger(__name__)
 

@@ -6,11 +6,11 @@ the Kubernetes client) carry them too.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from datetime import UTC, datetime
 from typing import Any
+
+from retex.logs import JsonLines
 
 
 class TaskFields(logging.Filter):
@@ -26,21 +26,6 @@ class TaskFields(logging.Filter):
         return True
 
 
-class JsonLines(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        line = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-            **getattr(record, "task_fields", {}),
-            **getattr(record, "fields", {}),
-        }
-        if record.exc_info:
-            line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line, default=str)
-
-
 def configure(**task_fields: Any) -> TaskFields:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonLines())
@@ -50,8 +35,3 @@ def configure(**task_fields: Any) -> TaskFields:
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
     return tagger
-
-
-def event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
-    """Log `msg` with extra structured fields."""
-    logger.log(level, msg, extra={"fields": fields})

@@ -22,7 +22,7 @@ from retex.worker.config import LEDGER_RETRY_SECONDS, ConfigError, WorkerConfig
 from retex.worker.drain import Drain
 from retex.worker.hardening import refuse_same_user_inspection
 from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
-from retex.worker.logs import event
+from retex.logs import event
 
 log = logging.getLogger("retex.worker")
 CRASHED = 1
