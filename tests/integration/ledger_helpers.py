@@ -9,7 +9,8 @@ from retex.machine import Backoff
 
 def admission(steps=("charge", "ship", "email"), *, namespace="shop", name=None, max_attempts=3,
               max_disruptions=10, idempotency_key=None, not_before: datetime | None = None,
-              concurrency_key=None, priority=0, timeout_seconds=None) -> TaskAdmission:
+              concurrency_key=None, priority=0, timeout_seconds=None,
+              submitted_at: datetime | None = None) -> TaskAdmission:
     uid = str(uuid.uuid4())
     return TaskAdmission(
         uid=uid, namespace=namespace, name=name or f"order-{uid[:8]}",
@@ -17,7 +18,7 @@ def admission(steps=("charge", "ship", "email"), *, namespace="shop", name=None,
         step_names=list(steps), max_attempts=max_attempts, max_disruptions=max_disruptions,
         backoff=Backoff(initial_seconds=0.01, max_seconds=0.05), idempotency_key=idempotency_key,
         not_before=not_before, concurrency_key=concurrency_key, priority=priority,
-        timeout_seconds=timeout_seconds,
+        timeout_seconds=timeout_seconds, submitted_at=submitted_at,
     )
 
 

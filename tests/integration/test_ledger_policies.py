@@ -4,6 +4,7 @@ task timeouts."""
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -30,6 +31,15 @@ def test_one_task_per_concurrency_key_runs_and_the_next_is_the_oldest_whatever_i
     assert phases(ledger, [first, second, third, other]) == ["Running", "Queued", "Queued", "Running"]
     finish(ledger, first)
     assert phases(ledger, [second, third]) == ["Running", "Queued"]
+
+
+def test_fifo_follows_submission_time_not_the_order_the_operator_admitted_in(ledger):
+    t0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    first = admitted(ledger, concurrency_key="k", submitted_at=t0)
+    later = admitted(ledger, concurrency_key="k", submitted_at=t0 + timedelta(seconds=2))
+    earlier = admitted(ledger, concurrency_key="k", submitted_at=t0 + timedelta(seconds=1))
+    finish(ledger, first)
+    assert phases(ledger, [earlier, later]) == ["Running", "Queued"]
 
 
 def test_a_retrying_task_keeps_its_concurrency_key(ledger):

@@ -28,6 +28,7 @@ class TaskAdmission:
     concurrency_key: str | None = None
     priority: int = 0
     timeout_seconds: int | None = None
+    submitted_at: datetime | None = None  # the Task's creationTimestamp: FIFO order
 
 
 @dataclass(frozen=True)

@@ -254,14 +254,16 @@ class Ledger:
             """SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
                AND phase IN ('Running', 'Retrying', 'NeedsAttention')""")}
         candidates = cur.execute(
-            """SELECT uid, namespace, concurrency_key, priority, created_at FROM (
-                   SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority, created_at
+            """SELECT uid, namespace, concurrency_key, priority, submitted, created_at FROM (
+                   SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
+                          coalesce(submitted_at, created_at) AS submitted, created_at
                    FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL
-                   ORDER BY namespace, concurrency_key, created_at, uid) AS key_heads
+                   ORDER BY namespace, concurrency_key, coalesce(submitted_at, created_at), created_at, uid
+               ) AS key_heads
                UNION ALL
-               SELECT uid, namespace, concurrency_key, priority, created_at
+               SELECT uid, namespace, concurrency_key, priority, coalesce(submitted_at, created_at), created_at
                FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL
-               ORDER BY priority DESC, created_at, uid""").fetchall()
+               ORDER BY priority DESC, submitted, created_at, uid""").fetchall()
         for candidate in candidates:
             if limits["max_running"] is not None and total >= limits["max_running"]:
                 return
@@ -303,13 +305,14 @@ class Ledger:
             inserted = cur.execute(
                 """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
                                             max_attempts, max_disruptions, backoff, not_before,
-                                            concurrency_key, priority, timeout_seconds)
-                   VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s, %s, %s, %s)
+                                            concurrency_key, priority, timeout_seconds, submitted_at)
+                   VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s, %s, %s, %s, %s)
                    ON CONFLICT DO NOTHING RETURNING *""",
                 (admission.uid, admission.namespace, admission.name, Jsonb(admission.spec),
                  spec_hash(admission.spec), admission.idempotency_key, admission.max_attempts,
                  admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before,
-                 admission.concurrency_key, admission.priority, admission.timeout_seconds),
+                 admission.concurrency_key, admission.priority, admission.timeout_seconds,
+                 admission.submitted_at),
             ).fetchone()
             if inserted is None:
                 return _existing_admission(cur, admission)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from retex.api import TaskSpec
@@ -9,7 +10,8 @@ from retex.ledger import TaskAdmission
 from retex.machine import Backoff
 
 
-def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any]) -> TaskAdmission:
+def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any],
+                  submitted_at: datetime | None = None) -> TaskAdmission:
     """Validates the spec with the models (the CRD already did; this also enforces the payload
     size the API server cannot measure) and maps it onto the ledger's terms."""
     parsed = TaskSpec.model_validate(spec)
@@ -29,4 +31,5 @@ def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any]) 
         concurrency_key=parsed.concurrency_key,
         priority=parsed.priority,
         timeout_seconds=parsed.timeout_seconds,
+        submitted_at=submitted_at,
     )

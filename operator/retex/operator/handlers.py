@@ -9,6 +9,7 @@ Kubernetes and Postgres clients never stall its event loop), log lines not poste
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 import threading
 from typing import Any
 
@@ -109,13 +110,15 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.resume(*TASKS)
 @kopf.on.create(*TASKS)
-def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, body: kopf.Body, memo: kopf.Memo,
-          **_: Any) -> None:
+def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, body: kopf.Body,
+          memo: kopf.Memo, **_: Any) -> None:
     """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1)."""
     runtime: Runtime = memo.runtime
     failpoint("before-admit")  # crash-matrix R1: the Task exists, the ledger row does not
     try:
-        admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec))
+        submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
+        admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec),
+                                  submitted_at=submitted_at)
     except pydantic.ValidationError as refused:
         runtime.mirror.refuse(dict(body), str(refused))
         return
