@@ -48,6 +48,7 @@ def test_a_multi_step_task_goes_from_pending_to_succeeded_showing_each_committed
     retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=10s", "task/pipeline")
     shown = status(retex, "pipeline")
     assert [s["state"] for s in shown["steps"]] == ["done"] * 3
+    assert "lease" not in shown, "a finished task shows no lease holder"
     assert "step-2" in shown["steps"][2]["result"]
     columns = retex.kubectl("get", "task", "pipeline").stdout
     assert "Succeeded" in columns and "3/3" in columns

@@ -7,7 +7,7 @@ from retex.api import ConditionType, TaskStatus, find_condition
 from retex.kube.leasewatch import LeaseObservation
 from retex.ledger import StepRecord, TaskRecord
 from retex.machine import StepState, TaskPhase
-from retex.operator.status import EventLimiter, _events_between, compute_status
+from retex.operator.status import EventLimiter, _events_between, as_merge_patch, compute_status
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -93,3 +93,9 @@ def test_the_event_limiter_caps_a_crash_looping_task_per_window():
     assert [limiter.allow("u", t) for t in (0, 1, 2, 3)] == [True, True, True, False]
     assert limiter.allow("other", 3)
     assert limiter.allow("u", 61)
+
+
+def test_the_merge_patch_deletes_what_is_no_longer_set():
+    patch = as_merge_patch(status(record(TaskPhase.SUCCEEDED, ("done",) * 3, reason="Completed")))
+    assert "lease" in patch and patch["lease"] is None  # the finished worker's lease goes away
+    assert patch["phase"] == "Succeeded" and patch["ledgerVersion"] == 7

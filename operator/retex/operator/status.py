@@ -104,6 +104,15 @@ def compute_status(record: TaskRecord, *, lease: LeaseObservation | None, genera
     )
 
 
+def as_merge_patch(status: TaskStatus) -> dict[str, Any]:
+    """The whole status as a merge patch: a field that is now unset is sent as null, which
+    deletes it (a merge patch keeps what it does not mention: a finished task would go on showing
+    its last lease holder)."""
+    patch = status.model_dump(mode="json", by_alias=True, exclude_none=True)
+    unset = {name for name, value in status.model_dump(by_alias=True).items() if value is None}
+    return {**patch, **dict.fromkeys(unset)}
+
+
 class EventLimiter:
     """At most `burst` Events per task per `window` seconds: a crash-looping task cannot flood
     the API server."""
@@ -190,8 +199,7 @@ class StatusMirror(Loop):
         conditions = set_condition(None, ConditionType.ACCEPTED, "False", "InvalidSpec", message,
                                    observed_generation=meta.get("generation"), now=datetime.now(UTC))
         status = TaskStatus(conditions=conditions, observed_generation=meta.get("generation"))
-        self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"],
-                                     status.model_dump(mode="json", by_alias=True, exclude_none=True))
+        self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"], as_merge_patch(status))
         if self._limiter.allow(meta["uid"], time.monotonic()):
             self._kube.post_event(task, reason="InvalidSpec", message=message, warning=True)
 
@@ -217,8 +225,7 @@ class StatusMirror(Loop):
                                 previous=previous, now=datetime.now(UTC))
         failpoint("in-status-mirror")
         try:
-            self._kube.patch_task_status(record.namespace, record.name, uid,
-                                         status.model_dump(mode="json", by_alias=True, exclude_none=True))
+            self._kube.patch_task_status(record.namespace, record.name, uid, as_merge_patch(status))
         except ApiException as exc:
             if exc.status in (404, 409, 422):  # gone, replaced, or a newer status already landed
                 event(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
