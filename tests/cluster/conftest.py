@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import itertools
+import json
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from e2e.stub import serve
 from e2e.system import OperatorProcess, install_crd, prepare_namespace
 from retex.ledger import Ledger
 
@@ -48,3 +51,33 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
             operator.kill()
             print(f"--- operator log tail ({namespace}) ---\n{operator.log_tail()}")
             rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@dataclass
+class Stub:
+    url: str
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        with urllib.request.urlopen(f"{self.url}/counts", timeout=5) as answer:
+            return json.load(answer)
+
+    def for_task(self, uid: str) -> dict[str, dict[str, int]]:
+        """{effect: counts} of one task (keys are <task uid>:<step>:<version>)."""
+        return {ident.split("/")[0]: c for ident, c in self.counts().items() if f"/{uid}:" in ident}
+
+    def stored(self, effect: str, key: str) -> dict:
+        request = urllib.request.Request(f"{self.url}/effects/{effect}", headers={"Idempotency-Key": key})
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return json.load(answer)
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory):
+    """The payment provider (deduplicates by Idempotency-Key) and a notifier that does not."""
+    state = tmp_path_factory.mktemp("stub")
+    idempotent = serve(0, Path(state) / "payments.json")
+    naive = serve(0, Path(state) / "notifier.json", idempotent=False)
+    yield (Stub(f"http://127.0.0.1:{idempotent.server_address[1]}"),
+           Stub(f"http://127.0.0.1:{naive.server_address[1]}"))
+    idempotent.shutdown()
+    naive.shutdown()

@@ -14,8 +14,7 @@ import random
 import time
 
 from e2e.system import wait_for
-from tests.cluster.test_crash_matrix import effects_of, submit  # noqa: F401  (fixture below)
-from tests.cluster.test_crash_matrix import stubs  # noqa: F401
+from tests.cluster.test_crash_matrix import effects_of, submit
 from tests.cluster.test_operator import status
 
 
@@ -34,7 +33,7 @@ def running_pods(system) -> list[str]:
     return [p["metadata"]["name"] for p in out["items"] if (p.get("status") or {}).get("phase") == "Running"]
 
 
-def test_chaos_every_task_finishes_correctly_with_exactly_once_effects(retex, stubs, postgres):  # noqa: F811
+def test_chaos_every_task_finishes_correctly_with_exactly_once_effects(retex, stubs, postgres):
     payments, _ = stubs
     seed = int(os.environ.get("RETEX_CHAOS_SEED", random.randrange(1 << 30)))
     tasks = int(os.environ.get("RETEX_CHAOS_TASKS", "6"))

@@ -11,16 +11,20 @@ from retex.api import TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
-from retex.ledger import Dispatch, Ledger, LedgerError
+from retex.ledger import Dispatch, Ledger
 from retex.logs import event
 from retex.operator.loop import Loop
-from retex.operator.metrics import count_failure
 
 log = logging.getLogger(__name__)
 
 
 class Relay(Loop):
-    """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless."""
+    """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless.
+
+    A round that fails (API server down or refusing) rolls its claims back: the records wait for
+    the next round; nothing is lost and nothing is sent twice (AlreadyExists is success)."""
+
+    name = "relay"
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float,
                  failpoints_from_annotations: bool = False):
@@ -28,21 +32,10 @@ class Relay(Loop):
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
         self._failpoints = failpoints_from_annotations
 
-    def run(self) -> None:
-        while not self.stopping:
-            self.pause(self._interval)
-            try:
-                while self.relay_once():
-                    pass
-            except LedgerError as exc:
-                count_failure("relay", exc)
-                log.warning("relay: ledger unavailable: %s", exc)
-            except Exception as exc:
-                # API server down or refusing: the claims roll back and the records wait for the
-                # next round; nothing is lost and nothing is sent twice (AlreadyExists is success).
-                count_failure("relay", exc)
-                log.exception("relay round failed; will retry")
-                self._stop.wait(1.0)
+    def round(self) -> float:
+        while self.relay_once():
+            pass
+        return self._interval
 
     def relay_once(self) -> int:
         """Relay one batch; return how many records it sent."""
@@ -81,6 +74,8 @@ class Promoter(Loop):
     """Starts Scheduled and Retrying tasks when due, sleeping until the earliest one (no per-task
     timers; a far-future task costs nothing until its time)."""
 
+    name = "promoter"
+
     def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0,
                  retention_seconds: float | None = None):
         super().__init__()
@@ -88,25 +83,18 @@ class Promoter(Loop):
         self._retention_seconds = retention_seconds
         self._next_purge = 0.0
 
-    def run(self) -> None:
-        while not self.stopping:
-            try:
-                if self._ledger.promote_due():
-                    self._relay.wake.set()
-                if self._retention_seconds and time.monotonic() >= self._next_purge:
-                    purged = self._ledger.purge_finished(older_than_seconds=self._retention_seconds)
-                    if purged:
-                        log.info("purged %d finished tasks past the history retention", purged)
-                    self._next_purge = time.monotonic() + 3600
-                due = self._ledger.next_due_at()
-                sleep = self._max_sleep
-                if due is not None:
-                    sleep = min(sleep, max(0.0, (due - datetime.now(UTC)).total_seconds()))
-            except LedgerError as exc:
-                count_failure("promoter", exc)
-                log.warning("promoter: ledger unavailable: %s", exc)
-                sleep = 1.0
-            self.pause(sleep)
+    def round(self) -> float:
+        if self._ledger.promote_due():
+            self._relay.wake.set()
+        if self._retention_seconds and time.monotonic() >= self._next_purge:
+            purged = self._ledger.purge_finished(older_than_seconds=self._retention_seconds)
+            if purged:
+                log.info("purged %d finished tasks past the history retention", purged)
+            self._next_purge = time.monotonic() + 3600
+        due = self._ledger.next_due_at()
+        if due is None:
+            return self._max_sleep
+        return min(self._max_sleep, max(0.0, (due - datetime.now(UTC)).total_seconds()))
 
 
 

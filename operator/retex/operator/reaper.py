@@ -16,10 +16,9 @@ import time
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import job_name
-from retex.ledger import Ledger, LedgerError, TaskRecord
+from retex.ledger import Ledger, TaskRecord
 from retex.logs import event
 from retex.operator.loop import Loop
-from retex.operator.metrics import count_failure
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,8 @@ def _job_failed(job: dict | None) -> bool:
 
 
 class Reaper(Loop):
+    name = "reaper"
+
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, interval: float,
                  on_replaced=lambda: None):
         super().__init__()
@@ -43,25 +44,17 @@ class Reaper(Loop):
         self._interval, self._on_replaced = interval, on_replaced
         self._job_checked: dict[tuple[str, int], float] = {}
 
-    def run(self) -> None:
-        while not self.stopping:
-            self.pause(self._interval)
-            if not self._leases.synced.is_set():
-                continue  # blind while the watch is down: judging now would condemn live workers
-            try:
-                running = self._ledger.running()
-                current = {(task.uid, task.epoch) for task in running}
-                self._job_checked = {k: v for k, v in self._job_checked.items() if k in current}
-                for task in running:
-                    cause = self.lost_cause(task, time.monotonic())
-                    if cause:
-                        self._replace(task, cause)
-            except LedgerError as exc:
-                count_failure("reaper", exc)
-                log.warning("reaper: ledger unavailable: %s", exc)
-            except Exception as exc:
-                count_failure("reaper", exc)
-                log.exception("reaper iteration failed; retrying")
+    def round(self) -> float:
+        if not self._leases.synced.is_set():
+            return self._interval  # blind while the watch is down: judging now would condemn live workers
+        running = self._ledger.running()
+        current = {(task.uid, task.epoch) for task in running}
+        self._job_checked = {k: v for k, v in self._job_checked.items() if k in current}
+        for task in running:
+            cause = self.lost_cause(task, time.monotonic())
+            if cause:
+                self._replace(task, cause)
+        return self._interval
 
     def lost_cause(self, task: TaskRecord, now: float) -> str | None:
         """Why attempt `task.epoch` is gone ('lease-expired', 'disruption'), or None if it is not."""

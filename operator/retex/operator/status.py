@@ -18,15 +18,15 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from retex.api import ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
+from retex.api import ConditionType, LeaseStatus, StepStatus, TaskStatus, set_condition
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
-from retex.ledger import Ledger, LedgerError, TaskRecord
+from retex.ledger import Ledger, TaskRecord
 from retex.logs import event
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
-from retex.operator.metrics import MIRROR_LAG, count_failure
+from retex.operator.metrics import MIRROR_LAG
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,14 @@ def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tu
 class StatusMirror(Loop):
     """Writes Task.status from the ledger, driven by NOTIFY with a periodic resync."""
 
+    name = "status-mirror"
+    COALESCE_SECONDS = 0.1  # NOTIFY bursts within this window become one write per task
+
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, resync_seconds: float):
         super().__init__()
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._resync_seconds = resync_seconds
+        self._next_resync = 0.0
         self._dirty: set[str] = set()
         self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
         self._lock = threading.Lock()
@@ -171,26 +175,21 @@ class StatusMirror(Loop):
                 self.mark(change[0])
                 on_change()
 
-    def run(self) -> None:
-        """Thread: flush dirty tasks every 100 ms; resync everything every `resync_seconds`."""
-        next_resync = 0.0
-        while not self.stopping:
-            self._stop.wait(0.1)
-            try:
-                if time.monotonic() >= next_resync:
-                    self._mark_behind()
-                    next_resync = time.monotonic() + self._resync_seconds
-                with self._lock:
-                    batch, self._dirty = self._dirty, set()
-                for uid in batch:
-                    self.mirror(uid)
-            except LedgerError as exc:
-                count_failure("status-mirror", exc)
-                log.warning("status mirror: ledger unavailable: %s", exc)
-            except Exception as exc:
-                count_failure("status-mirror", exc)
-                log.exception("status mirror iteration failed; retrying")
-                self._stop.wait(1.0)
+    def round(self) -> float:
+        """Flush the dirty tasks; every `resync_seconds` first mark every task that lags."""
+        if time.monotonic() >= self._next_resync:
+            self._mark_behind()
+            self._next_resync = time.monotonic() + self._resync_seconds
+        with self._lock:
+            pending, self._dirty = list(self._dirty), set()
+        try:
+            while pending:
+                self.mirror(pending[0])
+                pending.pop(0)
+        finally:
+            for uid in pending:  # a failed round loses no mark: the next one retries them
+                self.mark(uid)
+        return self.COALESCE_SECONDS
 
     def refuse(self, task: dict[str, Any], message: str) -> None:
         """A Task the models refuse (what the API server cannot check, e.g. payload size): it is
