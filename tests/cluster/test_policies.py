@@ -123,3 +123,14 @@ def test_a_task_past_its_timeout_fails_with_reason_timeout(retex):
     apply(retex, "slowpoke", [sh("only", "sleep 30", idempotent=True)], timeoutSeconds=4)
     wait_for(lambda: phase_is(retex, "slowpoke", "Failed"), timeout=60, what="Failed")
     assert {c["type"]: c["reason"] for c in status(retex, "slowpoke")["conditions"]}["Failed"] == "Timeout"
+
+
+def test_a_payload_over_the_limit_is_never_admitted_and_says_why(retex):
+    """The API server cannot measure free-form JSON; the operator refuses it with Accepted=False."""
+    apply(retex, "too-big", [sh("only", "echo never")], payload={"blob": "x" * (65 * 1024)})
+    shown = wait_for(lambda: status(retex, "too-big").get("conditions"), timeout=30, what="a verdict")
+    accepted = {c["type"]: c for c in shown}["Accepted"]
+    assert (accepted["status"], accepted["reason"]) == ("False", "InvalidSpec")
+    assert "64 KiB" in accepted["message"] or "payload" in accepted["message"]
+    assert retex.ledger.find(retex.namespace, "too-big") is None, "nothing admitted, nothing run"
+    retex.kubectl("delete", "task", "too-big", "--timeout=30s")  # the finalizer lets an unadmitted task go
