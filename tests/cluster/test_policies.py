@@ -64,6 +64,10 @@ def test_one_task_per_concurrency_key_runs_at_a_time_in_creation_order_across_a_
     names = [f"account-{i}" for i in range(3)]
     for i, name in enumerate(names):
         apply(retex, name, [sh("debit", "sleep 2; echo ok")], concurrencyKey="account-42", priority=10 * i)
+        if i == 0:
+            # The first must be admitted before the others exist: a backlog found at operator
+            # start-up is admitted concurrently, and FIFO holds among admitted tasks only.
+            wait_for(lambda: retex.ledger.find(retex.namespace, names[0]), timeout=30, what="first admitted")
         time.sleep(1.1)  # distinct creationTimestamps (one-second resolution): FIFO is by submission
     overlap = set()
     deadline = time.monotonic() + 120
