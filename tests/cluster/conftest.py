@@ -10,12 +10,23 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from kubernetes import client
 
 from e2e.stub import serve
 from e2e.system import OperatorProcess, install_crd, prepare_namespace
 from retex.ledger import Ledger
 
 _namespaces = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def apis(rig, request):
+    """Core and Batch API clients, and the module's own namespace (its NAMESPACE), removed after."""
+    namespace = request.module.NAMESPACE
+    rig.create_namespace(namespace)
+    with rig.api_client() as api:
+        yield client.CoreV1Api(api), client.BatchV1Api(api)
+    rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 @dataclass

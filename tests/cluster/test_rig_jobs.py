@@ -5,21 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
-from kubernetes import client
 
 from e2e.rig.waits import job_pods, wait_job_finished, wait_pod_phase
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("RETEX_KUBECONFIG")),
                                 reason="proves the local rig itself")
 NAMESPACE = "rig-jobs"
-
-
-@pytest.fixture(scope="module")
-def apis(rig):
-    rig.create_namespace(NAMESPACE)
-    with rig.api_client() as api:
-        yield client.CoreV1Api(api), client.BatchV1Api(api)
-    rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
 
 def job(name: str, container: dict) -> dict:

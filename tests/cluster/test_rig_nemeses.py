@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from kubernetes import client
 
 from e2e.rig.controlplane import wait_for
 from e2e.rig.waits import container_pid, wait_job_finished, wait_pod_phase
@@ -14,14 +13,6 @@ from e2e.rig.waits import container_pid, wait_job_finished, wait_pod_phase
 pytestmark = pytest.mark.skipif(bool(os.environ.get("RETEX_KUBECONFIG")),
                                 reason="proves the local rig itself")
 NAMESPACE = "rig-nemeses"
-
-
-@pytest.fixture(scope="module")
-def apis(rig):
-    rig.create_namespace(NAMESPACE)
-    with rig.api_client() as api:
-        yield client.CoreV1Api(api), client.BatchV1Api(api)
-    rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
 
 def waiting_pod(name: str, go_file: str) -> dict:

@@ -20,14 +20,6 @@ NAMESPACE = "rig-node-loss"
 REPLACEMENT_BOUND = 40
 
 
-@pytest.fixture(scope="module")
-def apis(rig):
-    rig.create_namespace(NAMESPACE)
-    with rig.api_client() as api:
-        yield client.CoreV1Api(api), client.BatchV1Api(api)
-    rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
-
-
 def ready(core: client.CoreV1Api, node: str) -> str:
     conditions = core.read_node(node).status.conditions or []
     return next(c.status for c in conditions if c.type == "Ready")
