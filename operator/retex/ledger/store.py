@@ -169,8 +169,7 @@ class Ledger:
         columns["phase"] = str(new_phase)
         if new_phase in TERMINAL_PHASES:
             columns.setdefault("finished_at", _NOW)
-        assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
-        values = [_adapt(val) for val in columns.values() if val is not _NOW]
+        assignments, values = _set_clause(columns)
         updated = cur.execute(
             f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
             "WHERE uid = %s RETURNING *",
@@ -200,8 +199,7 @@ class Ledger:
             raise IllegalTransition("step", "missing", f"{event} of step {idx}")
         new_state = step_transition(step["state"], event)
         columns["state"] = str(new_state)
-        assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
-        values = [_adapt(val) for val in columns.values() if val is not _NOW]
+        assignments, values = _set_clause(columns)
         updated = cur.execute(
             f"UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *",
             (*values, uid, idx),
@@ -812,6 +810,12 @@ def _durable_commits(conn: psycopg.Connection) -> None:
 
 # A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
 _NOW = object()
+
+
+def _set_clause(columns: dict[str, Any]) -> tuple[str, list[Any]]:
+    """`col = %s, ...` and its values for an UPDATE; `_NOW` becomes the database's now()."""
+    assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
+    return assignments, [_adapt(val) for val in columns.values() if val is not _NOW]
 
 
 def _adapt(value: Any) -> Any:
