@@ -12,13 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from e2e.postgres import free_port
+from e2e.rig.controlplane import wait_for as rig_wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
@@ -104,11 +104,6 @@ def task_manifest(name: str, steps: list[dict[str, Any]], **spec: Any) -> str:
 
 
 def wait_for(predicate, *, timeout: float, interval: float = 0.25, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    """The rig's poller (progress every few seconds, RigError on timeout) with the keyword order
+    scenarios read best in."""
+    return rig_wait_for(what, predicate, timeout, interval=interval)
