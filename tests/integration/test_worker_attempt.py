@@ -281,3 +281,53 @@ def test_a_python_step_gets_its_args_and_the_task_payload(ledger):
     done = ledger.get(uid)
     assert done.phase == TaskPhase.SUCCEEDED
     assert done.steps[0].result["payload"] == {"order": 7} and done.steps[0].result["amount"] == 5
+
+
+def python_step(name: str, function: str, **fields) -> dict:
+    return {"name": name, "python": {"callable": f"tests.unit.worker_callables:{function}"}, **fields}
+
+
+def run_python_attempt(ledger: Ledger, uid: str, epoch: int, stub: Stub | None = None) -> AttemptEnd:
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo, **({"COUNTS": str(stub.path)} if stub else {})}
+    record = ledger.claim_attempt(uid, epoch, pod=f"pod-{epoch}", node=None)
+    return Attempt(ledger, record, epoch=epoch, actor=f"worker:pod-{epoch}", lease=Lease(),
+                   supervision=Supervision(drain=Drain(30), env=env, kill_grace_seconds=0.5),
+                   verify_retry_seconds=0.05).run()
+
+
+def test_nul_bytes_in_exec_output_are_committed_replaced_and_marked(ledger, stub):
+    # Postgres text and jsonb refuse NUL; the effect happened, so the step must still commit.
+    nul_out = [PY, "-c", "import sys; sys.stdout.write('paid\\x00ok')"]
+    uid = admit(ledger, [exec_step("charge", stub, nul_out)])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    result = ledger.get(uid).steps[0].result
+    assert result["stdout"] == "paid\ufffdok" and result["sanitized"] is True
+
+
+def test_nan_and_infinity_in_a_python_result_are_committed_as_text_and_marked(ledger):
+    uid = admit(ledger, [python_step("charge", "not_a_number")])
+    assert run_python_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert ledger.get(uid).steps[0].result == {"ratio": "NaN", "ceiling": "Infinity", "label": "a\ufffdb",
+                                               "sanitized": True}
+
+
+def test_a_failure_whose_error_text_has_nul_bytes_is_recorded_with_the_text_made_safe(ledger, stub):
+    fail_3 = [PY, "-c", "import sys; sys.stderr.write('bad\\x00card'); sys.exit(3)"]
+    uid = admit(ledger, [exec_step("charge", stub, fail_3, permanentExitCodes=[3])])
+    assert run_attempt(ledger, uid, 1).code == ExitCode.OVER
+    record = ledger.get(uid)
+    assert record.phase == TaskPhase.FAILED
+    assert "bad\ufffdcard" in record.steps[0].error and "replaced" in record.steps[0].error
+
+
+def test_a_result_the_ledger_still_refuses_commits_a_marked_placeholder_instead_of_crashing(ledger, stub,
+                                                                                              monkeypatch):
+    # Whatever the sanitizer misses, Postgres refusing a result must not re-run a done effect:
+    # with the sanitizer switched off, the real refusal of NUL stands in for such a case.
+    monkeypatch.setattr("retex.worker.attempt.stored_result", lambda result: result)
+    nul_out = [PY, "-c", "import sys; sys.stdout.write('paid\\x00ok')"]
+    uid = admit(ledger, [exec_step("charge", stub, nul_out)])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    result = ledger.get(uid).steps[0].result
+    assert result["sanitized"] is True and "refused" in result["refused"]

@@ -143,3 +143,13 @@ def test_verify_404_is_not_found_and_other_statuses_are_errors(stub):
     assert verify(stub, 404) == NotFound()
     assert isinstance(verify(stub, 500), VerifyFailed)
     assert isinstance(verify(stub, 403), VerifyFailed)
+
+
+def test_a_header_value_with_cr_lf_fails_before_anything_is_sent(stub):
+    # The API refuses such a Task; a spec admitted before that rule must still not crash the worker.
+    s = step(http={"method": "POST", "url": stub.url("/charges")})
+    action = s.http.model_copy(update={"headers": {"X-Note": "a\r\nX-Injected: 1"}})
+    outcome = http_step.run(action, s, call(), supervision())
+    assert isinstance(outcome, Failed) and not outcome.retryable
+    assert "X-Note" in outcome.error and "nothing was sent" in outcome.error
+    assert stub.requests == []

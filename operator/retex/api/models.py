@@ -52,6 +52,8 @@ ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # The authority may not contain '@': credentials in a URL would be stored in the Task.
 URL_PATTERN = r"^https?://[-A-Za-z0-9._~%!$&'()*+,;=:\[\]]+([/?#][!-~]*)?$"
 HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
+# CR or LF in a header value would inject headers (or a second request); NUL is refused by servers.
+HEADER_VALUE_PATTERN = r"^[^\r\n\x00]*$"
 CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 KEY_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
 QUANTITY_PATTERN = (
@@ -79,6 +81,7 @@ MSG_SECRET_HEADER = (
     "who can get tasks; give credentials to the worker through its image or service account"
 )
 MSG_HEADER_NAME = "header names must be HTTP tokens (letters, digits and !#$%&'*+.^_`|~-)"
+MSG_HEADER_VALUE = "header values must not contain CR, LF or NUL"
 MSG_BACKOFF_ORDER = "maxSeconds must be at least initialSeconds"
 MSG_LEDGER_VERSION_MONOTONIC = "status.ledgerVersion never goes backwards"
 MSG_PAYLOAD_TOO_LARGE = f"payload must be at most {PAYLOAD_MAX_BYTES} bytes as compact JSON"
@@ -198,7 +201,8 @@ class HttpAction(ApiModel):
     """http or https URL, without user:password@ in it."""
     headers: (
         Annotated[
-            dict[str, Annotated[str, Field(max_length=4096)]],
+            dict[str, Annotated[str, Field(max_length=4096), WithJsonSchema(
+                {"type": "string", "maxLength": 4096, "pattern": HEADER_VALUE_PATTERN})]],
             Field(
                 max_length=64,
                 json_schema_extra=validations(
@@ -209,7 +213,8 @@ class HttpAction(ApiModel):
         ]
         | None
     ) = None
-    """Request headers, plain text. Authorization, Proxy-Authorization and Cookie are refused."""
+    """Request headers, plain text, without CR, LF or NUL in values. Authorization,
+    Proxy-Authorization and Cookie are refused."""
     body: FreeJson = None
     """Request body: any JSON value, sent as JSON (a string as is). Without one, POST, PUT and PATCH
     send {idempotencyKey, taskUid, step, attempt, payload, results}."""
@@ -222,6 +227,9 @@ class HttpAction(ApiModel):
                 raise ValueError(MSG_HEADER_NAME)
             if re.search(SECRET_HEADER_PATTERN, name):
                 raise ValueError(MSG_SECRET_HEADER)
+        for value in (headers or {}).values():
+            if not re.search(HEADER_VALUE_PATTERN, value):
+                raise ValueError(MSG_HEADER_VALUE)
         return headers
 
 

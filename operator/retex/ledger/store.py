@@ -31,6 +31,7 @@ from retex.ledger.errors import (
     ResultTooLarge,
     StepOutOfOrder,
     TaskNotFound,
+    UnstorableValue,
 )
 from retex.failpoints import failpoint
 from retex.ledger.migrate import migrate
@@ -535,6 +536,16 @@ class Ledger:
 
     # -- fenced operations (worker) ----------------------------------------------------------
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _refusal_as_unstorable() -> Iterator[None]:
+        """A value Postgres (or psycopg, before sending) refuses: NUL in text, NaN or \\u0000 in
+        jsonb, a lone surrogate. Not transient: repeating the write cannot help."""
+        try:
+            yield
+        except (psycopg.DataError, UnicodeEncodeError) as exc:
+            raise UnstorableValue(f"the ledger refused the value: {type(exc).__name__}: {exc}") from exc
+
     def claim_attempt(self, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
         """Read the task for attempt `epoch` and record which pod runs it. Fenced."""
 
@@ -582,7 +593,8 @@ class Ledger:
                                    error=None, finished_at=_NOW)
             failpoint("in-commit", step["name"])  # crash-matrix R8: dies before COMMIT
 
-        self._tx(op, op="commit_step")
+        with self._refusal_as_unstorable():
+            self._tx(op, op="commit_step")
 
     def fail_step(self, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
                   rng: random.Random | None = None) -> TaskRecord:
@@ -612,7 +624,8 @@ class Ledger:
                                  not_before=_db_now(cur) + timedelta(seconds=delay))
             return self._record(cur, uid)
 
-        return self._tx(op, op="fail_step")
+        with self._refusal_as_unstorable():
+            return self._tx(op, op="fail_step")
 
     def flag_step(self, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
         """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
@@ -629,7 +642,8 @@ class Ledger:
                              last_error=why[:4096])
             return self._record(cur, uid)
 
-        return self._tx(op, op="flag_step")
+        with self._refusal_as_unstorable():
+            return self._tx(op, op="flag_step")
 
     def complete_task(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
         """Every step is done: the task Succeeded. Fenced."""

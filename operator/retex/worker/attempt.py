@@ -17,7 +17,15 @@ from typing import Any, Protocol
 
 from retex.api.models import Step, TaskSpec
 from retex.failpoints import failpoint
-from retex.ledger import CancelRequested, FenceRejected, Ledger, LedgerUnavailable, StepRecord, TaskRecord
+from retex.ledger import (
+    CancelRequested,
+    FenceRejected,
+    Ledger,
+    LedgerUnavailable,
+    StepRecord,
+    TaskRecord,
+    UnstorableValue,
+)
 from retex.machine import StepState
 from retex.worker.calls import StepCall, Supervision
 from retex.logs import event
@@ -32,7 +40,8 @@ from retex.worker.outcomes import (
     Unknown,
     VerifyFailed,
     VerifyOutcome,
-    bounded_result,
+    stored_result,
+    stored_text,
 )
 from retex.worker.steps import run_step, run_verify
 
@@ -105,7 +114,7 @@ class Attempt:
             ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
-                outcome = run_step(step, call, self._sup)
+                outcome = self._run_step(step, call)
                 failpoint("after-effect", step.name)
                 ended = self._record_outcome(idx, step, call, outcome)
             if isinstance(ended, AttemptEnd):
@@ -172,11 +181,24 @@ class Attempt:
         return self._flag(idx, f"{why}; the step has no verify and is not idempotent, so whether its effect "
                                "happened is unknown")
 
+    def _run_step(self, step: Step, call: StepCall) -> StepOutcome:
+        """A runner that raises has lost track of the step, which may have been sent: unknown, with
+        the real reason, never a crash after the step began."""
+        try:
+            return run_step(step, call, self._sup)
+        except Exception as exc:  # noqa: BLE001 - recorded through the unknown-outcome rules
+            log.exception("step runner failed")
+            return Unknown(f"the worker failed while running the step: {type(exc).__name__}: {exc}")
+
     def _verify(self, step: Step, call: StepCall) -> VerifyOutcome:
         """Verify is read-only, so an error is retried a few times before a human is asked."""
         outcome: VerifyOutcome = VerifyFailed("not run")
         for attempt in range(1, self._verify_tries + 1):
-            outcome = run_verify(step.verify, step, call, self._sup)
+            try:
+                outcome = run_verify(step.verify, step, call, self._sup)
+            except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
+                log.exception("verify runner failed")
+                outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")
             event(log, logging.INFO, "verify ran", outcome=type(outcome).__name__, try_number=attempt)
             if not isinstance(outcome, VerifyFailed) or self._sup.drain.requested.is_set():
                 return outcome
@@ -187,18 +209,25 @@ class Attempt:
     # -- ledger writes -----------------------------------------------------------------------
 
     def _commit(self, idx: int, result: Any, message: str) -> _Committed:
-        result = bounded_result(result)
-        self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
+        result = stored_result(result)
+        try:
+            self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
+        except UnstorableValue as exc:
+            # The effect happened: a result the ledger will not take must not make the step run again.
+            result = {"sanitized": True, "refused": stored_text(str(exc))[:1024]}
+            self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
         event(log, logging.INFO, message)
         return _Committed(result)
 
     def _fail(self, idx: int, error: str, *, retryable: bool) -> AttemptEnd:
+        error = stored_text(error)
         record = self._ledger.fail_step(self._record.uid, self._epoch, idx, error, retryable=retryable,
                                         actor=self._actor)
         event(log, logging.WARNING, "step failed", error=error, retryable=retryable, phase=str(record.phase))
         return AttemptEnd(ExitCode.OVER, f"step failed ({'retryable' if retryable else 'permanent'}): task {record.phase}")
 
     def _flag(self, idx: int, why: str) -> AttemptEnd:
+        why = stored_text(why)
         self._ledger.flag_step(self._record.uid, self._epoch, idx, why, actor=self._actor)
         event(log, logging.ERROR, "needs attention", why=why)
         return AttemptEnd(ExitCode.OVER, f"needs attention: {why}")

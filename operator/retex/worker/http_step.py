@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import ssl
 import threading
 import time
@@ -76,8 +77,26 @@ class _NotConnected:
 
 
 @dataclass(frozen=True)
+class _NotSent:
+    """The request could not be put together (a header value http.client refuses): nothing was sent."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class _LostAfterSending:
     error: str
+
+
+_FORBIDDEN_IN_HEADER_VALUE = re.compile("[\r\n\x00]")
+
+
+def unsendable_header(headers: dict[str, str]) -> str | None:
+    """Why a header cannot be sent as given (CR/LF would inject headers, NUL is refused), or None."""
+    for name, value in headers.items():
+        if _FORBIDDEN_IN_HEADER_VALUE.search(value):
+            return f"header {name}: its value contains CR, LF or NUL; nothing was sent"
+    return None
 
 
 class _Exchange:
@@ -86,7 +105,7 @@ class _Exchange:
     def __init__(self, action: HttpAction, call: StepCall, timeout: float):
         self._action, self._call, self._timeout = action, call, timeout
         self._connection: http.client.HTTPConnection | None = None
-        self.answer: _Response | _NotConnected | _LostAfterSending | None = None
+        self.answer: _Response | _NotConnected | _NotSent | _LostAfterSending | None = None
         self.done = threading.Event()
 
     def start(self) -> None:
@@ -100,10 +119,18 @@ class _Exchange:
     def _run(self) -> None:
         try:
             self.answer = self._exchange()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the caller must get an answer
+            self.answer = _LostAfterSending(f"unexpected {type(exc).__name__}: {exc}")
         finally:
             self.done.set()
 
-    def _exchange(self) -> _Response | _NotConnected | _LostAfterSending:
+    def _exchange(self) -> _Response | _NotConnected | _NotSent | _LostAfterSending:
+        body, content_type = _request_body(self._action, self._call)
+        headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
+        if content_type and not any(h.lower() == "content-type" for h in headers):
+            headers["Content-Type"] = content_type
+        if (why := unsendable_header(headers)) is not None:
+            return _NotSent(why)
         url = urlsplit(self._action.url)
         if url.scheme == "https":
             connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=self._timeout,
@@ -116,15 +143,20 @@ class _Exchange:
                 connection.connect()
             except OSError as exc:  # includes TLS handshake and certificate errors
                 return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
-            body, content_type = _request_body(self._action, self._call)
-            headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
-            if content_type and not any(h.lower() == "content-type" for h in headers):
-                headers["Content-Type"] = content_type
             path = url.path or "/"
             if url.query:
                 path += f"?{url.query}"
+            # http.client only buffers the request line and headers until endheaders().
+            connection.putrequest(self._action.method, path)
+            for name, value in headers.items():
+                try:
+                    connection.putheader(name, value)
+                except (ValueError, UnicodeError) as exc:  # a value it cannot encode (latin-1 only)
+                    return _NotSent(f"header {name} cannot be sent: {type(exc).__name__}: {exc}; nothing was sent")
+            if body is not None:
+                connection.putheader("Content-Length", str(len(body)))
             try:
-                connection.request(self._action.method, path, body=body, headers=headers)
+                connection.endheaders(body)
                 response = connection.getresponse()
                 data = response.read(BODY_LIMIT_BYTES + 1)
             except (OSError, http.client.HTTPException) as exc:
@@ -185,6 +217,8 @@ def run(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> Ste
         return Unknown(f"no response within {step.timeout_seconds}s")
     if isinstance(answer, _NotConnected):
         return Failed(answer.error, retryable=True)
+    if isinstance(answer, _NotSent):
+        return Failed(answer.error, retryable=False)  # the step as written can never be sent
     if isinstance(answer, _LostAfterSending):
         return Unknown(f"connection lost after sending: {answer.error}")
     if 200 <= answer.status < 300:
@@ -198,7 +232,7 @@ def verify(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> 
         return Abandoned("stopped at the drain deadline")
     if answer == "timeout":
         return VerifyFailed(f"verify: no response within {step.timeout_seconds}s")
-    if isinstance(answer, _NotConnected | _LostAfterSending):
+    if isinstance(answer, _NotConnected | _NotSent | _LostAfterSending):
         return VerifyFailed(f"verify: {answer.error}")
     if 200 <= answer.status < 300:
         return Found({**answer.as_result(), "verified": True})
