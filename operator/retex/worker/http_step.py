@@ -7,8 +7,11 @@ Redirects are not followed (a 3xx is an answer like any other).
 
 Outcomes: 2xx = success, result {"status", "body"} (JSON body parsed when it fits 32 KiB, else the
 beginning as text with "bodyTruncated": true). A non-2xx status is a failure, retryable for 408,
-425, 429 and 5xx unless the step's status lists say otherwise. No connection (refused, DNS, TLS
-handshake) = retryable failure: nothing was sent. Lost after sending or timed out = unknown.
+425, 429 and 5xx unless the step's status lists say otherwise — but for a step that is not
+idempotent those statuses are unknown unless a list declares them (`status_outcome`). No
+connection (refused, DNS, TLS handshake) = retryable failure: nothing was sent. A request that
+cannot be put together (a header value) = permanent failure, nothing sent. Lost after sending or
+timed out = unknown.
 Verify convention: 2xx = found (that response is the result), 404 = not found, other = error.
 """
 
@@ -44,6 +47,18 @@ ERROR_BODY_BYTES = 512
 DEFAULT_RETRYABLE_STATUSES = frozenset({408, 425, 429})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 _POLL_SECONDS = 0.05
+
+
+def status_outcome(step: Step, status: int, summary: str) -> Failed | Unknown:
+    """A non-2xx answer. 408, 425, 429 and 5xx do not prove that nothing happened (a gateway's 504
+    after the upstream committed): for a step that is not idempotent they are unknown, unless the
+    step declares that status in retryableStatuses or permanentStatuses. Other statuses (3xx,
+    4xx) are the server refusing the request: a clean failure."""
+    declared = (step.retryable_statuses or []) + (step.permanent_statuses or [])
+    ambiguous = status in DEFAULT_RETRYABLE_STATUSES or status >= 500
+    if ambiguous and not step.idempotent and status not in declared:
+        return Unknown(f"{summary} (not idempotent, and this status does not prove nothing happened)")
+    return Failed(summary, retryable=status_retryable(step, status))
 
 
 def status_retryable(step: Step, status: int) -> bool:
@@ -223,7 +238,7 @@ def run(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> Ste
         return Unknown(f"connection lost after sending: {answer.error}")
     if 200 <= answer.status < 300:
         return Succeeded(answer.as_result())
-    return Failed(answer.summary(), retryable=status_retryable(step, answer.status))
+    return status_outcome(step, answer.status, answer.summary())
 
 
 def verify(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:

@@ -2,8 +2,10 @@
 in a child interpreter (see `pycall`) with a `StepContext`.
 
 Outcomes: a return value = success (the result, JSON; other values are stored as their repr);
-`PermanentError` = permanent failure; `RetryableError` or any other exception = retryable failure;
-killed, crashed or timed out without answering = unknown.
+`PermanentError` = permanent failure; `RetryableError` = retryable failure (both declare that the
+effect did not happen); any other exception = retryable failure if the step is idempotent, else
+unknown (it may have raised after its effect); killed, crashed or timed out without answering =
+unknown.
 Verify convention: returns a result = found (that is the result); returns None = not found;
 raises = error.
 """
@@ -68,7 +70,10 @@ def run(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> S
         return Unknown(_unanswered(end, step))
     if answer["outcome"] == "ok":
         return Succeeded(answer["result"])
-    return Failed(answer["error"], retryable=answer["outcome"] == "retryable")
+    if answer["outcome"] == "unexpected" and not step.idempotent:
+        return Unknown(f"raised an undeclared exception (not idempotent, so the effect may have happened): "
+                       f"{answer['error']}")
+    return Failed(answer["error"], retryable=answer["outcome"] != "permanent")
 
 
 def verify(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
