@@ -51,7 +51,8 @@ def payments():
 def admit(ledger: Ledger, stub: HttpStub, **step_fields) -> str:
     uid = str(uuid.uuid4())
     step = {"name": "charge", "http": {"method": "POST", "url": stub.url("/charges"), "body": {"amount": 42}},
-            "verify": {"http": {"method": "GET", "url": stub.url("/charges/by-key")}}, **step_fields}
+            "verify": {"http": {"method": "GET", "url": stub.url("/charges/by-key")}},
+            "timeoutSeconds": 1, **step_fields}  # short: a verify waits until begin + timeout + margin
     ledger.admit(TaskAdmission(uid=uid, namespace="shop", name=f"order-{uid[:8]}", spec={"steps": [step]},
                                step_names=["charge"], backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
     return uid

@@ -100,3 +100,60 @@ def test_an_unexpected_exception_after_the_effect_is_not_retried_blindly(ledger,
     record = ledger.get(uid)
     assert record.phase == TaskPhase.NEEDS_ATTENTION and "KeyError" in record.steps[0].error
     assert counts.read_text().split() == [record.steps[0].idempotency_key]
+
+
+def send_as_the_old_worker(url: str, key: str) -> threading.Thread:
+    """Attempt 1's request, already on its way (a paused or partitioned worker's)."""
+
+    def post() -> None:
+        request = urllib.request.Request(url, data=b"{}", method="POST", headers={"Idempotency-Key": key})
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_new_attempt_waits_for_the_old_attempts_step_deadline_before_verifying(ledger, counter):
+    # Attempt 1's charge is still being processed (it lands 2 s after arrival, within the step's
+    # 3 s timeout) when attempt 2 starts. Verifying at once would see 404 and charge again.
+    step = charge(counter, "?delay=2", timeoutSeconds=3)
+    uid = admit(ledger, step)
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    key = ledger.get(uid).steps[0].idempotency_key
+    begun = time.monotonic()
+    send_as_the_old_worker(step["http"]["url"], key)
+    epoch = ledger.replace_attempt(uid, 1, cause="lease-expired").epoch
+    assert run_attempt(ledger, uid, epoch) == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert counter.executions(key) == 1
+    assert ledger.get(uid).steps[0].result["verified"] is True
+    assert time.monotonic() - begun >= 3  # the verify ran after the step's deadline
+
+
+def test_after_a_client_timeout_the_step_is_verified_only_after_its_deadline(ledger, counter):
+    # The server is still processing when the client gives up at 1 s; the effect lands at 2.5 s.
+    uid = admit(ledger, charge(counter, "?delay=2.5", timeoutSeconds=1))
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    record = ledger.get(uid)
+    assert record.steps[0].result["verified"] is True
+    assert counter.executions(record.steps[0].idempotency_key) == 1
+
+
+class LeaseLostAfter:
+    def __init__(self, seconds: float):
+        self._until = time.monotonic() + seconds
+
+    def still_held(self) -> bool:
+        return time.monotonic() < self._until
+
+
+def test_a_lease_lost_while_waiting_for_the_deadline_leaves_the_step_started_and_verifies_nothing(ledger, counter):
+    uid = admit(ledger, charge(counter, "?ack_status=504", timeoutSeconds=30))
+    record = ledger.claim_attempt(uid, 1, pod="pod-1", node=None)
+    end = Attempt(ledger, record, epoch=1, actor="worker:pod-1", lease=LeaseLostAfter(2),
+                  supervision=Supervision(drain=Drain(30)), verify_retry_seconds=0.05).run()
+    step = ledger.get(uid).steps[0]
+    assert end.code == ExitCode.DISRUPTED and "lease lost" in end.why
+    assert (step.state, step.error) == (StepState.STARTED, None)
+    assert counter.executions(step.idempotency_key) == 1

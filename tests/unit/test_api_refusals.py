@@ -167,6 +167,12 @@ REFUSALS = [
         models.MSG_BACKOFF_ORDER,
     ),
     Refusal(
+        "renew-deadline-leaves-no-time-to-kill-the-step",
+        spec_with(lease={"durationSeconds": 10, "renewDeadlineSeconds": 9}),
+        (f"spec.lease: Invalid value: {models.MSG_RENEW_DEADLINE}",),
+        models.MSG_RENEW_DEADLINE,
+    ),
+    Refusal(
         "python-callable-without-function",
         spec_with(step(python={"callable": "shop.payments"})),
         (

@@ -578,6 +578,26 @@ class Ledger:
 
         return self._tx(op, op="begin_step")
 
+    def seconds_until_step_deadline(self, uid: str, idx: int, *, begun_at: datetime | None,
+                                    after_seconds: float) -> float:
+        """Seconds left, by the database's clock, until `after_seconds` past the step's begin
+        (`begun_at` as an earlier `begin_step` returned it, else the step row's own started_at);
+        0 once that has passed. The worker waits it out before verifying a step that may still be
+        in flight: its own clock is never compared with the database's. Unfenced reader."""
+
+        def op(cur: psycopg.Cursor) -> float:
+            row = cur.execute(
+                """SELECT greatest(0, extract(epoch FROM coalesce(%s::timestamptz, started_at)
+                                  + make_interval(secs => %s) - now())) AS left
+                   FROM retex.steps WHERE task_uid = %s AND idx = %s""",
+                (begun_at, after_seconds, uid, idx),
+            ).fetchone()
+            if row is None:
+                raise TaskNotFound(uid)
+            return float(row["left"] or 0)
+
+        return self._tx(op, op="seconds_until_step_deadline")
+
     def commit_step(self, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
         """Record the step's result: the one durable proof that its effect happened. Fenced."""
         _check_result_size(result)

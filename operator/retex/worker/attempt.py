@@ -9,10 +9,12 @@ verify if it has one, else a re-run (now or on retry) if it is idempotent, else 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from retex.api.models import Step, TaskSpec
@@ -47,6 +49,12 @@ from retex.worker.steps import run_step, run_verify
 
 log = logging.getLogger(__name__)
 
+# Past a step's begin + timeoutSeconds, by the database's clock, before anything verifies it while
+# it may still be in flight: covers the step's own kill (the tether: timeout + grace + 1 s), the
+# delay between begin_step and the step's start, and clock rate differences.
+DEADLINE_MARGIN_SECONDS = 5.0
+_DEADLINE_POLL_SECONDS = 1.0
+
 
 class ExitCode(enum.IntEnum):
     OVER = 0  # this attempt is over and the ledger says why
@@ -77,7 +85,8 @@ class Attempt:
                  supervision: Supervision, tagger: TaskFields | None = None, verify_tries: int = 3,
                  verify_retry_seconds: float = 1.0):
         self._ledger, self._record, self._epoch, self._actor = ledger, record, epoch, actor
-        self._lease, self._sup, self._tagger = lease, supervision, tagger
+        # The step runners kill a running step the moment the lease can no longer be shown held.
+        self._lease, self._sup, self._tagger = lease, dataclasses.replace(supervision, held=lease.still_held), tagger
         self._verify_tries, self._verify_retry_seconds = verify_tries, verify_retry_seconds
 
     def run(self) -> AttemptEnd:
@@ -139,7 +148,7 @@ class Attempt:
                 return self._settle_unknown(idx, step, call, why)
             case Abandoned(why):
                 event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
-                return AttemptEnd(ExitCode.DISRUPTED, f"drained: {why}")
+                return AttemptEnd(ExitCode.DISRUPTED, f"step abandoned, nothing recorded: {why}")
         raise AssertionError(outcome)
 
     def _resolve_interrupted(self, idx: int, step: Step, call: StepCall, prior: StepRecord) -> _Committed | AttemptEnd | None:
@@ -147,6 +156,8 @@ class Attempt:
         event(log, logging.WARNING, "step was begun and never recorded", begun_by_attempt=prior.attempt,
               has_verify=step.verify is not None, idempotent=step.idempotent)
         if step.verify is not None:
+            if (end := self._await_step_deadline(idx, step, begun_at=prior.started_at)) is not None:
+                return end
             match self._verify(step, call):
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed without running")
@@ -156,7 +167,7 @@ class Attempt:
                 case VerifyFailed(error):
                     return self._flag(idx, f"step was interrupted and its verify could not tell: {error}")
                 case Abandoned(why):
-                    return AttemptEnd(ExitCode.DISRUPTED, f"drained during verify: {why}")
+                    return AttemptEnd(ExitCode.DISRUPTED, f"verify abandoned: {why}")
         if step.idempotent:
             event(log, logging.INFO, "idempotent: running it again with the same key")
             return _RUN_IT
@@ -167,6 +178,9 @@ class Attempt:
         """The run gave no answer: the same question as R6, asked now."""
         event(log, logging.WARNING, "step outcome unknown", why=why)
         if step.verify is not None:
+            # The step stays `started` until its deadline: a server may still be processing it.
+            if (end := self._await_step_deadline(idx, step, begun_at=None)) is not None:
+                return end
             match self._verify(step, call):
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed")
@@ -175,11 +189,29 @@ class Attempt:
                 case VerifyFailed(error):
                     return self._flag(idx, f"{why}; verify could not tell: {error}")
                 case Abandoned(reason):
-                    return AttemptEnd(ExitCode.DISRUPTED, f"drained during verify: {reason}")
+                    return AttemptEnd(ExitCode.DISRUPTED, f"verify abandoned: {reason}")
         if step.idempotent:
             return self._fail(idx, why, retryable=True)
         return self._flag(idx, f"{why}; the step has no verify and is not idempotent, so whether its effect "
                                "happened is unknown")
+
+    def _await_step_deadline(self, idx: int, step: Step, *, begun_at: datetime | None) -> AttemptEnd | None:
+        """Wait until the step's begin + timeoutSeconds + margin has passed by the database's clock
+        (an earlier attempt's begin, `begun_at`, or this attempt's own): before that, a run of it may
+        still land its effect, and a verify would find nothing and run it a second time. Keeps
+        honouring the drain and the lease meanwhile (the renewer goes on in the background)."""
+        after = step.timeout_seconds + DEADLINE_MARGIN_SECONDS
+        announced = False
+        while (left := self._ledger.seconds_until_step_deadline(self._record.uid, idx, begun_at=begun_at,
+                                                                 after_seconds=after)) > 0:
+            if not announced:
+                event(log, logging.INFO, "waiting for the step's deadline before verifying", seconds=round(left, 1))
+                announced = True
+            if self._sup.drain.requested.wait(min(left, _DEADLINE_POLL_SECONDS)):
+                return AttemptEnd(ExitCode.DISRUPTED, "drained while waiting for the step's deadline; nothing recorded")
+            if not self._lease.still_held():
+                return AttemptEnd(ExitCode.DISRUPTED, "lease lost while waiting for the step's deadline; nothing recorded")
+        return None
 
     def _run_step(self, step: Step, call: StepCall) -> StepOutcome:
         """A runner that raises has lost track of the step, which may have been sent: unknown, with

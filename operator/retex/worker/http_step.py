@@ -23,12 +23,14 @@ import re
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from retex.api.models import HttpAction, Step
 from retex.worker.calls import StepCall, Supervision
+from retex.worker.processes import LEASE_LOST
 from retex.worker.outcomes import (
     Abandoned,
     Failed,
@@ -117,8 +119,8 @@ def unsendable_header(headers: dict[str, str]) -> str | None:
 class _Exchange:
     """One request/response on a helper thread, so the caller can give up on it at a deadline."""
 
-    def __init__(self, action: HttpAction, call: StepCall, timeout: float):
-        self._action, self._call, self._timeout = action, call, timeout
+    def __init__(self, action: HttpAction, call: StepCall, timeout: float, held: Callable[[], bool]):
+        self._action, self._call, self._timeout, self._held = action, call, timeout, held
         self._connection: http.client.HTTPConnection | None = None
         self.answer: _Response | _NotConnected | _NotSent | _LostAfterSending | None = None
         self.done = threading.Event()
@@ -170,6 +172,8 @@ class _Exchange:
                     return _NotSent(f"header {name} cannot be sent: {type(exc).__name__}: {exc}; nothing was sent")
             if body is not None:
                 connection.putheader("Content-Length", str(len(body)))
+            if not self._held():  # the last moment a lost lease can still keep the request unsent
+                return _NotSent(LEASE_LOST)
             try:
                 connection.endheaders(body)
                 response = connection.getresponse()
@@ -209,11 +213,18 @@ def _parse(status: int, data: bytes) -> _Response:
 
 
 def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
-    """The answer, or "timeout" / "abandoned" when the step's time or the drain ran out first."""
-    exchange = _Exchange(action, call, timeout=step.timeout_seconds)
+    """The answer, or "timeout" / "abandoned" / "lease-lost" when the step's time, the drain or the
+    lease ran out first. Closing the connection stops the client; a server may still process what
+    it received, which is why a verify waits for the step's deadline (docs/worker.md)."""
+    if not sup.held():
+        return "lease-lost"
+    exchange = _Exchange(action, call, timeout=step.timeout_seconds, held=sup.held)
     exchange.start()
     deadline = time.monotonic() + step.timeout_seconds
     while not exchange.done.wait(_POLL_SECONDS):
+        if not sup.held():
+            exchange.abort()
+            return "lease-lost"
         now = time.monotonic()
         if now >= deadline:
             exchange.abort()
@@ -226,6 +237,8 @@ def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
 
 def run(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
     answer = _exchange(action, step, call, sup)
+    if answer == "lease-lost" or answer == _NotSent(LEASE_LOST):
+        return Abandoned(LEASE_LOST)
     if answer == "abandoned":
         return Abandoned("stopped at the drain deadline")
     if answer == "timeout":
@@ -243,6 +256,8 @@ def run(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> Ste
 
 def verify(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
     answer = _exchange(action, step, call, sup)
+    if answer == "lease-lost" or answer == _NotSent(LEASE_LOST):
+        return Abandoned(LEASE_LOST)
     if answer == "abandoned":
         return Abandoned("stopped at the drain deadline")
     if answer == "timeout":

@@ -17,7 +17,7 @@ import traceback
 from typing import Any
 
 from retex.worker.context import PermanentError, RetryableError, StepContext
-from retex.worker.tether import tie_to
+from retex.worker.tether import kill_group_after, tie_to
 
 ERROR_TAIL_CHARS = 2048
 
@@ -36,6 +36,7 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
                           step=request["step"], attempt=request["attempt"], payload=request["payload"],
                           results=request["results"])
     tie_to(request["workerPid"], on_sigterm=context.cancelled.set)
+    kill_group_after(request["deadlineSeconds"])
     try:
         result = function(context, **request["args"])
     except PermanentError as exc:

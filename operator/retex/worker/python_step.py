@@ -34,7 +34,7 @@ from retex.worker.outcomes import (
     VerifyFailed,
     VerifyOutcome,
 )
-from retex.worker.processes import ProcessEnd, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline_seconds, supervise
 
 
 def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> tuple[ProcessEnd, dict[str, Any] | None]:
@@ -44,11 +44,12 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
         request.write_text(json.dumps({
             "callable": action.callable, "args": action.args or {}, "idempotencyKey": call.idempotency_key,
             "taskUid": call.task_uid, "step": call.step, "attempt": call.attempt, "payload": call.payload,
-            "results": call.results, "workerPid": os.getpid(),
+            "results": call.results, "workerPid": os.getpid(), "deadlineSeconds": own_deadline_seconds(step, sup),
         }))
         proc = subprocess.Popen([sys.executable, "-m", "retex.worker.pycall", str(request), str(response)],
                                 env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True)
-        end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds)
+        end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
+                        held=sup.held)
         answer = json.loads(response.read_text()) if response.exists() else None
         return end, answer
     finally:
@@ -56,13 +57,19 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
 
 
 def _unanswered(end: ProcessEnd, step: Step) -> str:
+    if end.lease_lost:
+        return LEASE_LOST
     if end.timed_out:
         return f"timed out after {step.timeout_seconds}s (process killed)"
     return f"the call ended without answering (exit code {end.returncode})"
 
 
 def run(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
+    if not sup.held():
+        return Abandoned(LEASE_LOST)
     end, answer = _call(action, step, call, sup)
+    if end.lease_lost:
+        return Abandoned(LEASE_LOST)
     if end.abandoned and (answer is None or answer["outcome"] != "ok"):
         # A failure it raised because the drain cancelled it is not the step's failure.
         return Abandoned("stopped at the drain deadline")
@@ -77,7 +84,11 @@ def run(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> S
 
 
 def verify(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
+    if not sup.held():
+        return Abandoned(LEASE_LOST)
     end, answer = _call(action, step, call, sup)
+    if end.lease_lost:
+        return Abandoned(LEASE_LOST)
     if end.abandoned and answer is None:
         return Abandoned("stopped at the drain deadline")
     if answer is None:
