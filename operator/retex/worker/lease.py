@@ -132,9 +132,13 @@ class AttemptLease:
         return False
 
     def _renew_loop(self) -> None:
-        while not self._stopping.wait(self.timing.retry_period):
+        # A try every retry period, counted from the start of the previous one: a failing call
+        # (bounded by the period) is retried at once, so about five tries fit in the renew deadline.
+        next_try = self._clock() + self.timing.retry_period
+        while not self._stopping.wait(max(0.0, next_try - self._clock())):
             if not self.still_held():
                 return  # given up: the worker kills its step and exits; release() still tries
+            next_try = self._clock() + self.timing.retry_period
             try:
                 self._renew_once()
             except Exception as exc:  # noqa: BLE001 - the renewer must outlive any one failure
