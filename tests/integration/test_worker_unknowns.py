@@ -157,3 +157,16 @@ def test_a_lease_lost_while_waiting_for_the_deadline_leaves_the_step_started_and
     assert end.code == ExitCode.DISRUPTED and "lease lost" in end.why
     assert (step.state, step.error) == (StepState.STARTED, None)
     assert counter.executions(step.idempotency_key) == 1
+
+
+def test_a_run_started_after_waiting_out_an_old_begin_gets_its_own_full_deadline(ledger, counter):
+    # Attempt 2 waits out attempt 1's begin, finds nothing, runs the charge itself and gives up
+    # at 1 s while the stub is still processing: its verify must wait for *its run's* deadline,
+    # not the (long past) one of the begin recorded in the ledger.
+    uid = admit(ledger, charge(counter, "?delay=2.5", timeoutSeconds=1))
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    epoch = ledger.replace_attempt(uid, 1, cause="lease-expired").epoch
+    assert run_attempt(ledger, uid, epoch) == AttemptEnd(ExitCode.OVER, "succeeded")
+    record = ledger.get(uid)
+    assert counter.executions(record.steps[0].idempotency_key) == 1
+    assert record.steps[0].result["verified"] is True

@@ -123,9 +123,10 @@ class Attempt:
             ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
+                run_started = time.monotonic()
                 outcome = self._run_step(step, call)
                 failpoint("after-effect", step.name)
-                ended = self._record_outcome(idx, step, call, outcome)
+                ended = self._record_outcome(idx, step, call, outcome, run_started)
             if isinstance(ended, AttemptEnd):
                 return ended
             failpoint("after-commit", step.name)
@@ -138,14 +139,15 @@ class Attempt:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome) -> _Committed | AttemptEnd:
+    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome,
+                        run_started: float) -> _Committed | AttemptEnd:
         match outcome:
             case Succeeded(result):
                 return self._commit(idx, result, "step committed")
             case Failed(error, retryable):
                 return self._fail(idx, error, retryable=retryable)
             case Unknown(why):
-                return self._settle_unknown(idx, step, call, why)
+                return self._settle_unknown(idx, step, call, why, run_started)
             case Abandoned(why):
                 event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
                 return AttemptEnd(ExitCode.DISRUPTED, f"step abandoned, nothing recorded: {why}")
@@ -174,12 +176,13 @@ class Attempt:
         return self._flag(idx, f"step was begun by attempt {prior.attempt} and never recorded; it has no verify "
                                "and is not idempotent, so whether its effect happened is unknown")
 
-    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str) -> _Committed | AttemptEnd:
+    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str,
+                        run_started: float) -> _Committed | AttemptEnd:
         """The run gave no answer: the same question as R6, asked now."""
         event(log, logging.WARNING, "step outcome unknown", why=why)
         if step.verify is not None:
             # The step stays `started` until its deadline: a server may still be processing it.
-            if (end := self._await_step_deadline(idx, step, begun_at=None)) is not None:
+            if (end := self._await_step_deadline(idx, step, run_started=run_started)) is not None:
                 return end
             match self._verify(step, call):
                 case Found(result):
@@ -195,15 +198,24 @@ class Attempt:
         return self._flag(idx, f"{why}; the step has no verify and is not idempotent, so whether its effect "
                                "happened is unknown")
 
-    def _await_step_deadline(self, idx: int, step: Step, *, begun_at: datetime | None) -> AttemptEnd | None:
-        """Wait until the step's begin + timeoutSeconds + margin has passed by the database's clock
-        (an earlier attempt's begin, `begun_at`, or this attempt's own): before that, a run of it may
-        still land its effect, and a verify would find nothing and run it a second time. Keeps
-        honouring the drain and the lease meanwhile (the renewer goes on in the background)."""
+    def _await_step_deadline(self, idx: int, step: Step, *, begun_at: datetime | None = None,
+                             run_started: float | None = None) -> AttemptEnd | None:
+        """Wait until the step's begin + timeoutSeconds + margin has passed: before that, a run of it
+        may still land its effect, and a verify would find nothing and run it a second time. Another
+        process's begin (`begun_at`, as begin_step returned it) is judged by the database's clock;
+        this worker's own run by its own monotonic clock from `run_started` (it may have started
+        long after the begin recorded in the ledger). Honours the drain and the lease meanwhile (the
+        renewer goes on in the background)."""
         after = step.timeout_seconds + DEADLINE_MARGIN_SECONDS
+
+        def seconds_left() -> float:
+            if run_started is not None:
+                return run_started + after - time.monotonic()
+            return self._ledger.seconds_until_step_deadline(self._record.uid, idx, begun_at=begun_at,
+                                                            after_seconds=after)
+
         announced = False
-        while (left := self._ledger.seconds_until_step_deadline(self._record.uid, idx, begun_at=begun_at,
-                                                                 after_seconds=after)) > 0:
+        while (left := seconds_left()) > 0:
             if not announced:
                 event(log, logging.INFO, "waiting for the step's deadline before verifying", seconds=round(left, 1))
                 announced = True
