@@ -3,8 +3,11 @@ from the contiguous completed prefix. Knows nothing of Kubernetes: liveness come
 `HeldLease`, so this loop can be driven against a real ledger without a cluster.
 
 Where an outcome is unknown — a step begun by an earlier process and never recorded (crash-matrix
-R6), or a run that timed out or lost its connection — it is resolved without guessing: the step's
-verify if it has one, else a re-run (now or on retry) if it is idempotent, else NeedsAttention.
+R6), or a run that timed out, lost its connection or gave an answer that does not prove nothing
+happened — it is resolved without guessing: the step's verify if it has one (only once the step's
+deadline has passed, so a run still in flight cannot land after it), else a re-run (now or on
+retry) if it is idempotent, else NeedsAttention. A lost lease kills the running step and records
+nothing.
 """
 
 from __future__ import annotations
@@ -49,9 +52,9 @@ from retex.worker.steps import run_step, run_verify
 
 log = logging.getLogger(__name__)
 
-# Past a step's begin + timeoutSeconds, by the database's clock, before anything verifies it while
-# it may still be in flight: covers the step's own kill (the tether: timeout + grace + 1 s), the
-# delay between begin_step and the step's start, and clock rate differences.
+# How long past a step's begin + timeoutSeconds a verify waits while the step may still be in
+# flight: covers the step's own kill (the tether: timeout + grace + 1 s), the delay between
+# begin_step and the step's start, and clock rate differences.
 DEADLINE_MARGIN_SECONDS = 5.0
 _DEADLINE_POLL_SECONDS = 1.0
 
