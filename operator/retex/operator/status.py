@@ -135,9 +135,11 @@ def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tu
     events = []
     if previous is None or previous.phase is None:
         events.append(("Accepted", "recorded in the ledger", False))
+    # Every attempt started since the shown status, also one that ended before the mirror saw it
+    # Running (a short task can go from Queued to Succeeded between two writes).
     old_attempt = (previous.attempt or 0) if previous else 0
-    if current.phase == TaskPhase.RUNNING and (current.attempt or 0) > old_attempt:
-        events.append(("AttemptStarted", f"attempt {current.attempt} dispatched", False))
+    for attempt in range(old_attempt + 1, (current.attempt or 0) + 1):
+        events.append(("AttemptStarted", f"attempt {attempt} dispatched", False))
     if previous is None or previous.phase != current.phase:
         if current.phase in _PHASE_EVENTS:
             reason, warning = _PHASE_EVENTS[current.phase]
