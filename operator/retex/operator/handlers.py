@@ -1,7 +1,7 @@
 """kopf handlers: thin glue. Decisions live in the ledger; API calls in retex.kube.
 
 kopf settings chosen (see docs/operator.md for why): progress in annotations under kopf.retex.dev,
-our own finalizer name, handlers return None (nothing dumped into status), watch timeouts so a
+a diff base reduced to what the handlers react to, our own finalizer name, handlers return None (nothing dumped into status), watch timeouts so a
 silent stream reconnects, sync handlers (kopf runs them in its thread pool, so the blocking
 Kubernetes and Postgres clients never stall its event loop), log lines not posted as Events.
 """
@@ -85,13 +85,32 @@ class Runtime:
         self.ledger.close()
 
 
+class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base (its last-handled-configuration annotation) holding only what a handler
+    reacts to after creation: `spec.cancel` (the rest of the spec is immutable by CRD rule) and
+    the requeue annotation. kopf's default keeps the whole spec and every annotation, JSON with
+    non-ASCII escaped: a payload under its 64 KiB limit took up to 6 bytes a character there, next
+    to kubectl apply's own copy, and the object outgrew the API server's 256 KiB annotation limit
+    — no patch landed again, so the Task could not even be deleted."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        essence = super().build(body=body, extra_fields=extra_fields)
+        reduced: dict[str, Any] = {}
+        if "cancel" in (essence.get("spec") or {}):
+            reduced["spec"] = {"cancel": essence["spec"]["cancel"]}
+        annotations = (essence.get("metadata") or {}).get("annotations") or {}
+        if REQUEUE_ANNOTATION in annotations:
+            reduced["metadata"] = {"annotations": {REQUEUE_ANNOTATION: annotations[REQUEUE_ANNOTATION]}}
+        return reduced
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = "retex.dev/finalizer"
     # A prefix of kopf's own: kopf drops every annotation under its storage prefixes from the
     # diffs it computes, so under plain retex.dev the requeue annotation would never be seen.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = ReducedDiffBaseStorage(prefix=KOPF_PREFIX)
     settings.posting.enabled = False
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
