@@ -1,5 +1,6 @@
-"""The relay against the rig's real API server: one Task whose Job the API server refuses never
-holds up the others; cancelled and deleted Tasks never get a Job."""
+"""The relay and admission against the rig's real API server: one Task whose Job the API server
+refuses never holds up the others; Jobs the API server would refuse are refused at admission;
+cancelled, deleted and duplicate Tasks never get a Job; a refusal is announced once."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import yaml
 
 from e2e.system import task_manifest, wait_for
 from retex.kube.objects import LABEL_TASK_UID
+from retex.ledger import TaskNotFound
 from retex.operator.admission import admission_for
 
 # Requests above limits: stored by the API server as a Task (the Task schema does not compare
 # quantities), refused by it as a Job (422 "must be less than or equal to cpu limit").
 REQUESTS_ABOVE_LIMITS = {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}
+EXISTS_WITH_A_VALUE = {"tolerations": [{"key": "k", "operator": "Exists", "value": "x"}]}
 GOOD_TASKS = 30
 
 
@@ -78,6 +81,74 @@ def test_one_task_whose_job_the_api_server_refuses_fails_alone_and_thirty_behind
     retex.kubectl("delete", "task", "poisoned", "--timeout=30s")
 
 
+def test_a_task_whose_job_the_api_server_would_refuse_is_refused_at_admission_with_its_message(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("big-requests", echo("no"), worker=REQUESTS_ABOVE_LIMITS))
+    retex.kubectl("apply", "-f", "-", input=task_manifest("bad-toleration", echo("no"), worker=EXISTS_WITH_A_VALUE))
+    retex.kubectl("apply", "-f", "-", input=task_manifest("fine", echo("yes")))
+    for name, says in (("big-requests", "must be less than or equal to cpu limit"),
+                       ("bad-toleration", "value must be empty when `operator` is 'Exists'")):
+        retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=60s", f"task/{name}")
+        accepted = condition(retex, name, "Accepted")
+        assert accepted["reason"] == "JobRejected" and says in accepted["message"], accepted
+        assert status(retex, name)["phase"] == "Refused"
+        assert "Refused" in retex.kubectl("get", "task", name).stdout  # the PHASE column
+    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=90s", "task/fine")
+    for name in ("big-requests", "bad-toleration"):
+        uid = task(retex, name)["metadata"]["uid"]
+        assert jobs_of(retex, uid) == []
+        try:
+            retex.ledger.get(uid)
+            raise AssertionError(f"{name} was admitted into the ledger")
+        except TaskNotFound:
+            pass
+        retex.kubectl("delete", "task", name, "--timeout=30s")
+
+
+def test_a_refused_task_gets_one_warning_event_per_generation_across_operator_restarts(retex):
+    too_big = {"blob": "x" * (64 * 1024)}  # stored by the API server, refused by the model
+    retex.kubectl("apply", "-f", "-", input=task_manifest("oversized", echo("no"), payload=too_big))
+    wait_for(lambda: condition(retex, "oversized", "Accepted").get("reason") == "InvalidSpec", timeout=60,
+             what="refused as InvalidSpec")
+
+    def admissions_in_log():
+        return retex.operator.log_tail(10**7).count("Handler 'admit' succeeded")
+
+    for restart in range(2):
+        seen = admissions_in_log()
+        retex.operator.restart()
+        wait_for(lambda: admissions_in_log() > seen, timeout=60, what=f"resumed after restart {restart + 1}")
+    events = json.loads(retex.kubectl("get", "events", "--field-selector",
+                                      "involvedObject.name=oversized,reason=InvalidSpec", "-o", "json").stdout)
+    assert sum(e.get("count", 1) for e in events["items"]) == 1, [e["message"][:80] for e in events["items"]]
+    assert status(retex, "oversized")["phase"] == "Refused"
+
+
+def test_a_duplicate_idempotency_key_is_refused_naming_the_first_and_its_cancel_ends_without_a_job(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest(
+        "first", [{"name": "wait", "exec": {"command": ["sh", "-c", "sleep 8; echo done"]}}], idempotencyKey="order-7"))
+    wait_for(lambda: status(retex, "first").get("phase") == "Running", timeout=60, what="first Running")
+    retex.kubectl("apply", "-f", "-", input=task_manifest("second", echo("again"), idempotencyKey="order-7"))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=60s", "task/second")
+    accepted = condition(retex, "second", "Accepted")
+    assert accepted["reason"] == "DuplicateIdempotencyKey", accepted
+    assert f"{retex.namespace}/first" in accepted["message"] and "order-7" in accepted["message"], accepted
+    assert status(retex, "second")["phase"] == "Refused"
+
+    retex.kubectl("patch", "task", "second", "--type=merge", "-p", '{"spec": {"cancel": true}}')
+
+    def cancel_handled():  # kopf keeps a progress annotation while a handler keeps failing
+        meta = task(retex, "second")["metadata"]
+        base = json.loads((meta.get("annotations") or {}).get("kopf.retex.dev/last-handled-configuration", "{}"))
+        progress = [k for k in meta.get("annotations") or {} if k.startswith("kopf.retex.dev/") and "cancel" in k]
+        return base.get("spec", {}).get("cancel") is True and not progress
+
+    wait_for(cancel_handled, timeout=30, what="the cancel of the duplicate handled")
+    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=90s", "task/first")  # not cancelled
+    second = task(retex, "second")["metadata"]["uid"]
+    assert jobs_of(retex, second) == []
+    retex.kubectl("delete", "task", "second", "--timeout=30s")
+
+
 def test_dispatches_of_cancelled_and_terminating_tasks_are_dropped_without_a_job(retex):
     retex.operator.kill()
     cancelled = admitted_while_the_operator_is_down(retex, "cancelled", echo("never"))
@@ -91,3 +162,26 @@ def test_dispatches_of_cancelled_and_terminating_tasks_are_dropped_without_a_job
     assert retex.ledger.get(terminating).phase == "Cancelled"
     assert jobs_of(retex, cancelled) == [] and jobs_of(retex, terminating) == []
     assert [a.outcome for a in retex.ledger.attempts(cancelled)] == ["cancelled"]
+
+
+def test_a_task_with_a_non_ascii_payload_applied_with_kubectl_apply_runs_and_can_be_deleted(retex):
+    # 32700 × "é" is 65400 bytes of UTF-8, under the 64 KiB payload limit; kopf's default diff base
+    # stored it escaped (\u00e9, 6 bytes each) next to kubectl's own last-applied copy: > 256 KiB.
+    payload = {"note": "é" * 32700}
+    retex.kubectl("apply", "-f", "-", input=task_manifest("accented", echo("ok"), payload=payload))
+    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=90s", "task/accented")
+    annotations = task(retex, "accented")["metadata"]["annotations"]
+    ours = sum(len(k) + len(v.encode()) for k, v in annotations.items() if k.startswith("kopf.retex.dev/"))
+    assert ours < 1024, {k: len(v) for k, v in annotations.items()}
+    retex.kubectl("delete", "task", "accented", "--timeout=60s")
+    assert task(retex, "accented") is None
+
+
+def test_a_task_whose_annotations_leave_no_room_for_the_operators_is_refused_and_can_be_deleted(retex):
+    manifest = yaml.safe_load(task_manifest("annotated", echo("no")))
+    manifest["metadata"]["annotations"] = {"example.com/blob": "a" * (250 * 1024)}
+    retex.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=60s", "task/annotated")
+    accepted = condition(retex, "annotated", "Accepted")
+    assert accepted["reason"] == "AnnotationsTooLarge" and "256016 bytes" in accepted["message"], accepted
+    retex.kubectl("delete", "task", "annotated", "--timeout=60s")
