@@ -1,5 +1,6 @@
 """The relay and admission against the rig's real API server: one Task whose Job the API server
-refuses never holds up the others; Jobs the API server would refuse are refused at admission;
+refuses, for good or for now, never holds up the others; Jobs the API server would refuse are
+refused at admission;
 cancelled, deleted and duplicate Tasks never get a Job; a refusal is announced once."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 
+import psycopg
 import yaml
 
 from e2e.system import task_manifest, wait_for
@@ -36,6 +38,10 @@ def condition(system, name, kind) -> dict:
 
 def echo(word):
     return [{"name": "say", "exec": {"command": ["sh", "-c", f"echo {word}"]}}]
+
+
+def succeeded(system, name, *, timeout):
+    wait_for(lambda: status(system, name).get("phase") == "Succeeded", timeout=timeout, what=f"{name} Succeeded")
 
 
 def jobs_of(system, uid) -> list[str]:
@@ -87,12 +93,12 @@ def test_a_task_whose_job_the_api_server_would_refuse_is_refused_at_admission_wi
     retex.kubectl("apply", "-f", "-", input=task_manifest("fine", echo("yes")))
     for name, says in (("big-requests", "must be less than or equal to cpu limit"),
                        ("bad-toleration", "value must be empty when `operator` is 'Exists'")):
-        retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=60s", f"task/{name}")
+        retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", f"task/{name}")
         accepted = condition(retex, name, "Accepted")
         assert accepted["reason"] == "JobRejected" and says in accepted["message"], accepted
         assert status(retex, name)["phase"] == "Refused"
         assert "Refused" in retex.kubectl("get", "task", name).stdout  # the PHASE column
-    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=90s", "task/fine")
+    succeeded(retex, "fine", timeout=90)
     for name in ("big-requests", "bad-toleration"):
         uid = task(retex, name)["metadata"]["uid"]
         assert jobs_of(retex, uid) == []
@@ -128,7 +134,7 @@ def test_a_duplicate_idempotency_key_is_refused_naming_the_first_and_its_cancel_
         "first", [{"name": "wait", "exec": {"command": ["sh", "-c", "sleep 8; echo done"]}}], idempotencyKey="order-7"))
     wait_for(lambda: status(retex, "first").get("phase") == "Running", timeout=60, what="first Running")
     retex.kubectl("apply", "-f", "-", input=task_manifest("second", echo("again"), idempotencyKey="order-7"))
-    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=60s", "task/second")
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/second")
     accepted = condition(retex, "second", "Accepted")
     assert accepted["reason"] == "DuplicateIdempotencyKey", accepted
     assert f"{retex.namespace}/first" in accepted["message"] and "order-7" in accepted["message"], accepted
@@ -143,7 +149,7 @@ def test_a_duplicate_idempotency_key_is_refused_naming_the_first_and_its_cancel_
         return base.get("spec", {}).get("cancel") is True and not progress
 
     wait_for(cancel_handled, timeout=30, what="the cancel of the duplicate handled")
-    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=90s", "task/first")  # not cancelled
+    succeeded(retex, "first", timeout=90)  # not cancelled
     second = task(retex, "second")["metadata"]["uid"]
     assert jobs_of(retex, second) == []
     retex.kubectl("delete", "task", "second", "--timeout=30s")
@@ -169,7 +175,7 @@ def test_a_task_with_a_non_ascii_payload_applied_with_kubectl_apply_runs_and_can
     # stored it escaped (\u00e9, 6 bytes each) next to kubectl's own last-applied copy: > 256 KiB.
     payload = {"note": "é" * 32700}
     retex.kubectl("apply", "-f", "-", input=task_manifest("accented", echo("ok"), payload=payload))
-    retex.kubectl("wait", "--for=condition=Succeeded", "--timeout=90s", "task/accented")
+    succeeded(retex, "accented", timeout=90)
     annotations = task(retex, "accented")["metadata"]["annotations"]
     ours = sum(len(k) + len(v.encode()) for k, v in annotations.items() if k.startswith("kopf.retex.dev/"))
     assert ours < 1024, {k: len(v) for k, v in annotations.items()}
@@ -181,7 +187,45 @@ def test_a_task_whose_annotations_leave_no_room_for_the_operators_is_refused_and
     manifest = yaml.safe_load(task_manifest("annotated", echo("no")))
     manifest["metadata"]["annotations"] = {"example.com/blob": "a" * (250 * 1024)}
     retex.kubectl("create", "-f", "-", input=json.dumps(manifest))
-    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=60s", "task/annotated")
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/annotated")
     accepted = condition(retex, "annotated", "Accepted")
     assert accepted["reason"] == "AnnotationsTooLarge" and "256016 bytes" in accepted["message"], accepted
     retex.kubectl("delete", "task", "annotated", "--timeout=60s")
+
+
+def test_a_job_create_failing_transiently_backs_off_that_task_alone_and_it_runs_once_the_api_recovers(retex):
+    # A fail-closed admission webhook that cannot be reached makes the API server answer 500 for
+    # the Jobs of one task only (selected by its uid label): a transient error, not the Task's fault.
+    retex.operator.kill()
+    busy = admitted_while_the_operator_is_down(retex, "busy", echo("at-last"))
+    webhook = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"unreachable-{retex.namespace}"},
+        "webhooks": [{
+            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
+            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["jobs"]}],
+            "objectSelector": {"matchLabels": {LABEL_TASK_UID: busy}},
+            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
+        }],
+    }
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
+    try:
+        retex.kubectl("create", "-f", "-", input="---\n".join(task_manifest(f"fine-{i}", echo(i)) for i in range(5)))
+        retex.operator.start()
+        for i in range(5):
+            succeeded(retex, f"fine-{i}", timeout=120)
+
+        def deferred_twice():
+            with psycopg.connect(retex.operator.dsn) as conn:
+                row = conn.execute("SELECT attempts, last_error FROM retex.outbox WHERE task_uid = %s",
+                                   (busy,)).fetchone()
+            return {"attempts": row[0], "last_error": row[1]} if row and row[0] >= 2 else None
+
+        deferred = wait_for(deferred_twice, timeout=30, what="the busy record deferred twice")
+        assert "failed calling webhook" in deferred["last_error"], deferred
+        assert jobs_of(retex, busy) == [] and status(retex, "busy").get("phase") == "Running"
+    finally:
+        retex.rig.kubectl("delete", "validatingwebhookconfiguration", webhook["metadata"]["name"], check=False)
+    succeeded(retex, "busy", timeout=120)  # within its backoff
+    assert retex.ledger.get(busy).failures == 0  # a transient refusal costs no retry budget
