@@ -12,7 +12,7 @@ import psycopg
 import yaml
 
 from e2e.system import task_manifest, wait_for
-from retex.kube.objects import LABEL_TASK_UID
+from retex.kube.objects import LABEL_TASK_UID, job_name
 from retex.ledger import TaskNotFound
 from retex.operator.admission import admission_for
 
@@ -229,3 +229,20 @@ def test_a_job_create_failing_transiently_backs_off_that_task_alone_and_it_runs_
         retex.rig.kubectl("delete", "validatingwebhookconfiguration", webhook["metadata"]["name"], check=False)
     succeeded(retex, "busy", timeout=120)  # within its backoff
     assert retex.ledger.get(busy).failures == 0  # a transient refusal costs no retry budget
+
+
+def test_a_job_name_held_by_a_job_not_of_this_task_is_a_refusal_not_success(retex):
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "squatted", echo("never"))
+    name = job_name("squatted", uid, 1)
+    foreign = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+               "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
+                   {"name": "c", "image": "busybox", "command": ["true"]}]}}}}
+    retex.kubectl("create", "-f", "-", input=json.dumps(foreign))
+    retex.operator.start()
+    wait_for(lambda: status(retex, "squatted").get("phase") == "Failed", timeout=60, what="squatted Failed")
+    failed = condition(retex, "squatted", "Failed")
+    assert failed["reason"] == "JobRejected", failed
+    assert f'Job "{name}" already exists and is not owned by this Task' in failed["message"], failed
+    job = json.loads(retex.kubectl("get", "job", name, "-o", "json").stdout)
+    assert not job["metadata"].get("ownerReferences") and job["spec"]["suspend"] is True  # left alone
