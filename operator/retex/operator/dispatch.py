@@ -55,7 +55,8 @@ class Relay(Loop):
                "epoch": dispatch.epoch}
         try:
             task = self._kube.get_task(dispatch.namespace, dispatch.name)
-            if task is None or task["metadata"]["uid"] != dispatch.task_uid or task["metadata"].get("deletionTimestamp"):
+            meta = task["metadata"] if task else {}
+            if meta.get("uid") != dispatch.task_uid or meta.get("deletionTimestamp"):
                 # Deleted (perhaps while nobody watched): stop it, keep its history, send nothing.
                 outcomes.dropped(dispatch, reason="TaskDeleted")
                 event(log, logging.INFO, "dispatch dropped: Task deleted", **who)

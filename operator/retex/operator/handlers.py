@@ -1,9 +1,10 @@
 """kopf handlers: thin glue. Decisions live in the ledger; API calls in retex.kube.
 
 kopf settings chosen (see docs/operator.md for why): progress in annotations under kopf.retex.dev,
-a diff base reduced to what the handlers react to, our own finalizer name, handlers return None (nothing dumped into status), watch timeouts so a
-silent stream reconnects, sync handlers (kopf runs them in its thread pool, so the blocking
-Kubernetes and Postgres clients never stall its event loop), log lines not posted as Events.
+a diff base reduced to what the handlers react to, our own finalizer name, handlers return None
+(nothing dumped into status), watch timeouts so a silent stream reconnects, sync handlers (kopf
+runs them in its thread pool, so the blocking Kubernetes and Postgres clients never stall its
+event loop), log lines not posted as Events.
 """
 
 from __future__ import annotations
