@@ -54,9 +54,15 @@ class KubeCalls:
     # -- attempts --------------------------------------------------------------------------
 
     def create_lease(self, body: dict[str, Any]) -> None:
-        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        _created_or_ours(body, lambda: self._coordination.create_namespaced_lease(namespace, body),
-                         lambda: self._plain(self._coordination.read_namespaced_lease(name, namespace)))
+        """AlreadyExists is success without a look: the Lease is shared by the task's attempts and
+        its name carries a hash of the task's uid (and the operator may not get Leases)."""
+        try:
+            self._coordination.create_namespaced_lease(body["metadata"]["namespace"], body)
+        except ApiException as exc:
+            if exc.status in PERMANENT_STATUSES:
+                raise Refused(api_message(exc), exc.status) from exc
+            if exc.status != 409:
+                raise
 
     def create_job(self, body: dict[str, Any]) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
