@@ -217,3 +217,15 @@ def test_kubectl_finds_the_plugin_on_path(ledger, dsn):
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "order-1042" in done.stdout
+
+
+def test_a_task_that_exhausted_its_disruption_cap_shows_the_losses_against_the_cap_not_4_of_3(ledger, dsn):
+    uid = admitted(ledger, namespace="shop", name="flaky-node", max_disruptions=3)
+    for epoch in range(1, 5):  # the fourth loss is one over the cap: Failed, dead-lettered
+        ledger.replace_attempt(uid, epoch, cause="disruption")
+    assert (ledger.get(uid).disruptions, ledger.get(uid).reason) == (4, "DisruptionBudgetExhausted")
+    text = ok(retex(dsn, "history", "flaky-node", "-n", "shop"))
+    assert "disruptions 4/3" not in text
+    assert "disruptions 4 (cap 3 exceeded)" in text
+    table = ok(retex(dsn, "dead-letters", "-n", "shop"))
+    assert "4/3" not in table and "4 (cap 3 exceeded)" in table

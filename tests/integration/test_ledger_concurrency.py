@@ -71,13 +71,13 @@ def test_concurrent_relays_never_send_one_dispatch_twice(ledger, dsn):
 
     def relay():
         while True:
-            with ledger.dispatch_batch(limit=5) as (batch, mark_sent):
+            with ledger.dispatch_batch(limit=5) as (batch, outcomes):
                 if not batch:
                     return
                 for dispatch in batch:
                     with lock:
                         sent.append(dispatch.task_uid)
-                    mark_sent(dispatch, f"job-{dispatch.task_uid}")
+                    outcomes.sent(dispatch, f"job-{dispatch.task_uid}")
 
     with ThreadPoolExecutor(4) as pool:
         for future in [pool.submit(relay) for _ in range(4)]:
@@ -93,9 +93,9 @@ def test_a_relay_that_dies_before_commit_leaves_the_dispatch_for_the_next_one(le
     class RelayDied(Exception):
         pass
 
-    with pytest.raises(RelayDied), ledger.dispatch_batch() as (batch, mark_sent):
+    with pytest.raises(RelayDied), ledger.dispatch_batch() as (batch, outcomes):
         assert [d.task_uid for d in batch] == [uid]
-        mark_sent(batch[0], "job")
+        outcomes.sent(batch[0], "job")
         raise RelayDied
     with ledger.dispatch_batch() as (batch, _):
         assert [d.task_uid for d in batch] == [uid]
@@ -104,7 +104,7 @@ def test_a_relay_that_dies_before_commit_leaves_the_dispatch_for_the_next_one(le
 def test_a_superseded_dispatch_is_marked_stale_not_relayed(ledger):
     uid = admitted(ledger)
     ledger.replace_attempt(uid, 1, cause="lease-expired")
-    with ledger.dispatch_batch() as (batch, mark_sent):
+    with ledger.dispatch_batch() as (batch, outcomes):
         assert [(d.task_uid, d.epoch) for d in batch] == [(uid, 2)]
 
 

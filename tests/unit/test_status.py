@@ -88,6 +88,20 @@ def test_events_name_the_first_sight_new_attempts_and_phase_changes():
     assert _events_between(second, failed) == [("Failed", "HTTP 400", True)]
 
 
+def test_an_attempt_that_ran_between_two_status_writes_still_gets_its_attempt_started_event():
+    # The mirror writes what it finds; a short task can go Queued → Running → Succeeded between
+    # two writes, and a retried one can start two attempts: each start is announced once.
+    queued = status(record(TaskPhase.QUEUED, epoch=0, started_at=None, states=("pending",) * 3))
+    succeeded = status(record(TaskPhase.SUCCEEDED, states=("done",) * 3, version=12), previous=queued)
+    assert [e[:2] for e in _events_between(queued, succeeded)] == [
+        ("AttemptStarted", "attempt 1 dispatched"), ("Succeeded", "task Succeeded")]
+    running = status(record(), previous=queued)
+    third = status(record(TaskPhase.SUCCEEDED, epoch=3, states=("done",) * 3, version=20), previous=running)
+    assert [e[:2] for e in _events_between(running, third) if e[0] == "AttemptStarted"] == [
+        ("AttemptStarted", "attempt 2 dispatched"), ("AttemptStarted", "attempt 3 dispatched")]
+    assert [e[0] for e in _events_between(third, third)] == []  # nothing new, nothing posted
+
+
 def test_the_event_limiter_caps_a_crash_looping_task_per_window():
     limiter = EventLimiter(burst=3, window=60)
     assert [limiter.allow("u", t) for t in (0, 1, 2, 3)] == [True, True, True, False]

@@ -41,6 +41,11 @@ CATEGORY = "retex"
 MAX_STEPS = 64
 # CEL can compare free-form JSON but not measure it, so the operator enforces this through the model.
 PAYLOAD_MAX_BYTES = 64 * 1024
+# The API server's limit on an object's annotations together: UTF-8 bytes of every key and value.
+ANNOTATIONS_MAX_BYTES = 256 * 1024
+# Room kept for the operator's own annotations (kopf's progress records and its diff base, which
+# holds spec.cancel and the requeue annotation only): a Task must leave it free to be accepted.
+OPERATOR_ANNOTATIONS_RESERVE_BYTES = 8 * 1024
 STEP_RESULT_MAX_CHARS = 1024
 ERROR_MAX_CHARS = 4096
 CONDITION_MESSAGE_MAX_CHARS = 32768
@@ -85,6 +90,12 @@ MSG_HEADER_VALUE = "header values must not contain CR, LF or NUL"
 MSG_BACKOFF_ORDER = "maxSeconds must be at least initialSeconds"
 MSG_LEDGER_VERSION_MONOTONIC = "status.ledgerVersion never goes backwards"
 MSG_PAYLOAD_TOO_LARGE = f"payload must be at most {PAYLOAD_MAX_BYTES} bytes as compact JSON"
+MSG_ANNOTATIONS_TOO_LARGE = (
+    "the Task's annotations take {size} bytes (kubectl apply's last-applied-configuration holds a copy "
+    "of the whole Task); at most {room} are allowed, so that the operator's own "
+    f"{OPERATOR_ANNOTATIONS_RESERVE_BYTES} bytes fit within the API server's {ANNOTATIONS_MAX_BYTES}: "
+    "use a smaller payload (pass large data by reference) or kubectl create/replace instead of apply"
+)
 
 # Lease timing (docs/worker.md): the worker renews every retry period, gives its lease up as lost
 # at the renew deadline R (counted from the start of its last successful renewal) and has its
@@ -531,6 +542,11 @@ class TaskSpec(ApiModel):
         return payload
 
 
+def annotations_bytes(annotations: dict[str, str] | None) -> int:
+    """The size the API server's annotation limit counts: UTF-8 bytes of every key and value."""
+    return sum(len(key.encode()) + len(value.encode()) for key, value in (annotations or {}).items())
+
+
 def payload_bytes(payload: Any) -> int:
     """The size the payload limit counts: UTF-8 bytes of compact JSON."""
     return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode())
@@ -546,6 +562,12 @@ class ConditionType(enum.StrEnum):
     FAILED = "Failed"
     DEAD_LETTERED = "DeadLettered"  # failed for good: retry and disruption budgets spent
     NEEDS_ATTENTION = "NeedsAttention"
+
+
+# What status.phase shows: the ledger's phase, or Refused for a Task the operator did not admit
+# (an invalid spec, a Job the API server would refuse, a duplicate idempotencyKey): never run.
+REFUSED = "Refused"
+ShownPhase = enum.StrEnum("ShownPhase", {**{p.name: p.value for p in TaskPhase}, "REFUSED": REFUSED})
 
 
 class StatusModel(ApiModel):
@@ -613,8 +635,9 @@ class TaskStatus(StatusModel):
         )
     )
 
-    phase: TaskPhase | None = None
-    """Pending, Scheduled, Queued, Running, Retrying, Succeeded, Failed, Cancelled or NeedsAttention."""
+    phase: ShownPhase | None = None
+    """Pending, Scheduled, Queued, Running, Retrying, Succeeded, Failed, Cancelled or NeedsAttention;
+    Refused when the operator did not accept the Task (see the Accepted condition)."""
     attempt: Annotated[int, Field(ge=0)] | None = None
     """The current attempt (epoch), from 1; every lost or failed attempt is replaced by the next."""
     progress: Annotated[str, Field(max_length=16, pattern=r"^[0-9]+/[0-9]+$")] | None = None

@@ -41,8 +41,13 @@ def summary(task: TaskRecord) -> str:
     """One line: what state the task is in now."""
     phase = f"{task.phase}" + (f" ({task.reason})" if task.reason else "")
     flags = ", dead-lettered" if task.dead_lettered else ""
-    return (f"{ref(task)}: {phase}{flags}; epoch {task.epoch}, failures {task.failures}/{task.max_attempts}, "
-            f"disruptions {task.disruptions}/{task.max_disruptions}")
+    return (f"{ref(task)}: {phase}{flags}; epoch {task.epoch}, failures {budget(task.failures, task.max_attempts)}, "
+            f"disruptions {budget(task.disruptions, task.max_disruptions)}")
+
+
+def budget(used: int, cap: int) -> str:
+    """`used/cap`; past the cap (the attempt that broke it is counted) `used (cap N exceeded)`."""
+    return f"{used}/{cap}" if used <= cap else f"{used} (cap {cap} exceeded)"
 
 
 def history_text(task: TaskRecord, attempts: list[AttemptRecord], history: list[HistoryEntry]) -> str:
@@ -69,7 +74,7 @@ def dead_letters_text(tasks: list[TaskRecord]) -> str:
         return "No dead-lettered tasks."
     return table(
         ["NAMESPACE", "NAME", "REASON", "FAILURES", "DISRUPTIONS", "EPOCH", "FAILED AT", "LAST ERROR"],
-        [[t.namespace, t.name, t.reason, f"{t.failures}/{t.max_attempts}", f"{t.disruptions}/{t.max_disruptions}",
+        [[t.namespace, t.name, t.reason, budget(t.failures, t.max_attempts), budget(t.disruptions, t.max_disruptions),
           t.epoch, when(t.finished_at), brief(t.last_error, 60)] for t in tasks])
 
 

@@ -1,11 +1,15 @@
 """The operator's API calls. Bodies come from retex.kube.objects; results are plain dicts.
 
-Every call is idempotent the way the relay needs it: create treats AlreadyExists as success,
-delete treats NotFound as success.
+Every call is idempotent the way the relay needs it: create treats AlreadyExists as success when
+the object that exists is owned by the same Task, delete treats NotFound as success. A create the
+API server refuses for good raises `Refused` (with the server's message); anything else it raises
+(429, 5xx, a dropped connection) is transient.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +19,25 @@ from kubernetes.client.exceptions import ApiException
 from retex.api import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
+# Statuses of a create that repeating cannot fix: bad request, forbidden (quota, a terminating
+# namespace, admission policy), namespace not found, invalid (e.g. requests above limits).
+PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
+
+
+class Refused(Exception):
+    """The API server refused to create an object, for good. The message is the server's own."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+def api_message(exc: ApiException) -> str:
+    """The message of the Status the API server answered with (falls back to the HTTP reason)."""
+    try:
+        return json.loads(exc.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"{exc.status} {exc.reason}"
 
 
 class KubeCalls:
@@ -31,10 +54,33 @@ class KubeCalls:
     # -- attempts --------------------------------------------------------------------------
 
     def create_lease(self, body: dict[str, Any]) -> None:
-        _created_or_exists(lambda: self._coordination.create_namespaced_lease(body["metadata"]["namespace"], body))
+        """AlreadyExists is success without a look: the Lease is shared by the task's attempts and
+        its name carries a hash of the task's uid (and the operator may not get Leases)."""
+        try:
+            self._coordination.create_namespaced_lease(body["metadata"]["namespace"], body)
+        except ApiException as exc:
+            if exc.status in PERMANENT_STATUSES:
+                raise Refused(api_message(exc), exc.status) from exc
+            if exc.status != 409:
+                raise
 
     def create_job(self, body: dict[str, Any]) -> None:
-        _created_or_exists(lambda: self._batch.create_namespaced_job(body["metadata"]["namespace"], body))
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        _created_or_ours(body, lambda: self._batch.create_namespaced_job(namespace, body),
+                         lambda: self._plain(self._batch.read_namespaced_job(name, namespace)))
+
+    def dry_run_job(self, body: dict[str, Any]) -> None:
+        """Have the API server validate and admit the Job (`dryRun=All`: every admission step,
+        nothing stored). Raises `Refused` when it would be refused; a name already taken is not a
+        refusal here (the real create decides whose it is)."""
+        try:
+            self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All")
+        except ApiException as exc:
+            if exc.status == 409:
+                return
+            if exc.status in PERMANENT_STATUSES:
+                raise Refused(api_message(exc), exc.status) from exc
+            raise
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -102,9 +148,19 @@ class KubeCalls:
         )
 
 
-def _created_or_exists(create) -> None:
+def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Callable[[], dict[str, Any]]) -> None:
+    """Create; AlreadyExists is success only if the object there is owned by the same Task (a
+    repeated dispatch), otherwise the name is someone else's: a permanent refusal."""
     try:
         create()
     except ApiException as exc:
+        if exc.status in PERMANENT_STATUSES:
+            raise Refused(api_message(exc), exc.status) from exc
         if exc.status != 409:
             raise
+        owners = {ref["uid"] for ref in body["metadata"].get("ownerReferences", ())}
+        existing = read()
+        theirs = {ref.get("uid") for ref in existing["metadata"].get("ownerReferences") or ()}
+        if not owners & theirs:
+            raise Refused(f'{body["kind"]} "{body["metadata"]["name"]}" already exists and is not owned by this '
+                          "Task", 409) from exc

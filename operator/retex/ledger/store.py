@@ -502,37 +502,44 @@ class Ledger:
     # -- the outbox relay (operator) ---------------------------------------------------------
 
     @contextlib.contextmanager
-    def dispatch_batch(self, *, limit: int = 20) -> Iterator[tuple[list[Dispatch], Callable[[Dispatch, str], None]]]:
-        """Claim unsent dispatch records (`FOR UPDATE SKIP LOCKED`) inside one open transaction.
+    def dispatch_batch(self, *, limit: int = 20) -> Iterator[tuple[list[Dispatch], DispatchOutcomes]]:
+        """Claim unsent dispatch records that are due (`FOR UPDATE SKIP LOCKED`) inside one open
+        transaction.
 
-        Yields the records that are still current and a `mark_sent(dispatch, job_name)` function.
-        Records whose epoch was superseded are marked stale and not yielded. If the caller dies
-        before the transaction commits, the claims vanish with it and another relay sends them
-        again; the deterministic Job name turns that into AlreadyExists, which is success.
+        Yields the records that are still current and a `DispatchOutcomes` on which the caller
+        settles each record on its own: sent, rejected (the task fails), dropped (the task is
+        cancelled) or deferred (that record alone is retried later). A record left unsettled
+        stays unsent and is claimed again. Records whose epoch was superseded are marked stale,
+        and records of a task whose cancel was requested are dropped here; neither is yielded.
+        If the caller dies before the transaction commits, the claims vanish with it and another
+        relay sends them again; the deterministic Job name turns that into AlreadyExists, which
+        is success.
         """
         with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
             rows = cur.execute(
-                """SELECT o.id, o.task_uid, o.epoch, t.namespace, t.name, t.spec, t.deadline_at,
-                          (o.epoch = t.epoch AND t.phase = 'Running') AS current
+                """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
+                          t.cancel_requested, (o.epoch = t.epoch AND t.phase = 'Running') AS current
                    FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
-                   WHERE o.sent_at IS NULL ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
+                   WHERE o.sent_at IS NULL AND (o.not_before IS NULL OR o.not_before <= now())
+                   ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
                 (limit,),
             ).fetchall()
             stale = [row["id"] for row in rows if not row["current"]]
             if stale:
                 cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
-            dispatches = [
-                Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                         name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"])
-                for r in rows if r["current"]
-            ]
-
-            def mark_sent(dispatch: Dispatch, job_name: str) -> None:
-                cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'sent' WHERE id = %s", (dispatch.id,))
-                cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
-                            (job_name, dispatch.task_uid, dispatch.epoch))
-
-            yield dispatches, mark_sent
+            outcomes = DispatchOutcomes(self, cur, {row["id"]: row["attempts"] for row in rows})
+            dispatches = []
+            for r in rows:
+                if not r["current"]:
+                    continue
+                dispatch = Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
+                                    name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"])
+                if r["cancel_requested"]:
+                    # Cancelled (or deleted) before its Job existed: no worker will ever look.
+                    outcomes.dropped(dispatch, reason="Cancelled")
+                else:
+                    dispatches.append(dispatch)
+            yield dispatches, outcomes
 
     # -- fenced operations (worker) ----------------------------------------------------------
 
@@ -831,6 +838,74 @@ class Ledger:
             return [_task_record(row, []) for row in rows]
 
         return self._tx(op, op="dead_letters")
+
+
+# A record deferred n times waits min(cap, base·2^(n-1)) seconds: a transient refusal of one Job
+# costs that record a retry, never the records behind it.
+DISPATCH_RETRY_BASE_SECONDS = 1.0
+DISPATCH_RETRY_CAP_SECONDS = 60.0
+
+
+class DispatchOutcomes:
+    """How the relay settles each claimed record, in the batch's transaction. Each settlement
+    runs in its own savepoint, so one that fails leaves the others (and the claim) intact."""
+
+    def __init__(self, ledger: Ledger, cur: psycopg.Cursor, attempts: dict[int, int]):
+        self._ledger, self._cur, self._attempts = ledger, cur, attempts
+        self.claimed = len(attempts)  # records claimed, settled by the ledger (stale, dropped) or not
+
+    def _settle(self, dispatch: Dispatch, outcome: str) -> None:
+        self._cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = %s WHERE id = %s",
+                          (outcome, dispatch.id))
+
+    def _current_task(self, dispatch: Dispatch) -> dict[str, Any] | None:
+        task = self._ledger._lock_task(self._cur, dispatch.task_uid)
+        if task["epoch"] != dispatch.epoch or task["phase"] != TaskPhase.RUNNING:
+            return None  # moved on since the claim (replaced, timed out): nothing to end
+        return task
+
+    def sent(self, dispatch: Dispatch, job_name: str) -> None:
+        with self._cur.connection.transaction():
+            self._settle(dispatch, "sent")
+            self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
+                              (job_name, dispatch.task_uid, dispatch.epoch))
+
+    def rejected(self, dispatch: Dispatch, message: str, *, actor: str = "operator") -> None:
+        """The API server refused the attempt's Job for good (invalid, forbidden, namespace gone):
+        the task fails with reason JobRejected and the server's message. Not dead-lettered: no
+        budget was spent; fix the cause, then requeue."""
+        with self._cur.connection.transaction():
+            task = self._current_task(dispatch)
+            if task is not None:
+                self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "failed")
+                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason="JobRejected",
+                                         last_error=message[:4096])
+            self._settle(dispatch, "rejected")
+            self._cur.execute("UPDATE retex.outbox SET last_error = %s WHERE id = %s", (message[:4096], dispatch.id))
+
+    def dropped(self, dispatch: Dispatch, *, reason: str, actor: str = "operator") -> None:
+        """Not sent: the task was cancelled or its Task object is gone before a Job existed. It
+        ends Cancelled now (no worker exists to stop at a step boundary)."""
+        with self._cur.connection.transaction():
+            task = self._current_task(dispatch)
+            if task is not None:
+                self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "cancelled")
+                self._ledger._transition(self._cur, task, TaskEvent.CANCEL, actor, reason=reason,
+                                         cancel_requested=True)
+            self._settle(dispatch, "dropped")
+
+    def deferred(self, dispatch: Dispatch, error: str) -> float:
+        """A transient failure (API server busy or unreachable): this record waits out its own
+        backoff; the records behind it go on. Returns the delay in seconds."""
+        tries = self._attempts.get(dispatch.id, 0) + 1
+        delay = min(DISPATCH_RETRY_CAP_SECONDS, DISPATCH_RETRY_BASE_SECONDS * 2 ** (tries - 1))
+        with self._cur.connection.transaction():
+            self._cur.execute(
+                "UPDATE retex.outbox SET attempts = %s, not_before = now() + make_interval(secs => %s), "
+                "last_error = %s WHERE id = %s",
+                (tries, delay, error[:4096], dispatch.id),
+            )
+        return delay
 
 
 def _durable_commits(conn: psycopg.Connection) -> None:

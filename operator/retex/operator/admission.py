@@ -6,6 +6,12 @@ from datetime import datetime
 from typing import Any
 
 from retex.api import TaskSpec
+from retex.api.models import (
+    ANNOTATIONS_MAX_BYTES,
+    MSG_ANNOTATIONS_TOO_LARGE,
+    OPERATOR_ANNOTATIONS_RESERVE_BYTES,
+    annotations_bytes,
+)
 from retex.ledger import TaskAdmission
 from retex.machine import Backoff
 
@@ -33,3 +39,16 @@ def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any],
         timeout_seconds=parsed.timeout_seconds,
         submitted_at=submitted_at,
     )
+
+
+def annotations_refusal(annotations: dict[str, str] | None, *, own_prefix: str) -> str | None:
+    """Why the Task's annotations leave too little room for the operator's own, or None.
+
+    Every patch of the operator's (kopf's progress records, its diff base, the finalizer) is
+    checked by the API server against the limit on all annotations together; a Task already
+    close to it (kubectl apply's last-applied copy of a large payload) could never be patched,
+    so never finished nor deleted. The operator's own annotations (under `own_prefix`) are not
+    counted: they are replaced, not added."""
+    theirs = {k: v for k, v in (annotations or {}).items() if not k.startswith(f"{own_prefix}/")}
+    size, room = annotations_bytes(theirs), ANNOTATIONS_MAX_BYTES - OPERATOR_ANNOTATIONS_RESERVE_BYTES
+    return MSG_ANNOTATIONS_TOO_LARGE.format(size=size, room=room) if size > room else None

@@ -9,11 +9,13 @@ from datetime import UTC, datetime
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls
+from retex.kube.calls import KubeCalls, Refused
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
-from retex.ledger import Dispatch, Ledger
+from retex.ledger import Dispatch, Ledger, LedgerError
+from retex.ledger.store import DispatchOutcomes
 from retex.logs import event
 from retex.operator.loop import Loop
+from retex.operator.metrics import count_failure
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +23,12 @@ log = logging.getLogger(__name__)
 class Relay(Loop):
     """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless.
 
-    A round that fails (API server down or refusing) rolls its claims back: the records wait for
-    the next round; nothing is lost and nothing is sent twice (AlreadyExists is success)."""
+    Each record is settled on its own, so no record can hold up the ones behind it: sent; rejected
+    when the API server refuses its Lease or Job for good (the task fails with reason JobRejected
+    and the server's message); dropped when its task was cancelled or its Task object is gone or
+    terminating (the task ends Cancelled: no Job is ever created); deferred, with a backoff of its
+    own, on a transient error. A relay that dies mid-batch loses nothing: the claims roll back,
+    and the next relay meets its Jobs as AlreadyExists (ours, so success)."""
 
     name = "relay"
 
@@ -38,18 +44,44 @@ class Relay(Loop):
         return self._interval
 
     def relay_once(self) -> int:
-        """Relay one batch; return how many records it sent."""
-        with self._ledger.dispatch_batch(limit=20) as (batch, mark_sent):
+        """Relay one batch; return how many records it claimed (0: nothing is due)."""
+        with self._ledger.dispatch_batch(limit=20) as (batch, outcomes):
             for dispatch in batch:
-                mark_sent(dispatch, self._send(dispatch))
-            return len(batch)
+                self._settle(dispatch, outcomes)
+            return outcomes.claimed
 
-    def _send(self, dispatch: Dispatch) -> str | None:
-        task = self._kube.get_task(dispatch.namespace, dispatch.name)
-        if task is None or task["metadata"]["uid"] != dispatch.task_uid:
-            # Deleted while nobody watched (the operator was down): stop it, keep its history.
-            self._ledger.abandon(dispatch.task_uid, reason="TaskDeleted")
-            return None
+    def _settle(self, dispatch: Dispatch, outcomes: DispatchOutcomes) -> None:
+        who = {"uid": dispatch.task_uid, "namespace": dispatch.namespace, "name": dispatch.name,
+               "epoch": dispatch.epoch}
+        try:
+            task = self._kube.get_task(dispatch.namespace, dispatch.name)
+            meta = task["metadata"] if task else {}
+            if meta.get("uid") != dispatch.task_uid or meta.get("deletionTimestamp"):
+                # Deleted (perhaps while nobody watched): stop it, keep its history, send nothing.
+                outcomes.dropped(dispatch, reason="TaskDeleted")
+                event(log, logging.INFO, "dispatch dropped: Task deleted", **who)
+                return
+            if (task.get("spec") or {}).get("cancel"):
+                outcomes.dropped(dispatch, reason="Cancelled")  # the cancel handler may not have run yet
+                event(log, logging.INFO, "dispatch dropped: cancel requested", **who)
+                return
+            job_name = self._send(dispatch, task)
+        except Refused as refused:
+            outcomes.rejected(dispatch, refused.message)
+            event(log, logging.WARNING, "dispatch rejected by the API server: task failed", **who,
+                  http_status=refused.status, why=refused.message)
+            return
+        except LedgerError:
+            raise  # the ledger is away: the whole batch waits (its claims roll back)
+        except Exception as exc:  # 429, 5xx, a dropped connection: this record alone waits
+            delay = outcomes.deferred(dispatch, f"{type(exc).__name__}: {exc}")
+            count_failure(self.name, exc)
+            event(log, logging.WARNING, "dispatch deferred after a transient error", **who,
+                  retry_in_seconds=delay, why=f"{type(exc).__name__}: {str(exc)[:300]}")
+            return
+        outcomes.sent(dispatch, job_name)
+
+    def _send(self, dispatch: Dispatch, task: dict) -> str:
         failpoint_armed = None
         if self._failpoints and dispatch.epoch == 1:
             failpoint_armed = (task["metadata"].get("annotations") or {}).get(FAILPOINT_ANNOTATION)

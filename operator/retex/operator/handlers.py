@@ -1,9 +1,10 @@
 """kopf handlers: thin glue. Decisions live in the ledger; API calls in retex.kube.
 
 kopf settings chosen (see docs/operator.md for why): progress in annotations under kopf.retex.dev,
-our own finalizer name, handlers return None (nothing dumped into status), watch timeouts so a
-silent stream reconnects, sync handlers (kopf runs them in its thread pool, so the blocking
-Kubernetes and Postgres clients never stall its event loop), log lines not posted as Events.
+a diff base reduced to what the handlers react to, our own finalizer name, handlers return None
+(nothing dumped into status), watch timeouts so a silent stream reconnects, sync handlers (kopf
+runs them in its thread pool, so the blocking Kubernetes and Postgres clients never stall its
+event loop), log lines not posted as Events.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from typing import Any
 import kopf
 import pydantic
 
-from retex.api import GROUP, PLURAL, VERSION
+from retex.api import GROUP, PLURAL, VERSION, TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls
+from retex.kube.calls import KubeCalls, Refused
 from retex.kube.client import api_client
 from retex.kube.leasewatch import LeaseObserver
+from retex.kube.objects import build_job
 from retex.ledger import Ledger, TaskNotFound
 from retex.logs import event
 from retex.machine import IllegalTransition
-from retex.operator.admission import admission_for
+from retex.operator.admission import admission_for, annotations_refusal
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
@@ -45,6 +47,7 @@ class Runtime:
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
+        self.worker_defaults = settings.worker
         self.kube = KubeCalls(api)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
@@ -85,13 +88,32 @@ class Runtime:
         self.ledger.close()
 
 
+class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
+    """kopf's diff base (its last-handled-configuration annotation) holding only what a handler
+    reacts to after creation: `spec.cancel` (the rest of the spec is immutable by CRD rule) and
+    the requeue annotation. kopf's default keeps the whole spec and every annotation, JSON with
+    non-ASCII escaped: a payload under its 64 KiB limit took up to 6 bytes a character there, next
+    to kubectl apply's own copy, and the object outgrew the API server's 256 KiB annotation limit
+    — no patch landed again, so the Task could not even be deleted."""
+
+    def build(self, *, body: kopf.Body, extra_fields: Any = None) -> kopf.BodyEssence:
+        essence = super().build(body=body, extra_fields=extra_fields)
+        reduced: dict[str, Any] = {}
+        if "cancel" in (essence.get("spec") or {}):
+            reduced["spec"] = {"cancel": essence["spec"]["cancel"]}
+        annotations = (essence.get("metadata") or {}).get("annotations") or {}
+        if REQUEUE_ANNOTATION in annotations:
+            reduced["metadata"] = {"annotations": {REQUEUE_ANNOTATION: annotations[REQUEUE_ANNOTATION]}}
+        return reduced
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = "retex.dev/finalizer"
     # A prefix of kopf's own: kopf drops every annotation under its storage prefixes from the
     # diffs it computes, so under plain retex.dev the requeue annotation would never be seen.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = ReducedDiffBaseStorage(prefix=KOPF_PREFIX)
     settings.posting.enabled = False
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -112,31 +134,62 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.create(*TASKS)
 def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, body: kopf.Body,
           memo: kopf.Memo, **_: Any) -> None:
-    """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1)."""
+    """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1).
+
+    Refused instead (Accepted=False, phase Refused, never run): a spec the models refuse,
+    annotations leaving no room for the operator's own, a Job the API server would refuse (a
+    server-side dry run of attempt 1's Job), a duplicate idempotencyKey."""
     runtime: Runtime = memo.runtime
     failpoint("before-admit")  # crash-matrix R1: the Task exists, the ledger row does not
     try:
-        submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
-        admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec),
-                                  submitted_at=submitted_at)
-    except pydantic.ValidationError as refused:
-        runtime.mirror.refuse(dict(body), str(refused))
-        return
-    result = runtime.ledger.admit(admission)
-    failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
-    if result.duplicate_of:
-        event(log, logging.INFO, "duplicate by idempotencyKey: not run", uid=uid, namespace=namespace, name=name,
-              duplicate_of=result.duplicate_of)
+        runtime.ledger.get(uid)
+        admitted = True  # resumed after a restart: checked when it was admitted
+    except TaskNotFound:
+        admitted = False
+    if not admitted:
+        try:
+            submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
+            admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec),
+                                      submitted_at=submitted_at)
+        except pydantic.ValidationError as refused:
+            runtime.mirror.refuse(dict(body), "InvalidSpec", str(refused))
+            return
+        too_large = annotations_refusal(dict(meta.get("annotations") or {}), own_prefix=KOPF_PREFIX)
+        if too_large:
+            runtime.mirror.refuse(dict(body), "AnnotationsTooLarge", too_large)
+            return
+        job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=1,
+                        spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults)
+        try:
+            runtime.kube.dry_run_job(job)
+        except Refused as refused:
+            runtime.mirror.refuse(dict(body), "JobRejected", f"the API server refuses its Job: {refused.message}")
+            return
+        except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
+            raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
+        result = runtime.ledger.admit(admission)
+        failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
+        if result.duplicate_of:
+            first = runtime.ledger.get(result.duplicate_of)
+            event(log, logging.INFO, "duplicate by idempotencyKey: not run", uid=uid, namespace=namespace, name=name,
+                  duplicate_of=result.duplicate_of)
+            runtime.mirror.refuse(dict(body), "DuplicateIdempotencyKey",
+                                  f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
+                                  f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
+            return
     if spec.get("cancel"):
         runtime.ledger.request_cancel(uid)
     runtime.relay.wake.set()
     runtime.promoter.wake.set()
-    runtime.mirror.mark(result.uid)
+    runtime.mirror.mark(uid)
 
 
 @kopf.on.field(*TASKS, field="spec.cancel", new=True)
 def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.runtime.ledger.request_cancel(uid)
+    try:
+        memo.runtime.ledger.request_cancel(uid)
+    except TaskNotFound:
+        return  # refused at admission (e.g. a duplicate idempotencyKey): never in the ledger
 
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))

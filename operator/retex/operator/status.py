@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from retex.api import ConditionType, LeaseStatus, StepStatus, TaskStatus, set_condition
+from retex.api import REFUSED, ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
@@ -135,9 +135,11 @@ def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tu
     events = []
     if previous is None or previous.phase is None:
         events.append(("Accepted", "recorded in the ledger", False))
+    # Every attempt started since the shown status, also one that ended before the mirror saw it
+    # Running (a short task can go from Queued to Succeeded between two writes).
     old_attempt = (previous.attempt or 0) if previous else 0
-    if current.phase == TaskPhase.RUNNING and (current.attempt or 0) > old_attempt:
-        events.append(("AttemptStarted", f"attempt {current.attempt} dispatched", False))
+    for attempt in range(old_attempt + 1, (current.attempt or 0) + 1):
+        events.append(("AttemptStarted", f"attempt {attempt} dispatched", False))
     if previous is None or previous.phase != current.phase:
         if current.phase in _PHASE_EVENTS:
             reason, warning = _PHASE_EVENTS[current.phase]
@@ -191,16 +193,24 @@ class StatusMirror(Loop):
                 self.mark(uid)
         return self.COALESCE_SECONDS
 
-    def refuse(self, task: dict[str, Any], message: str) -> None:
-        """A Task the models refuse (what the API server cannot check, e.g. payload size): it is
-        never admitted; Accepted=False says why."""
+    def refuse(self, task: dict[str, Any], reason: str, message: str) -> None:
+        """A Task the operator does not admit (an invalid spec, a Job the API server would refuse,
+        a duplicate idempotencyKey ...): never run. Phase Refused and Accepted=False say why.
+        Written and announced (a Warning Event) once per generation: admission runs again on
+        every operator restart and kopf retry, the refusal does not."""
         meta = task["metadata"]
-        conditions = set_condition(None, ConditionType.ACCEPTED, "False", "InvalidSpec", message,
-                                   observed_generation=meta.get("generation"), now=datetime.now(UTC))
-        status = TaskStatus(conditions=conditions, observed_generation=meta.get("generation"))
+        generation = meta.get("generation")
+        shown = TaskStatus.model_validate(task["status"]) if task.get("status") else None
+        accepted = find_condition(shown.conditions if shown else None, ConditionType.ACCEPTED)
+        if (accepted is not None and accepted.status == "False" and accepted.reason == reason
+                and accepted.observed_generation == generation and shown.phase == REFUSED):
+            return
+        conditions = set_condition(None, ConditionType.ACCEPTED, "False", reason, message,
+                                   observed_generation=generation, now=datetime.now(UTC))
+        status = TaskStatus(phase=REFUSED, conditions=conditions, observed_generation=generation)
         self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"], as_merge_patch(status))
         if self._limiter.allow(meta["uid"], time.monotonic()):
-            self._kube.post_event(task, reason="InvalidSpec", message=message, warning=True)
+            self._kube.post_event(task, reason=reason, message=message, warning=True)
 
     def _mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger is marked for a write."""

@@ -1,0 +1,248 @@
+"""The relay and admission against the rig's real API server: one Task whose Job the API server
+refuses, for good or for now, never holds up the others; Jobs the API server would refuse are
+refused at admission;
+cancelled, deleted and duplicate Tasks never get a Job; a refusal is announced once."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import psycopg
+import yaml
+
+from e2e.system import task_manifest, wait_for
+from retex.kube.objects import LABEL_TASK_UID, job_name
+from retex.ledger import TaskNotFound
+from retex.operator.admission import admission_for
+
+# Requests above limits: stored by the API server as a Task (the Task schema does not compare
+# quantities), refused by it as a Job (422 "must be less than or equal to cpu limit").
+REQUESTS_ABOVE_LIMITS = {"resources": {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}}}
+EXISTS_WITH_A_VALUE = {"tolerations": [{"key": "k", "operator": "Exists", "value": "x"}]}
+GOOD_TASKS = 30
+
+
+def task(system, name):
+    out = system.kubectl("get", "task", name, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def status(system, name) -> dict:
+    return (task(system, name) or {}).get("status") or {}
+
+
+def condition(system, name, kind) -> dict:
+    return next((c for c in status(system, name).get("conditions") or [] if c["type"] == kind), {})
+
+
+def echo(word):
+    return [{"name": "say", "exec": {"command": ["sh", "-c", f"echo {word}"]}}]
+
+
+def succeeded(system, name, *, timeout):
+    wait_for(lambda: status(system, name).get("phase") == "Succeeded", timeout=timeout, what=f"{name} Succeeded")
+
+
+def jobs_of(system, uid) -> list[str]:
+    out = system.kubectl("get", "jobs", "-l", f"{LABEL_TASK_UID}={uid}", "-o", "name")
+    return out.stdout.split()
+
+
+def admitted_while_the_operator_is_down(system, name, steps, *, finalizer=False, **spec):
+    """A Task in the ledger with its first dispatch waiting, as an operator that admitted it (an
+    older one, without the Job dry run) and died before relaying left it."""
+    manifest = yaml.safe_load(task_manifest(name, steps, **spec))
+    if finalizer:
+        manifest["metadata"]["finalizers"] = ["retex.dev/finalizer"]
+    system.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    body = task(system, name)
+    meta = body["metadata"]
+    system.ledger.admit(admission_for(
+        uid=meta["uid"], namespace=meta["namespace"], name=name, spec=body["spec"],
+        submitted_at=datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))))
+    return meta["uid"]
+
+
+def test_one_task_whose_job_the_api_server_refuses_fails_alone_and_thirty_behind_it_finish(retex):
+    retex.operator.kill()
+    poisoned = admitted_while_the_operator_is_down(retex, "poisoned", echo("never"), worker=REQUESTS_ABOVE_LIMITS)
+    manifests = "---\n".join(task_manifest(f"good-{i:02d}", echo(i)) for i in range(GOOD_TASKS))
+    retex.kubectl("create", "-f", "-", input=manifests)
+    # The poisoned record is first in the outbox; a run limit keeps the rig's load bounded.
+    retex.operator.start(RETEX_MAX_RUNNING="8")
+
+    def finished():
+        phases = [status(retex, f"good-{i:02d}").get("phase") for i in range(GOOD_TASKS)]
+        return phases.count("Succeeded") == GOOD_TASKS
+
+    wait_for(finished, timeout=600, interval=2, what=f"{GOOD_TASKS} good tasks Succeeded")
+    wait_for(lambda: status(retex, "poisoned").get("phase") == "Failed", timeout=30, what="poisoned Failed")
+    failed = condition(retex, "poisoned", "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "JobRejected", failed
+    assert "must be less than or equal to cpu limit" in failed["message"], failed
+    assert "must be less than or equal to cpu limit" in status(retex, "poisoned")["lastError"]
+    assert condition(retex, "poisoned", "DeadLettered")["status"] == "False"
+    assert jobs_of(retex, poisoned) == []
+    retex.kubectl("delete", "task", "poisoned", "--timeout=30s")
+
+
+def test_a_task_whose_job_the_api_server_would_refuse_is_refused_at_admission_with_its_message(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("big-requests", echo("no"), worker=REQUESTS_ABOVE_LIMITS))
+    retex.kubectl("apply", "-f", "-", input=task_manifest("bad-toleration", echo("no"), worker=EXISTS_WITH_A_VALUE))
+    retex.kubectl("apply", "-f", "-", input=task_manifest("fine", echo("yes")))
+    for name, says in (("big-requests", "must be less than or equal to cpu limit"),
+                       ("bad-toleration", "value must be empty when `operator` is 'Exists'")):
+        retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", f"task/{name}")
+        accepted = condition(retex, name, "Accepted")
+        assert accepted["reason"] == "JobRejected" and says in accepted["message"], accepted
+        assert status(retex, name)["phase"] == "Refused"
+        assert "Refused" in retex.kubectl("get", "task", name).stdout  # the PHASE column
+    succeeded(retex, "fine", timeout=90)
+    for name in ("big-requests", "bad-toleration"):
+        uid = task(retex, name)["metadata"]["uid"]
+        assert jobs_of(retex, uid) == []
+        try:
+            retex.ledger.get(uid)
+            raise AssertionError(f"{name} was admitted into the ledger")
+        except TaskNotFound:
+            pass
+        retex.kubectl("delete", "task", name, "--timeout=30s")
+
+
+def test_a_refused_task_gets_one_warning_event_per_generation_across_operator_restarts(retex):
+    too_big = {"blob": "x" * (64 * 1024)}  # stored by the API server, refused by the model
+    retex.kubectl("apply", "-f", "-", input=task_manifest("oversized", echo("no"), payload=too_big))
+    wait_for(lambda: condition(retex, "oversized", "Accepted").get("reason") == "InvalidSpec", timeout=60,
+             what="refused as InvalidSpec")
+
+    def admissions_in_log():
+        return retex.operator.log_tail(10**7).count("Handler 'admit' succeeded")
+
+    for restart in range(2):
+        seen = admissions_in_log()
+        retex.operator.restart()
+        wait_for(lambda: admissions_in_log() > seen, timeout=60, what=f"resumed after restart {restart + 1}")
+    events = json.loads(retex.kubectl("get", "events", "--field-selector",
+                                      "involvedObject.name=oversized,reason=InvalidSpec", "-o", "json").stdout)
+    assert sum(e.get("count", 1) for e in events["items"]) == 1, [e["message"][:80] for e in events["items"]]
+    assert status(retex, "oversized")["phase"] == "Refused"
+
+
+def test_a_duplicate_idempotency_key_is_refused_naming_the_first_and_its_cancel_ends_without_a_job(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest(
+        "first", [{"name": "wait", "exec": {"command": ["sh", "-c", "sleep 8; echo done"]}}], idempotencyKey="order-7"))
+    wait_for(lambda: status(retex, "first").get("phase") == "Running", timeout=60, what="first Running")
+    retex.kubectl("apply", "-f", "-", input=task_manifest("second", echo("again"), idempotencyKey="order-7"))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/second")
+    accepted = condition(retex, "second", "Accepted")
+    assert accepted["reason"] == "DuplicateIdempotencyKey", accepted
+    assert f"{retex.namespace}/first" in accepted["message"] and "order-7" in accepted["message"], accepted
+    assert status(retex, "second")["phase"] == "Refused"
+
+    retex.kubectl("patch", "task", "second", "--type=merge", "-p", '{"spec": {"cancel": true}}')
+
+    def cancel_handled():  # kopf keeps a progress annotation while a handler keeps failing
+        meta = task(retex, "second")["metadata"]
+        base = json.loads((meta.get("annotations") or {}).get("kopf.retex.dev/last-handled-configuration", "{}"))
+        progress = [k for k in meta.get("annotations") or {} if k.startswith("kopf.retex.dev/") and "cancel" in k]
+        return base.get("spec", {}).get("cancel") is True and not progress
+
+    wait_for(cancel_handled, timeout=30, what="the cancel of the duplicate handled")
+    succeeded(retex, "first", timeout=90)  # not cancelled
+    second = task(retex, "second")["metadata"]["uid"]
+    assert jobs_of(retex, second) == []
+    retex.kubectl("delete", "task", "second", "--timeout=30s")
+
+
+def test_dispatches_of_cancelled_and_terminating_tasks_are_dropped_without_a_job(retex):
+    retex.operator.kill()
+    cancelled = admitted_while_the_operator_is_down(retex, "cancelled", echo("never"))
+    retex.kubectl("patch", "task", "cancelled", "--type=merge", "-p", '{"spec": {"cancel": true}}')
+    terminating = admitted_while_the_operator_is_down(retex, "terminating", echo("never"), finalizer=True)
+    retex.kubectl("delete", "task", "terminating", "--wait=false")
+    assert task(retex, "terminating")["metadata"].get("deletionTimestamp")
+    retex.operator.start()
+    wait_for(lambda: status(retex, "cancelled").get("phase") == "Cancelled", timeout=60, what="cancelled")
+    wait_for(lambda: task(retex, "terminating") is None, timeout=60, what="the terminating Task gone")
+    assert retex.ledger.get(terminating).phase == "Cancelled"
+    assert jobs_of(retex, cancelled) == [] and jobs_of(retex, terminating) == []
+    assert [a.outcome for a in retex.ledger.attempts(cancelled)] == ["cancelled"]
+
+
+def test_a_task_with_a_non_ascii_payload_applied_with_kubectl_apply_runs_and_can_be_deleted(retex):
+    # 32700 × "é" is 65400 bytes of UTF-8, under the 64 KiB payload limit; kopf's default diff base
+    # stored it escaped (\u00e9, 6 bytes each) next to kubectl's own last-applied copy: > 256 KiB.
+    payload = {"note": "é" * 32700}
+    retex.kubectl("apply", "-f", "-", input=task_manifest("accented", echo("ok"), payload=payload))
+    succeeded(retex, "accented", timeout=90)
+    annotations = task(retex, "accented")["metadata"]["annotations"]
+    ours = sum(len(k) + len(v.encode()) for k, v in annotations.items() if k.startswith("kopf.retex.dev/"))
+    assert ours < 1024, {k: len(v) for k, v in annotations.items()}
+    retex.kubectl("delete", "task", "accented", "--timeout=60s")
+    assert task(retex, "accented") is None
+
+
+def test_a_task_whose_annotations_leave_no_room_for_the_operators_is_refused_and_can_be_deleted(retex):
+    manifest = yaml.safe_load(task_manifest("annotated", echo("no")))
+    manifest["metadata"]["annotations"] = {"example.com/blob": "a" * (250 * 1024)}
+    retex.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/annotated")
+    accepted = condition(retex, "annotated", "Accepted")
+    assert accepted["reason"] == "AnnotationsTooLarge" and "256016 bytes" in accepted["message"], accepted
+    retex.kubectl("delete", "task", "annotated", "--timeout=60s")
+
+
+def test_a_job_create_failing_transiently_backs_off_that_task_alone_and_it_runs_once_the_api_recovers(retex):
+    # A fail-closed admission webhook that cannot be reached makes the API server answer 500 for
+    # the Jobs of one task only (selected by its uid label): a transient error, not the Task's fault.
+    retex.operator.kill()
+    busy = admitted_while_the_operator_is_down(retex, "busy", echo("at-last"))
+    webhook = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"unreachable-{retex.namespace}"},
+        "webhooks": [{
+            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
+            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["jobs"]}],
+            "objectSelector": {"matchLabels": {LABEL_TASK_UID: busy}},
+            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
+        }],
+    }
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
+    try:
+        retex.kubectl("create", "-f", "-", input="---\n".join(task_manifest(f"fine-{i}", echo(i)) for i in range(5)))
+        retex.operator.start()
+        for i in range(5):
+            succeeded(retex, f"fine-{i}", timeout=120)
+
+        def deferred_twice():
+            with psycopg.connect(retex.operator.dsn) as conn:
+                row = conn.execute("SELECT attempts, last_error FROM retex.outbox WHERE task_uid = %s",
+                                   (busy,)).fetchone()
+            return {"attempts": row[0], "last_error": row[1]} if row and row[0] >= 2 else None
+
+        deferred = wait_for(deferred_twice, timeout=30, what="the busy record deferred twice")
+        assert "failed calling webhook" in deferred["last_error"], deferred
+        assert jobs_of(retex, busy) == [] and status(retex, "busy").get("phase") == "Running"
+    finally:
+        retex.rig.kubectl("delete", "validatingwebhookconfiguration", webhook["metadata"]["name"], check=False)
+    succeeded(retex, "busy", timeout=120)  # within its backoff
+    assert retex.ledger.get(busy).failures == 0  # a transient refusal costs no retry budget
+
+
+def test_a_job_name_held_by_a_job_not_of_this_task_is_a_refusal_not_success(retex):
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "squatted", echo("never"))
+    name = job_name("squatted", uid, 1)
+    foreign = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+               "spec": {"suspend": True, "template": {"spec": {"restartPolicy": "Never", "containers": [
+                   {"name": "c", "image": "busybox", "command": ["true"]}]}}}}
+    retex.kubectl("create", "-f", "-", input=json.dumps(foreign))
+    retex.operator.start()
+    wait_for(lambda: status(retex, "squatted").get("phase") == "Failed", timeout=60, what="squatted Failed")
+    failed = condition(retex, "squatted", "Failed")
+    assert failed["reason"] == "JobRejected", failed
+    assert f'Job "{name}" already exists and is not owned by this Task' in failed["message"], failed
+    job = json.loads(retex.kubectl("get", "job", name, "-o", "json").stdout)
+    assert not job["metadata"].get("ownerReferences") and job["spec"]["suspend"] is True  # left alone

@@ -1,0 +1,62 @@
+"""The outbox relay's ledger side against a real Postgres: each claimed record is settled on its
+own, so one record the API server refuses (for good or for now) never holds up the others."""
+
+import psycopg
+
+from retex.machine import TaskPhase
+from tests.integration.ledger_helpers import admitted
+
+
+def outbox(dsn, uid):
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT outcome, attempts, not_before > now() AS waiting, last_error, sent_at "
+                            "FROM retex.outbox WHERE task_uid = %s ORDER BY id", (uid,)).fetchall()
+
+
+def claim(ledger):
+    with ledger.dispatch_batch() as (batch, _):
+        return [d.task_uid for d in batch]
+
+
+def test_a_rejected_dispatch_fails_its_task_with_the_servers_message_and_the_next_record_is_sent(ledger, dsn):
+    poisoned, good = admitted(ledger), admitted(ledger)
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert [d.task_uid for d in batch] == [poisoned, good]
+        outcomes.rejected(batch[0], 'Job.batch "x" is invalid: spec.template...: must be less than or equal to cpu limit')
+        outcomes.sent(batch[1], "good-job")
+    failed = ledger.get(poisoned)
+    assert (failed.phase, failed.reason, failed.dead_lettered) == (TaskPhase.FAILED, "JobRejected", False)
+    assert "must be less than or equal to cpu limit" in failed.last_error
+    assert [a.outcome for a in ledger.attempts(poisoned)] == ["failed"]
+    assert outbox(dsn, poisoned)[0][0] == "rejected"
+    assert ledger.get(good).phase == TaskPhase.RUNNING and ledger.attempts(good)[0].job_name == "good-job"
+    assert claim(ledger) == []
+
+
+def test_a_deferred_dispatch_waits_out_its_own_backoff_while_the_others_are_claimed(ledger, dsn):
+    busy, good = admitted(ledger), admitted(ledger)
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert outcomes.deferred(batch[0], "ApiException: (503) Service Unavailable") == 1.0
+    assert outbox(dsn, busy) == [(None, 1, True, "ApiException: (503) Service Unavailable", None)]
+    assert claim(ledger) == [good]  # the deferred record is not claimed until its time
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.outbox SET not_before = now() WHERE task_uid = %s", (busy,))
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert [d.task_uid for d in batch] == [busy, good]
+        assert outcomes.deferred(batch[0], "again") == 2.0  # its own backoff doubles
+    assert ledger.get(busy).phase == TaskPhase.RUNNING  # a transient error costs the task nothing
+
+
+def test_a_dispatch_of_a_task_cancelled_before_its_job_existed_is_dropped_and_the_task_ends_cancelled(ledger, dsn):
+    cancelled, deleted = admitted(ledger), admitted(ledger)
+    ledger.request_cancel(cancelled)  # Running (dispatched, no Job yet): only a flag until now
+    assert ledger.get(cancelled).phase == TaskPhase.RUNNING
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert [d.task_uid for d in batch] == [deleted]  # the cancelled one is never handed out
+        outcomes.dropped(batch[0], reason="TaskDeleted")
+    for uid, reason in ((cancelled, "Cancelled"), (deleted, "TaskDeleted")):
+        record = ledger.get(uid)
+        assert (record.phase, record.reason) == (TaskPhase.CANCELLED, reason)
+        assert [a.outcome for a in ledger.attempts(uid)] == ["cancelled"]
+        assert outbox(dsn, uid)[0][0] == "dropped"
+    assert claim(ledger) == []
