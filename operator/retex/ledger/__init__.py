@@ -23,11 +23,13 @@ from retex.ledger.records import (
     StepRecord,
     TaskAdmission,
     TaskRecord,
+    WatchedAttempt,
 )
 from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
     "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
-    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "step_idempotency_key",
+    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "WatchedAttempt",
+    "step_idempotency_key",
 ]
