@@ -101,6 +101,28 @@ class KubeCalls:
             },
         )
 
+    # -- the reaper's questions about one attempt (attempt lifecycle) ------------------------
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Lease as it is now: the reaper confirms what the watch showed before acting on it."""
+        try:
+            return self._plain(self._coordination.read_namespaced_lease(name, namespace))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        """The pods the Job controller made for this Job (label job-name)."""
+        listed = self._core.list_namespaced_pod(namespace, label_selector=f"job-name={job}")
+        return self._plain(listed).get("items") or []
+
+    def job_events(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        """Events about the Job (FailedCreate: a pod the API server refused, e.g. by quota)."""
+        listed = self._core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={job}")
+        return self._plain(listed).get("items") or []
+
 
 def _created_or_exists(create) -> None:
     try:
