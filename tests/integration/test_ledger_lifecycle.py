@@ -3,12 +3,12 @@ COMMIT reply, slots and keys are refilled on every transition that frees them an
 old attempt is known dead, and attempts that never start or are cancelled without a worker end."""
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
 
-from retex.ledger import TaskNotFound
+from retex.ledger import Dispatch, TaskNotFound
 from retex.machine import TaskPhase
 from tests.integration.ledger_helpers import admission, admitted, run_all_steps
 
@@ -201,3 +201,20 @@ def test_time_left_is_measured_on_the_database_clock(ledger):
     left = ledger.seconds_until(ledger.get(uid).deadline_at)
     assert 55 < left <= 60
     assert ledger.seconds_until(ledger.get(uid).deadline_at - timedelta(seconds=120)) < -55
+
+
+def test_a_jobs_deadline_is_the_time_left_on_the_database_clock_whatever_the_operators_clock(ledger, monkeypatch):
+    from retex.operator import dispatch
+
+    uid = admitted(ledger, timeout_seconds=60)
+    record = ledger.get(uid)
+    job = Dispatch(id=1, task_uid=uid, epoch=1, namespace=record.namespace, name=record.name, spec=record.spec,
+                   deadline_at=record.deadline_at)
+
+    class TenMinutesFast(datetime):  # the operator's host clock is off; the database's is not
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.now(tz) + timedelta(minutes=10)
+
+    monkeypatch.setattr(dispatch, "datetime", TenMinutesFast, raising=False)
+    assert 65 < dispatch._time_left(ledger, job) <= 70  # 60 s left + the 10 s margin
