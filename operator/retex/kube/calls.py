@@ -104,13 +104,11 @@ class KubeCalls:
     # -- the reaper's questions about one attempt (attempt lifecycle) ------------------------
 
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The Lease as it is now: the reaper confirms what the watch showed before acting on it."""
-        try:
-            return self._plain(self._coordination.read_namespaced_lease(name, namespace))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+        """The Lease as it is now: the reaper confirms what the watch showed before acting on it.
+        A LIST of one name (a consistent read), so the operator needs no `get` on Leases."""
+        listed = self._coordination.list_namespaced_lease(namespace, field_selector=f"metadata.name={name}")
+        items = self._plain(listed).get("items") or []
+        return items[0] if items else None
 
     def job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """The pods the Job controller made for this Job (label job-name)."""
