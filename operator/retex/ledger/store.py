@@ -268,15 +268,16 @@ class Ledger:
         limits = cur.execute("SELECT * FROM retex.run_limits").fetchone()
         # An attempt the operator ended (timeout, deletion) may still be running a step until it is
         # known dead (settled): until then it keeps its slot and its key.
-        unsettled = ("EXISTS (SELECT 1 FROM retex.attempts a WHERE a.task_uid = t.uid "
-                     "AND a.outcome IS NOT NULL AND a.settled_at IS NULL)")
+        unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
         by_namespace = {r["namespace"]: r["n"] for r in cur.execute(
-            f"SELECT namespace, count(*) AS n FROM retex.tasks t WHERE phase = 'Running' OR {unsettled} "
-            "GROUP BY namespace")}
+            f"""SELECT namespace, count(*) AS n FROM retex.tasks WHERE uid IN (
+                    SELECT uid FROM retex.tasks WHERE phase = 'Running' UNION {unsettled})
+                GROUP BY namespace""")}
         total = sum(by_namespace.values())
         busy_keys = {(r["namespace"], r["concurrency_key"]) for r in cur.execute(
-            f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks t WHERE concurrency_key IS NOT NULL
-               AND (phase IN ('Running', 'Retrying', 'NeedsAttention') OR {unsettled})""")}
+            f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
+                AND uid IN (SELECT uid FROM retex.tasks WHERE phase IN ('Running', 'Retrying', 'NeedsAttention')
+                            UNION {unsettled})""")}
         candidates = cur.execute(
             """SELECT uid, namespace, concurrency_key, priority, submitted, created_at FROM (
                    SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
