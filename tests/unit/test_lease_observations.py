@@ -8,6 +8,9 @@ from retex.kube.leasewatch import LeaseObserver
 from retex.operator.reaper import Hold, hold_of, why_not_started
 
 
+R1, R2, R9 = "2026-12-02T16:00:01.000000Z", "2026-12-02T16:00:02.000000Z", "2026-12-02T16:00:09.000000Z"
+
+
 class Clock:
     def __init__(self):
         self.now = 1000.0
@@ -28,12 +31,12 @@ def observer(clock):
 def test_a_watch_that_keeps_failing_still_expires_a_dead_worker_after_its_duration_plus_the_blind_time():
     clock = Clock()
     leases = observer(clock)
-    leases.relisted([lease("r1")])  # the worker renews for the last time, then dies
+    leases.relisted([lease(R1)])  # the worker renews for the last time, then dies
     for _ in range(4):  # the watch fails every 5 s and is blind for 1 s each time
         clock.now += 4
         leases.went_blind()
         clock.now += 1
-        leases.relisted([lease("r1")])
+        leases.relisted([lease(R1)])
     # 20 s after the last renewal, 4 of them blind: 16 s seen > 15 s duration.
     assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
 
@@ -41,11 +44,11 @@ def test_a_watch_that_keeps_failing_still_expires_a_dead_worker_after_its_durati
 def test_a_long_blind_spot_gives_a_live_worker_its_grace_back():
     clock = Clock()
     leases = observer(clock)
-    leases.relisted([lease("r1")])
+    leases.relisted([lease(R1)])
     clock.now += 10
     leases.went_blind()  # the API server restarts: nobody can renew for 30 s
     clock.now += 30
-    leases.relisted([lease("r1")])
+    leases.relisted([lease(R1)])
     assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.HELD
     clock.now += 6  # 10 s seen before the outage + 6 s after: past the duration
     assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
@@ -54,25 +57,35 @@ def test_a_long_blind_spot_gives_a_live_worker_its_grace_back():
 def test_a_get_that_shows_a_renewal_the_stalled_watch_missed_keeps_the_worker_alive():
     clock = Clock()
     leases = observer(clock)
-    leases.relisted([lease("r1")])
+    leases.relisted([lease(R1)])
     clock.now += 40  # the watch stalled (or the operator was paused): nothing seen for 40 s
     assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
-    assert hold_of(leases.confirm("uid-1", lease("r9")), 1, clock.now) is Hold.HELD
+    assert hold_of(leases.confirm("uid-1", lease(R9)), 1, clock.now) is Hold.HELD
+
+
+def test_the_same_renewal_read_by_get_is_not_mistaken_for_a_new_one():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease("2026-12-02T16:33:00.123456Z")])  # as a watch event spells it
+    clock.now += 16
+    # As the client's serializer spells the same instant after a GET:
+    confirmed = leases.confirm("uid-1", lease("2026-12-02T16:33:00.123456+00:00"))
+    assert hold_of(confirmed, 1, clock.now) is Hold.EXPIRED
 
 
 def test_a_get_that_shows_no_renewal_confirms_the_expiry():
     clock = Clock()
     leases = observer(clock)
-    leases.relisted([lease("r1")])
+    leases.relisted([lease(R1)])
     clock.now += 16
-    assert hold_of(leases.confirm("uid-1", lease("r1")), 1, clock.now) is Hold.EXPIRED
+    assert hold_of(leases.confirm("uid-1", lease(R1)), 1, clock.now) is Hold.EXPIRED
     assert leases.confirm("uid-1", None) is None  # the Lease is gone
 
 
 def test_a_lease_deleted_while_the_watch_was_blind_is_forgotten_at_the_relist():
     clock = Clock()
     leases = observer(clock)
-    leases.relisted([lease("r1")])
+    leases.relisted([lease(R1)])
     leases.went_blind()
     leases.relisted([])
     assert leases.get("uid-1") is None
@@ -81,8 +94,8 @@ def test_a_lease_deleted_while_the_watch_was_blind_is_forgotten_at_the_relist():
 def test_released_and_other_epochs_are_told_apart():
     clock = Clock()
     leases = observer(clock)
-    leases.relisted([lease("r1")])
-    leases.confirm("uid-1", lease("r2", holder=None))
+    leases.relisted([lease(R1)])
+    leases.confirm("uid-1", lease(R2, holder=None))
     assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.RELEASED
     assert hold_of(leases.get("uid-1"), 2, clock.now) is Hold.NEVER
     assert hold_of(None, 1, clock.now) is Hold.NEVER

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import datetime
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -46,12 +47,18 @@ class LeaseObservation:
         return self.holder_epoch is None and self.last_epoch == epoch
 
 
+def _instant(renew_time: str | None) -> datetime | None:
+    """renewTime as an instant: a watch event spells it `...Z`, a GET or LIST through the client's
+    serializer `...+00:00`; the same renewal must compare equal (else a GET looks like one)."""
+    return datetime.fromisoformat(renew_time.replace("Z", "+00:00")) if renew_time else None
+
+
 class LeaseObserver:
     def __init__(self, api: client.ApiClient, *, clock: Callable[[], float] = time.monotonic):
         self._coordination = client.CoordinationV1Api(api)
         self._clock = clock
         self._by_task: dict[str, LeaseObservation] = {}
-        self._renewals: dict[str, tuple[str | None, str | None]] = {}
+        self._renewals: dict[str, tuple[str | None, datetime | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._blind_since: float | None = None  # when the watch last went down
@@ -106,7 +113,7 @@ class LeaseObserver:
                 self._renewals.pop(uid, None)
                 return
             holder = spec.get("holderIdentity") or None
-            seen = (holder, spec.get("renewTime"))
+            seen = (holder, _instant(spec.get("renewTime")))
             previous = self._by_task.get(uid)
             if previous and self._renewals.get(uid) == seen:
                 if relisted and blind:  # unchanged across a blind spot: forgive the blind time only
