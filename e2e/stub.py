@@ -5,9 +5,12 @@ execution* (counted) and stores its response; later deliveries with that key rep
 payment provider does. With --no-idempotency every delivery executes, so duplicates show. Counts
 are persisted (written atomically after every change) so a restart of the stub loses nothing.
 
-    POST /effects/<name>[?status=N][&fail_times=K]   perform (or replay) an effect
+    POST /effects/<name>[?status=N][&fail_times=K][&ack_status=N][&delay=S]   perform (or replay) an effect
          status=N      answer N without executing (e.g. 400 to test permanent errors)
          fail_times=K  answer 503 to the first K deliveries of each key, then execute
+         ack_status=N  execute, then answer N (an ingress answering 504 after the upstream committed)
+         delay=S       slow processing: the effect lands S seconds after the request arrived, and
+                       only then is it answered (a client that gives up earlier never hears)
     GET  /effects/<name>[/<key>] verify (query-first), the key from the path or the
                                  Idempotency-Key header: 200 + stored response if executed, else 404
     GET  /counts                 {"<name>/<key>": {"deliveries": d, "executions": e}}
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -44,11 +48,14 @@ def make_handler(ledger: Ledger, idempotent: bool):
 
         def _answer(self, status: int, body: dict) -> None:
             data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (slow mode): the effect is counted all the same
 
         def do_GET(self):
             parts = urlparse(self.path).path.strip("/").split("/")
@@ -68,6 +75,8 @@ def make_handler(ledger: Ledger, idempotent: bool):
                 return self._answer(404, {"error": "unknown path"})
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if "delay" in query:
+                time.sleep(float(query["delay"]))  # outside the lock: other requests go on meanwhile
             key = self.headers.get("Idempotency-Key") or f"anonymous-{uuid.uuid4()}"
             ident = f"{parts[1]}/{key}"
             with ledger.lock:
@@ -87,7 +96,7 @@ def make_handler(ledger: Ledger, idempotent: bool):
                     stored = {"effect": parts[1], "execution": count["executions"]}
                     ledger.state["responses"][ident] = stored
                 ledger.save()
-            self._answer(200, stored)
+            self._answer(int(query.get("ack_status", 200)), stored)
 
     return Handler
 

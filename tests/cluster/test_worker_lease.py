@@ -79,6 +79,9 @@ class Task:
         # Every exec (step and verify) gets the stub's file.
         with_env = lambda action: {**action, "exec": {**action["exec"], "env": env}}  # noqa: E731
         steps = [with_env({**s, **({"verify": with_env(s["verify"])} if "verify" in s else {})}) for s in steps]
+        # A verify of a step that may be in flight waits until its begin + timeoutSeconds + 5 s:
+        # keep that short where a test verifies.
+        steps = [{"timeoutSeconds": 2, **s} if "verify" in s else s for s in steps]
         spec = {"steps": steps,
                 "lease": {"durationSeconds": 5}}
         ledger.admit(TaskAdmission(uid=self.uid, namespace=NAMESPACE, name=self.name, spec=spec,
@@ -159,7 +162,7 @@ def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task
     wait_until("the lease to be taken", lambda: task.holder() == "pod-a:1")
     first = task.lease()["spec"]
     assert first["leaseDurationSeconds"] == DURATION and first["leaseTransitions"] == 1
-    # Renewed while the step runs (every duration/3): the renewTime moves, the holder stays.
+    # Renewed while the step runs (every retry period): the renewTime moves, the holder stays.
     wait_until("a renewal", lambda: task.lease()["spec"].get("renewTime") != first["renewTime"])
     assert task.holder() == "pod-a:1"
     assert worker.wait() == 0, worker.log()
@@ -326,15 +329,18 @@ def test_an_evicted_worker_pod_commits_its_running_step_and_releases_the_lease(n
     assert record.failures == 0 and task.deliveries() == [task.key(0)]
 
 
-def test_a_worker_that_loses_its_lease_finishes_the_running_step_and_starts_no_other(new_task, dsn, rig, api):
+def test_a_worker_that_loses_its_lease_kills_the_running_step_records_nothing_and_starts_no_other(
+        new_task, dsn, rig, api):
+    # Its successor may start as soon as the operator judges the lease gone: the step must not
+    # finish its effect behind the successor's back.
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(DURATION + 1)}},
                      {"name": "ship", "exec": {"command": EFFECT}}])
     worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
     client.CoordinationV1Api(api).delete_namespaced_lease(task.lease_name, NAMESPACE)
     assert worker.wait() == 75, worker.log()
-    assert [s.state for s in task.record().steps] == [StepState.DONE, StepState.PENDING]
-    assert task.deliveries() == [task.key(0)]
+    assert [s.state for s in task.record().steps] == [StepState.STARTED, StepState.PENDING]
+    assert task.deliveries() == []
     assert "lease lost" in worker.log()
 
 
@@ -424,7 +430,7 @@ def test_renewal_rides_out_an_api_outage_shorter_than_the_lease_duration(new_tas
                      {"name": "ship", "exec": {"command": EFFECT}}], duration=6)
     worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
-    proxy.cut_for(3)  # renewals every 2 s: at least one fails; 3 s < 6 s
+    proxy.cut_for(2)  # renewals every 0.8 s: some fail; 2 s + 0.8 s < the 4 s renew deadline
     cut_over = task.lease()["spec"]["renewTime"]
     wait_until("a renewal after the outage", lambda: task.lease()["spec"]["renewTime"] != cut_over)
     go.touch()
@@ -434,25 +440,39 @@ def test_renewal_rides_out_an_api_outage_shorter_than_the_lease_duration(new_tas
     assert task.deliveries() == [task.key(0), task.key(1)]
 
 
-def test_renewals_failing_for_longer_than_the_duration_stop_the_worker_before_the_next_step(
+def process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_whose_renewals_fail_kills_its_running_step_before_the_lease_duration_passes(
         new_task, dsn, rig, proxy, tmp_path):
-    go = tmp_path / "go"
-    task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
-                     {"name": "ship", "exec": {"command": EFFECT}}])
+    # The operator may replace the attempt once it has seen no renewal for the duration; by then
+    # the old step must be dead. Renewals fail from `cut` on, so the last success was before it.
+    pid_file = tmp_path / "step-pid"
+    hang = [PY, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600); "
+                      "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+    task = new_task([{"name": "charge", "exec": {"command": hang}}, {"name": "ship", "exec": {"command": EFFECT}}])
     worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
-    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
-    threading.Thread(target=proxy.cut_for, args=(DURATION + 3,), daemon=True).start()
-    time.sleep(DURATION + 1.5)  # no renewal has landed for longer than the duration
-    go.touch()
+    pid = int(wait_until("the step to start", lambda: pid_file.exists() and pid_file.read_text()))
+    threading.Thread(target=proxy.cut_for, args=(DURATION + 5,), daemon=True).start()
+    cut = time.monotonic()
+    wait_until("the step to be killed", lambda: process_gone(pid), timeout=3 * DURATION)
+    assert time.monotonic() - cut < DURATION, "killed after the operator could have replaced the attempt"
     assert worker.wait() == 75, worker.log()
-    assert [s.state for s in task.record().steps] == [StepState.DONE, StepState.PENDING]
-    assert task.deliveries() == [task.key(0)]
+    assert "renew deadline passed" in worker.log()
+    assert [s.state for s in task.record().steps] == [StepState.STARTED, StepState.PENDING]  # nothing recorded
+    assert task.deliveries() == []
 
 
 def test_the_attempt_survives_a_real_api_server_restart(new_task, dsn, rig, tmp_path):
     go = tmp_path / "go"
+    # The renew deadline (two thirds of the duration) must outlast the restart.
     task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
-                     {"name": "ship", "exec": {"command": EFFECT}}], duration=20)
+                     {"name": "ship", "exec": {"command": EFFECT}}], duration=30)
     worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
     rig.restart_apiserver(hard=True)

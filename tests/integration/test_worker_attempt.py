@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -66,8 +67,9 @@ def exec_step(name: str, stub: Stub, command=None, **fields) -> dict:
 
 
 def with_verify(name: str, stub: Stub, **fields) -> dict:
+    # A short timeout: a verify of an interrupted step waits until begin + timeout + margin.
     verify = {"exec": {"command": VERIFY, "env": [{"name": "COUNTS", "value": str(stub.path)}]}}
-    return exec_step(name, stub, verify=verify, **fields)
+    return exec_step(name, stub, verify=verify, **{"timeoutSeconds": 1, **fields})
 
 
 def admit(ledger: Ledger, steps: list[dict], *, max_attempts: int = 3, payload: dict | None = None) -> str:
@@ -162,7 +164,7 @@ def test_interrupted_step_neither_verifiable_nor_idempotent_stops_for_a_human_an
 
 def test_a_verify_that_cannot_tell_stops_for_a_human_rather_than_guessing(ledger, stub):
     broken_verify = {"exec": {"command": [PY, "-c", "raise SystemExit(2)"]}}
-    uid = admit(ledger, [exec_step("charge", stub, verify=broken_verify)])
+    uid = admit(ledger, [exec_step("charge", stub, verify=broken_verify, timeoutSeconds=1)])
     epoch = interrupted_at_first_step(ledger, uid, stub, effect_happened=False)
     run_attempt(ledger, uid, epoch)
     assert ledger.get(uid).phase == TaskPhase.NEEDS_ATTENTION
@@ -281,3 +283,84 @@ def test_a_python_step_gets_its_args_and_the_task_payload(ledger):
     done = ledger.get(uid)
     assert done.phase == TaskPhase.SUCCEEDED
     assert done.steps[0].result["payload"] == {"order": 7} and done.steps[0].result["amount"] == 5
+
+
+def python_step(name: str, function: str, **fields) -> dict:
+    return {"name": name, "python": {"callable": f"tests.unit.worker_callables:{function}"}, **fields}
+
+
+def run_python_attempt(ledger: Ledger, uid: str, epoch: int, stub: Stub | None = None) -> AttemptEnd:
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": repo, **({"COUNTS": str(stub.path)} if stub else {})}
+    record = ledger.claim_attempt(uid, epoch, pod=f"pod-{epoch}", node=None)
+    return Attempt(ledger, record, epoch=epoch, actor=f"worker:pod-{epoch}", lease=Lease(),
+                   supervision=Supervision(drain=Drain(30), env=env, kill_grace_seconds=0.5),
+                   verify_retry_seconds=0.05).run()
+
+
+def test_nul_bytes_in_exec_output_are_committed_replaced_and_marked(ledger, stub):
+    # Postgres text and jsonb refuse NUL; the effect happened, so the step must still commit.
+    nul_out = [PY, "-c", "import sys; sys.stdout.write('paid\\x00ok')"]
+    uid = admit(ledger, [exec_step("charge", stub, nul_out)])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    result = ledger.get(uid).steps[0].result
+    assert result["stdout"] == "paid\ufffdok" and result["sanitized"] is True
+
+
+def test_nan_and_infinity_in_a_python_result_are_committed_as_text_and_marked(ledger):
+    uid = admit(ledger, [python_step("charge", "not_a_number")])
+    assert run_python_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert ledger.get(uid).steps[0].result == {"ratio": "NaN", "ceiling": "Infinity", "label": "a\ufffdb",
+                                               "sanitized": True}
+
+
+def test_a_failure_whose_error_text_has_nul_bytes_is_recorded_with_the_text_made_safe(ledger, stub):
+    fail_3 = [PY, "-c", "import sys; sys.stderr.write('bad\\x00card'); sys.exit(3)"]
+    uid = admit(ledger, [exec_step("charge", stub, fail_3, permanentExitCodes=[3])])
+    assert run_attempt(ledger, uid, 1).code == ExitCode.OVER
+    record = ledger.get(uid)
+    assert record.phase == TaskPhase.FAILED
+    assert "bad\ufffdcard" in record.steps[0].error and "replaced" in record.steps[0].error
+
+
+def test_a_result_the_ledger_still_refuses_commits_a_marked_placeholder_instead_of_crashing(ledger, stub,
+                                                                                              monkeypatch):
+    # Whatever the sanitizer misses, Postgres refusing a result must not re-run a done effect:
+    # with the sanitizer switched off, the real refusal of NUL stands in for such a case.
+    monkeypatch.setattr("retex.worker.attempt.stored_result", lambda result: result)
+    nul_out = [PY, "-c", "import sys; sys.stdout.write('paid\\x00ok')"]
+    uid = admit(ledger, [exec_step("charge", stub, nul_out)])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    result = ledger.get(uid).steps[0].result
+    assert result["sanitized"] is True and "refused" in result["refused"]
+
+
+def gone(pid: int, within: float = 2.0) -> bool:
+    """The process has exited (a zombie waiting for init to reap it counts as gone)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_lease_lost_while_a_step_runs_kills_the_step_at_once_and_records_nothing(ledger, stub, tmp_path):
+    # The new attempt may start as soon as the lease is judged expired: the old step must be dead.
+    pid_file = tmp_path / "pid"
+    slow = [PY, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60); "
+                      "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+    uid = admit(ledger, [exec_step("charge", stub, slow)])
+    lease = Lease()
+    threading.Timer(1.0, setattr, args=(lease, "held", False)).start()
+    started = time.monotonic()
+    end = run_attempt(ledger, uid, 1, lease=lease)
+    step = ledger.get(uid).steps[0]
+    assert end.code == ExitCode.DISRUPTED and "lease lost" in end.why
+    assert time.monotonic() - started < 5
+    assert gone(int(pid_file.read_text()))  # killed, not left running
+    assert (step.state, step.result, step.error) == (StepState.STARTED, None, None)
+    assert stub.executions() == []

@@ -51,7 +51,8 @@ def payments():
 def admit(ledger: Ledger, stub: HttpStub, **step_fields) -> str:
     uid = str(uuid.uuid4())
     step = {"name": "charge", "http": {"method": "POST", "url": stub.url("/charges"), "body": {"amount": 42}},
-            "verify": {"http": {"method": "GET", "url": stub.url("/charges/by-key")}}, **step_fields}
+            "verify": {"http": {"method": "GET", "url": stub.url("/charges/by-key")}},
+            "timeoutSeconds": 1, **step_fields}  # short: a verify waits until begin + timeout + margin
     ledger.admit(TaskAdmission(uid=uid, namespace="shop", name=f"order-{uid[:8]}", spec={"steps": [step]},
                                step_names=["charge"], backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
     return uid
@@ -123,3 +124,20 @@ def test_a_declined_charge_fails_the_task_permanently(ledger, payments):
     record = ledger.get(uid)
     assert (record.phase, record.reason) == (TaskPhase.FAILED, "PermanentError")
     assert "HTTP 402" in record.last_error
+
+
+def test_a_header_value_http_cannot_encode_is_a_recorded_failure_not_a_crash(ledger, payments):
+    # http.client encodes header values as latin-1; "€" raised inside the request thread and the
+    # worker died after the step had begun, with nothing sent.
+    pay, stub = payments
+    uid = admit(ledger, stub)
+    spec = ledger.get(uid).spec
+    spec["steps"][0]["http"]["headers"] = {"X-Currency": "€"}
+    uid2 = str(uuid.uuid4())
+    ledger.admit(TaskAdmission(uid=uid2, namespace="shop", name=f"order-{uid2[:8]}", spec=spec,
+                               step_names=["charge"], backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
+    assert run_attempt(ledger, uid2, 1).code == ExitCode.OVER
+    record = ledger.get(uid2)
+    assert (record.phase, record.reason) == (TaskPhase.FAILED, "PermanentError")
+    assert "X-Currency" in record.steps[0].error and "nothing was sent" in record.steps[0].error
+    assert stub.requests == []

@@ -21,6 +21,7 @@ from retex.api import (
     TaskSpec,
     TaskStatus,
 )
+from retex.api import models
 from retex.api.models import ERROR_MAX_CHARS, STEP_RESULT_MAX_CHARS
 from retex.machine import StepState, TaskPhase
 
@@ -185,3 +186,20 @@ def test_task_parses_an_object_as_the_api_server_returns_it():
     task = Task.model_validate(obj)
     assert task.metadata["name"] == "order-42"
     assert task.status.phase == TaskPhase.RUNNING and task.spec.steps[0].name == "ship"
+
+
+@pytest.mark.parametrize("value", ["a\r\nX-Injected: 1", "a\nb", "a\rb", "a\x00b"])
+def test_header_values_with_cr_lf_or_nul_are_refused(value):
+    with pytest.raises(ValidationError, match=models.MSG_HEADER_VALUE):
+        HttpAction(method="GET", url="https://x.example/", headers={"X-Note": value})
+
+
+def test_the_renew_deadline_defaults_to_two_thirds_and_must_leave_the_kill_time_below_the_duration():
+    assert TaskSpec.model_validate({"steps": [{"name": "a", "exec": {"command": ["true"]}}]}).lease \
+        .renew_deadline_seconds is None
+    assert models.default_renew_deadline_seconds(15) == 10
+    ok = {"durationSeconds": 10, "renewDeadlineSeconds": 8}  # 8 + 1 < 10
+    assert TaskSpec.model_validate({"steps": [{"name": "a", "exec": {"command": ["true"]}}], "lease": ok})
+    for broken in ({"durationSeconds": 10, "renewDeadlineSeconds": 9}, {"renewDeadlineSeconds": 14}):
+        with pytest.raises(ValidationError, match=re.escape(models.MSG_RENEW_DEADLINE)):
+            TaskSpec.model_validate({"steps": [{"name": "a", "exec": {"command": ["true"]}}], "lease": broken})

@@ -131,6 +131,15 @@ REFUSALS = [
         models.MSG_SECRET_HEADER,
     ),
     Refusal(
+        "header-value-with-cr-lf",
+        spec_with(step(http={**HTTP, "headers": {"X-Note": "a\r\nX-Injected: 1"}})),
+        (
+            'spec.steps[0].http.headers.X-Note: Invalid value: "a\\r\\nX-Injected: 1": '
+            f"spec.steps[0].http.headers.X-Note in body should match '{models.HEADER_VALUE_PATTERN}'",
+        ),
+        models.MSG_HEADER_VALUE,
+    ),
+    Refusal(
         "credentials-in-url",
         spec_with(step(http={**HTTP, "url": "https://user:pw@shop.example/orders"})),
         (
@@ -156,6 +165,12 @@ REFUSALS = [
         spec_with(retry={"backoff": {"initialSeconds": 500}}),
         (f"spec.retry.backoff: Invalid value: {models.MSG_BACKOFF_ORDER}",),
         models.MSG_BACKOFF_ORDER,
+    ),
+    Refusal(
+        "renew-deadline-leaves-no-time-to-kill-the-step",
+        spec_with(lease={"durationSeconds": 10, "renewDeadlineSeconds": 9}),
+        (f"spec.lease: Invalid value: {models.MSG_RENEW_DEADLINE}",),
+        models.MSG_RENEW_DEADLINE,
     ),
     Refusal(
         "python-callable-without-function",

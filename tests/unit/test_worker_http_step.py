@@ -67,10 +67,24 @@ def test_a_large_body_is_bounded_and_marked(stub):
 
 
 @pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 503])
-def test_timeouts_throttling_and_server_errors_are_retryable(stub, status):
+def test_timeouts_throttling_and_server_errors_are_retryable_for_an_idempotent_step(stub, status):
+    stub.reply = lambda h: (status, {"error": "busy"})
+    outcome = run(stub, idempotent=True)
+    assert isinstance(outcome, Failed) and outcome.retryable and f"HTTP {status}" in outcome.error
+
+
+@pytest.mark.parametrize("status", [408, 425, 429, 500, 502, 503, 504])
+def test_timeouts_throttling_and_server_errors_are_unknown_for_a_step_that_is_not_idempotent(stub, status):
+    # A gateway may answer 504 after the upstream committed: this proves nothing about the effect.
     stub.reply = lambda h: (status, {"error": "busy"})
     outcome = run(stub)
-    assert isinstance(outcome, Failed) and outcome.retryable and f"HTTP {status}" in outcome.error
+    assert isinstance(outcome, Unknown) and f"HTTP {status}" in outcome.error
+
+
+def test_a_declared_status_is_a_clean_failure_even_for_a_step_that_is_not_idempotent(stub):
+    stub.reply = lambda h: (503, {})
+    assert run(stub, retryableStatuses=[503]) == Failed("HTTP 503: {}", retryable=True)
+    assert run(stub, permanentStatuses=[503]) == Failed("HTTP 503: {}", retryable=False)
 
 
 @pytest.mark.parametrize("status", [400, 402, 404, 409, 422, 301])
@@ -84,7 +98,7 @@ def test_the_step_can_make_a_4xx_retryable_or_a_5xx_permanent(stub):
     stub.reply = lambda h: (409, {})
     assert run(stub, permanentStatuses=[400]).retryable
     stub.reply = lambda h: (503, {})
-    assert not run(stub, retryableStatuses=[429]).retryable
+    assert not run(stub, retryableStatuses=[429], idempotent=True).retryable
 
 
 def test_connection_refused_is_a_retryable_failure_nothing_was_sent():
@@ -143,3 +157,13 @@ def test_verify_404_is_not_found_and_other_statuses_are_errors(stub):
     assert verify(stub, 404) == NotFound()
     assert isinstance(verify(stub, 500), VerifyFailed)
     assert isinstance(verify(stub, 403), VerifyFailed)
+
+
+def test_a_header_value_with_cr_lf_fails_before_anything_is_sent(stub):
+    # The API refuses such a Task; a spec admitted before that rule must still not crash the worker.
+    s = step(http={"method": "POST", "url": stub.url("/charges")})
+    action = s.http.model_copy(update={"headers": {"X-Note": "a\r\nX-Injected: 1"}})
+    outcome = http_step.run(action, s, call(), supervision())
+    assert isinstance(outcome, Failed) and not outcome.retryable
+    assert "X-Note" in outcome.error and "nothing was sent" in outcome.error
+    assert stub.requests == []

@@ -5,6 +5,7 @@ from datetime import UTC, datetime
 import pytest
 
 from retex.kube.leases import (
+    LeaseTiming,
     RELEASED_BY_ANNOTATION,
     Holder,
     LeaseView,
@@ -154,3 +155,17 @@ def test_connection_level_failures_and_server_errors_are_transient_but_refusals_
     assert is_transient(ApiException(status=503)) and is_transient(ApiException(status=429))
     assert is_transient(urllib3.exceptions.ProtocolError("reset")) and is_transient(ConnectionRefusedError())
     assert not is_transient(ApiException(status=403)) and not is_transient(ValueError("bug"))
+
+
+def test_lease_timing_kills_the_step_before_the_operator_can_judge_the_lease_expired():
+    timing = LeaseTiming.of(15)
+    assert (timing.duration, timing.renew_deadline, timing.retry_period) == (15, 10, 2)
+    for duration in (5, 15, 60, 600):  # the API's range
+        t = LeaseTiming.of(duration)
+        assert t.renew_deadline + t.kill < t.duration
+        assert t.request_timeout <= t.retry_period or t.request_timeout == 0.5
+
+
+def test_a_task_renew_deadline_is_used_only_if_it_keeps_the_invariant_with_the_jobs_duration():
+    assert LeaseTiming.of(15, 12).renew_deadline == 12
+    assert LeaseTiming.of(10, 12).renew_deadline == pytest.approx(20 / 3)

@@ -37,10 +37,16 @@ def test_permanent_error_fails_permanently():
     assert run("declined") == Failed("PermanentError: card declined", retryable=False)
 
 
-def test_retryable_error_and_unexpected_exceptions_are_retryable():
-    busy, broken = run("busy"), run("broken")
+def test_retryable_error_is_retryable_and_so_is_an_unexpected_exception_of_an_idempotent_step():
+    busy, broken = run("busy"), run("broken", idempotent=True)
     assert isinstance(busy, Failed) and busy.retryable and "gateway busy" in busy.error
     assert isinstance(broken, Failed) and broken.retryable and "KeyError" in broken.error
+
+
+def test_an_unexpected_exception_of_a_step_that_is_not_idempotent_is_unknown():
+    # It may have been raised after the effect: retrying it blindly could charge twice.
+    outcome = run("broken")
+    assert isinstance(outcome, Unknown) and "KeyError" in outcome.error
 
 
 def test_a_function_that_cannot_be_imported_fails_permanently():

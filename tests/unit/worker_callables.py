@@ -61,3 +61,13 @@ def spawn_and_hang(ctx: StepContext) -> None:
     with open(os.environ["PIDS"], "w") as pids:
         pids.write(f"{os.getpid()} {child.pid}")
     time.sleep(600)
+
+
+def not_a_number(ctx: StepContext) -> dict:
+    return {"ratio": float("nan"), "ceiling": float("inf"), "label": "a\x00b"}
+
+
+def unexpected_after_effect(ctx: StepContext) -> None:
+    with open(os.environ["COUNTS"], "a") as counts:
+        counts.write(ctx.idempotency_key + "\n")
+    raise KeyError("the effect happened, then a bug")

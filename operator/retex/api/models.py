@@ -52,6 +52,8 @@ ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # The authority may not contain '@': credentials in a URL would be stored in the Task.
 URL_PATTERN = r"^https?://[-A-Za-z0-9._~%!$&'()*+,;=:\[\]]+([/?#][!-~]*)?$"
 HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
+# CR or LF in a header value would inject headers (or a second request); NUL is refused by servers.
+HEADER_VALUE_PATTERN = r"^[^\r\n\x00]*$"
 CALLABLE_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 KEY_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$"
 QUANTITY_PATTERN = (
@@ -79,9 +81,27 @@ MSG_SECRET_HEADER = (
     "who can get tasks; give credentials to the worker through its image or service account"
 )
 MSG_HEADER_NAME = "header names must be HTTP tokens (letters, digits and !#$%&'*+.^_`|~-)"
+MSG_HEADER_VALUE = "header values must not contain CR, LF or NUL"
 MSG_BACKOFF_ORDER = "maxSeconds must be at least initialSeconds"
 MSG_LEDGER_VERSION_MONOTONIC = "status.ledgerVersion never goes backwards"
 MSG_PAYLOAD_TOO_LARGE = f"payload must be at most {PAYLOAD_MAX_BYTES} bytes as compact JSON"
+
+# Lease timing (docs/worker.md): the worker renews every retry period, gives its lease up as lost
+# at the renew deadline R (counted from the start of its last successful renewal) and has its
+# running step dead within LEASE_KILL_SECONDS (K) after; the operator judges the lease expired
+# only after DURATION (D) without an observed renewal. R + K < D is what makes a replaced
+# attempt's step dead before its successor starts.
+LEASE_KILL_SECONDS = 1
+DEFAULT_LEASE_DURATION_SECONDS = 15
+MSG_RENEW_DEADLINE = (
+    f"renewDeadlineSeconds + {LEASE_KILL_SECONDS} s (the worker's time to kill its step) must be below "
+    "durationSeconds: the step must be dead before the operator can judge the lease expired"
+)
+
+
+def default_renew_deadline_seconds(duration_seconds: float) -> float:
+    """client-go's proportions: a 15 s lease gives up at 10 s."""
+    return duration_seconds * 2 / 3
 
 
 def cel(rule: str, message: str) -> dict[str, str]:
@@ -198,7 +218,8 @@ class HttpAction(ApiModel):
     """http or https URL, without user:password@ in it."""
     headers: (
         Annotated[
-            dict[str, Annotated[str, Field(max_length=4096)]],
+            dict[str, Annotated[str, Field(max_length=4096), WithJsonSchema(
+                {"type": "string", "maxLength": 4096, "pattern": HEADER_VALUE_PATTERN})]],
             Field(
                 max_length=64,
                 json_schema_extra=validations(
@@ -209,7 +230,8 @@ class HttpAction(ApiModel):
         ]
         | None
     ) = None
-    """Request headers, plain text. Authorization, Proxy-Authorization and Cookie are refused."""
+    """Request headers, plain text, without CR, LF or NUL in values. Authorization,
+    Proxy-Authorization and Cookie are refused."""
     body: FreeJson = None
     """Request body: any JSON value, sent as JSON (a string as is). Without one, POST, PUT and PATCH
     send {idempotencyKey, taskUid, step, attempt, payload, results}."""
@@ -222,6 +244,9 @@ class HttpAction(ApiModel):
                 raise ValueError(MSG_HEADER_NAME)
             if re.search(SECRET_HEADER_PATTERN, name):
                 raise ValueError(MSG_SECRET_HEADER)
+        for value in (headers or {}).values():
+            if not re.search(HEADER_VALUE_PATTERN, value):
+                raise ValueError(MSG_HEADER_VALUE)
         return headers
 
 
@@ -277,15 +302,16 @@ class Step(Action):
     verify: Action | None = None
     """A read-only check, run when the step's outcome is unknown (its worker died, or the run gave
     no answer). Found (exec exit 0, http 2xx, python returns a value): the effect happened; the step
-    is committed with that result without running again. Not found (exec exit 1, http 404, python
-    returns None): it did not; the step runs again. Anything else, after a few tries: the task
+    is committed with that result without running again. Not found (exec exit 44, given to it as
+    RETEX_NOT_FOUND_EXIT_CODE; http 404; python returns None): it did not; the step runs again. Anything else, after a few tries: the task
     stops in NeedsAttention."""
     idempotent: bool = False
     """True if running the step twice has the same effect as once. An interrupted step with no
     verify is re-run only if idempotent; otherwise the task stops in NeedsAttention for a human."""
     timeout_seconds: Annotated[int, Field(ge=1, le=86400)] = 300
     """Seconds one run of the step may take. Then it is stopped and its outcome is unknown: resolved
-    like an interrupted step (verify, an idempotent re-run, or NeedsAttention)."""
+    like an interrupted step (verify, an idempotent re-run, or NeedsAttention). A verify of a step
+    that may still be in flight runs only after its begin + timeoutSeconds + 5 s."""
     retryable_exit_codes: Annotated[list[ExitCode], Field(max_length=256)] | None = None
     """exec only: the only exit codes that are retried; any other non-zero code fails the task. By
     default every non-zero code is retried."""
@@ -355,9 +381,32 @@ class RetryPolicy(ApiModel):
 class LeasePolicy(ApiModel):
     """The worker's liveness lease (a coordination.k8s.io Lease it renews)."""
 
-    duration_seconds: Annotated[int, Field(ge=5, le=600)] = 15
+    model_config = ConfigDict(
+        json_schema_extra=validations(
+            cel(
+                "!has(self.renewDeadlineSeconds) || self.renewDeadlineSeconds + "
+                f"{LEASE_KILL_SECONDS} < (has(self.durationSeconds) ? self.durationSeconds : "
+                f"{DEFAULT_LEASE_DURATION_SECONDS})",
+                MSG_RENEW_DEADLINE,
+            )
+        )
+    )
+
+    duration_seconds: Annotated[int, Field(ge=5, le=600)] = DEFAULT_LEASE_DURATION_SECONDS
     """An attempt whose lease the operator has not seen renewed for this long is treated as lost and
     replaced by a new attempt. Shorter detects loss sooner; longer tolerates slow API servers."""
+    renew_deadline_seconds: Annotated[int, Field(ge=2, le=598)] | None = None
+    """How long the worker keeps retrying a failing renewal before it treats the lease as lost: it
+    then kills the running step (which stays unrecorded for the next attempt to resolve) and exits.
+    Default: two thirds of durationSeconds. Must leave 1 s (the time to kill the step) below
+    durationSeconds."""
+
+    @model_validator(mode="after")
+    def _renew_deadline_inside_duration(self) -> LeasePolicy:
+        if self.renew_deadline_seconds is not None and \
+                self.renew_deadline_seconds + LEASE_KILL_SECONDS >= self.duration_seconds:
+            raise ValueError(MSG_RENEW_DEADLINE)
+        return self
 
 
 class ResourceRequirements(ApiModel):

@@ -28,6 +28,8 @@ from typing import Any
 
 from kubernetes import client
 
+from retex.api.models import LEASE_KILL_SECONDS, default_renew_deadline_seconds
+
 RELEASED_BY_ANNOTATION = "retex.dev/released-by"
 _HOLDER_SEPARATOR = ":"
 
@@ -38,6 +40,40 @@ class LeaseNotFound(Exception):
 
 class LeaseConflict(Exception):
     """The Lease changed since it was read (HTTP 409 on resourceVersion): re-read and re-decide."""
+
+
+@dataclass(frozen=True)
+class LeaseTiming:
+    """The worker's three numbers (client-go leader election's shape), in seconds.
+
+    - `duration` D: the operator judges the attempt lost after D without an observed renewal.
+    - `renew_deadline` R: the worker gives the lease up as lost when R has passed since the start
+      of its last successful renewal, and kills its running step within `kill` K.
+    - `retry_period` P = R/5: renewals are sent every P, each bounded by `request_timeout`, so a
+      failing renewal is tried about five times before R.
+
+    R + K < D: a successful renewal was written after it was sent and the operator observed it
+    after that, so the step is dead before the operator's D can run out.
+    """
+
+    duration: float
+    renew_deadline: float
+    kill: float = LEASE_KILL_SECONDS
+
+    @classmethod
+    def of(cls, duration: float, renew_deadline: float | None = None) -> LeaseTiming:
+        """The Task's renew deadline if it keeps the invariant with this duration, else the default."""
+        if renew_deadline is None or renew_deadline + LEASE_KILL_SECONDS >= duration:
+            renew_deadline = default_renew_deadline_seconds(duration)
+        return cls(duration=duration, renew_deadline=renew_deadline)
+
+    @property
+    def retry_period(self) -> float:
+        return self.renew_deadline / 5
+
+    @property
+    def request_timeout(self) -> float:
+        return max(0.5, min(5.0, self.retry_period))
 
 
 @dataclass(frozen=True)

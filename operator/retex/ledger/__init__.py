@@ -11,6 +11,7 @@ from retex.ledger.errors import (
     ResultTooLarge,
     StepOutOfOrder,
     TaskNotFound,
+    UnstorableValue,
 )
 from retex.ledger.records import (
     RESULT_LIMIT_BYTES,
@@ -30,6 +31,7 @@ from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
     "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
-    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "WatchedAttempt",
+    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "UnstorableValue",
+    "WatchedAttempt",
     "step_idempotency_key",
 ]

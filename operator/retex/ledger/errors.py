@@ -42,5 +42,10 @@ class ResultTooLarge(LedgerError):
     """A step result above the size limit; large data belongs in external storage, by reference."""
 
 
+class UnstorableValue(LedgerError):
+    """Postgres refused a step's result or error text (a NUL, a NaN, an invalid escape): the
+    write did not happen; the caller decides what to store instead."""
+
+
 class LedgerUnavailable(LedgerError):
     """Postgres stayed unreachable for longer than the retry window."""

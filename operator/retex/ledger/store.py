@@ -31,6 +31,7 @@ from retex.ledger.errors import (
     ResultTooLarge,
     StepOutOfOrder,
     TaskNotFound,
+    UnstorableValue,
 )
 from retex.failpoints import failpoint
 from retex.ledger.migrate import migrate
@@ -667,6 +668,16 @@ class Ledger:
 
     # -- fenced operations (worker) ----------------------------------------------------------
 
+    @staticmethod
+    @contextlib.contextmanager
+    def _refusal_as_unstorable() -> Iterator[None]:
+        """A value Postgres (or psycopg, before sending) refuses: NUL in text, NaN or \\u0000 in
+        jsonb, a lone surrogate. Not transient: repeating the write cannot help."""
+        try:
+            yield
+        except (psycopg.DataError, UnicodeEncodeError) as exc:
+            raise UnstorableValue(f"the ledger refused the value: {type(exc).__name__}: {exc}") from exc
+
     def claim_attempt(self, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
         """Read the task for attempt `epoch` and record which pod runs it. Fenced."""
 
@@ -699,6 +710,26 @@ class Ledger:
 
         return self._tx(op, op="begin_step")
 
+    def seconds_until_step_deadline(self, uid: str, idx: int, *, begun_at: datetime | None,
+                                    after_seconds: float) -> float:
+        """Seconds left, by the database's clock, until `after_seconds` past the step's begin
+        (`begun_at` as an earlier `begin_step` returned it, else the step row's own started_at);
+        0 once that has passed. The worker waits it out before verifying a step that may still be
+        in flight: its own clock is never compared with the database's. Unfenced reader."""
+
+        def op(cur: psycopg.Cursor) -> float:
+            row = cur.execute(
+                """SELECT greatest(0, extract(epoch FROM coalesce(%s::timestamptz, started_at)
+                                  + make_interval(secs => %s) - now())) AS left
+                   FROM retex.steps WHERE task_uid = %s AND idx = %s""",
+                (begun_at, after_seconds, uid, idx),
+            ).fetchone()
+            if row is None:
+                raise TaskNotFound(uid)
+            return float(row["left"] or 0)
+
+        return self._tx(op, op="seconds_until_step_deadline")
+
     def commit_step(self, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
         """Record the step's result: the one durable proof that its effect happened. Fenced."""
         _check_result_size(result)
@@ -714,7 +745,8 @@ class Ledger:
                                    error=None, finished_at=_NOW)
             failpoint("in-commit", step["name"])  # crash-matrix R8: dies before COMMIT
 
-        self._tx(op, op="commit_step")
+        with self._refusal_as_unstorable():
+            self._tx(op, op="commit_step")
 
     def fail_step(self, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
                   rng: random.Random | None = None) -> TaskRecord:
@@ -744,7 +776,8 @@ class Ledger:
                                  not_before=_db_now(cur) + timedelta(seconds=delay))
             return self._record(cur, uid)
 
-        return self._tx(op, op="fail_step")
+        with self._refusal_as_unstorable():
+            return self._tx(op, op="fail_step")
 
     def flag_step(self, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
         """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
@@ -761,7 +794,8 @@ class Ledger:
                              last_error=why[:4096])
             return self._record(cur, uid)
 
-        return self._tx(op, op="flag_step")
+        with self._refusal_as_unstorable():
+            return self._tx(op, op="flag_step")
 
     def complete_task(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
         """Every step is done: the task Succeeded. Fenced."""

@@ -3,21 +3,34 @@ from the contiguous completed prefix. Knows nothing of Kubernetes: liveness come
 `HeldLease`, so this loop can be driven against a real ledger without a cluster.
 
 Where an outcome is unknown — a step begun by an earlier process and never recorded (crash-matrix
-R6), or a run that timed out or lost its connection — it is resolved without guessing: the step's
-verify if it has one, else a re-run (now or on retry) if it is idempotent, else NeedsAttention.
+R6), or a run that timed out, lost its connection or gave an answer that does not prove nothing
+happened — it is resolved without guessing: the step's verify if it has one (only once the step's
+deadline has passed, so a run still in flight cannot land after it), else a re-run (now or on
+retry) if it is idempotent, else NeedsAttention. A lost lease kills the running step and records
+nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 from retex.api.models import Step, TaskSpec
 from retex.failpoints import failpoint
-from retex.ledger import CancelRequested, FenceRejected, Ledger, LedgerUnavailable, StepRecord, TaskRecord
+from retex.ledger import (
+    CancelRequested,
+    FenceRejected,
+    Ledger,
+    LedgerUnavailable,
+    StepRecord,
+    TaskRecord,
+    UnstorableValue,
+)
 from retex.machine import StepState
 from retex.worker.calls import StepCall, Supervision
 from retex.logs import event
@@ -32,11 +45,18 @@ from retex.worker.outcomes import (
     Unknown,
     VerifyFailed,
     VerifyOutcome,
-    bounded_result,
+    stored_result,
+    stored_text,
 )
 from retex.worker.steps import run_step, run_verify
 
 log = logging.getLogger(__name__)
+
+# How long past a step's begin + timeoutSeconds a verify waits while the step may still be in
+# flight: covers the step's own kill (the tether: timeout + grace + 1 s), the delay between
+# begin_step and the step's start, and clock rate differences.
+DEADLINE_MARGIN_SECONDS = 5.0
+_DEADLINE_POLL_SECONDS = 1.0
 
 
 class ExitCode(enum.IntEnum):
@@ -68,7 +88,8 @@ class Attempt:
                  supervision: Supervision, tagger: TaskFields | None = None, verify_tries: int = 3,
                  verify_retry_seconds: float = 1.0):
         self._ledger, self._record, self._epoch, self._actor = ledger, record, epoch, actor
-        self._lease, self._sup, self._tagger = lease, supervision, tagger
+        # The step runners kill a running step the moment the lease can no longer be shown held.
+        self._lease, self._sup, self._tagger = lease, dataclasses.replace(supervision, held=lease.still_held), tagger
         self._verify_tries, self._verify_retry_seconds = verify_tries, verify_retry_seconds
 
     def run(self) -> AttemptEnd:
@@ -105,9 +126,10 @@ class Attempt:
             ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
-                outcome = run_step(step, call, self._sup)
+                run_started = time.monotonic()
+                outcome = self._run_step(step, call)
                 failpoint("after-effect", step.name)
-                ended = self._record_outcome(idx, step, call, outcome)
+                ended = self._record_outcome(idx, step, call, outcome, run_started)
             if isinstance(ended, AttemptEnd):
                 return ended
             failpoint("after-commit", step.name)
@@ -120,17 +142,18 @@ class Attempt:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome) -> _Committed | AttemptEnd:
+    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome,
+                        run_started: float) -> _Committed | AttemptEnd:
         match outcome:
             case Succeeded(result):
                 return self._commit(idx, result, "step committed")
             case Failed(error, retryable):
                 return self._fail(idx, error, retryable=retryable)
             case Unknown(why):
-                return self._settle_unknown(idx, step, call, why)
+                return self._settle_unknown(idx, step, call, why, run_started)
             case Abandoned(why):
                 event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
-                return AttemptEnd(ExitCode.DISRUPTED, f"drained: {why}")
+                return AttemptEnd(ExitCode.DISRUPTED, f"step abandoned, nothing recorded: {why}")
         raise AssertionError(outcome)
 
     def _resolve_interrupted(self, idx: int, step: Step, call: StepCall, prior: StepRecord) -> _Committed | AttemptEnd | None:
@@ -138,6 +161,8 @@ class Attempt:
         event(log, logging.WARNING, "step was begun and never recorded", begun_by_attempt=prior.attempt,
               has_verify=step.verify is not None, idempotent=step.idempotent)
         if step.verify is not None:
+            if (end := self._await_step_deadline(idx, step, begun_at=prior.started_at)) is not None:
+                return end
             match self._verify(step, call):
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed without running")
@@ -147,17 +172,21 @@ class Attempt:
                 case VerifyFailed(error):
                     return self._flag(idx, f"step was interrupted and its verify could not tell: {error}")
                 case Abandoned(why):
-                    return AttemptEnd(ExitCode.DISRUPTED, f"drained during verify: {why}")
+                    return AttemptEnd(ExitCode.DISRUPTED, f"verify abandoned: {why}")
         if step.idempotent:
             event(log, logging.INFO, "idempotent: running it again with the same key")
             return _RUN_IT
         return self._flag(idx, f"step was begun by attempt {prior.attempt} and never recorded; it has no verify "
                                "and is not idempotent, so whether its effect happened is unknown")
 
-    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str) -> _Committed | AttemptEnd:
+    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str,
+                        run_started: float) -> _Committed | AttemptEnd:
         """The run gave no answer: the same question as R6, asked now."""
         event(log, logging.WARNING, "step outcome unknown", why=why)
         if step.verify is not None:
+            # The step stays `started` until its deadline: a server may still be processing it.
+            if (end := self._await_step_deadline(idx, step, run_started=run_started)) is not None:
+                return end
             match self._verify(step, call):
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed")
@@ -166,17 +195,57 @@ class Attempt:
                 case VerifyFailed(error):
                     return self._flag(idx, f"{why}; verify could not tell: {error}")
                 case Abandoned(reason):
-                    return AttemptEnd(ExitCode.DISRUPTED, f"drained during verify: {reason}")
+                    return AttemptEnd(ExitCode.DISRUPTED, f"verify abandoned: {reason}")
         if step.idempotent:
             return self._fail(idx, why, retryable=True)
         return self._flag(idx, f"{why}; the step has no verify and is not idempotent, so whether its effect "
                                "happened is unknown")
 
+    def _await_step_deadline(self, idx: int, step: Step, *, begun_at: datetime | None = None,
+                             run_started: float | None = None) -> AttemptEnd | None:
+        """Wait until the step's begin + timeoutSeconds + margin has passed: before that, a run of it
+        may still land its effect, and a verify would find nothing and run it a second time. Another
+        process's begin (`begun_at`, as begin_step returned it) is judged by the database's clock;
+        this worker's own run by its own monotonic clock from `run_started` (it may have started
+        long after the begin recorded in the ledger). Honours the drain and the lease meanwhile (the
+        renewer goes on in the background)."""
+        after = step.timeout_seconds + DEADLINE_MARGIN_SECONDS
+
+        def seconds_left() -> float:
+            if run_started is not None:
+                return run_started + after - time.monotonic()
+            return self._ledger.seconds_until_step_deadline(self._record.uid, idx, begun_at=begun_at,
+                                                            after_seconds=after)
+
+        announced = False
+        while (left := seconds_left()) > 0:
+            if not announced:
+                event(log, logging.INFO, "waiting for the step's deadline before verifying", seconds=round(left, 1))
+                announced = True
+            if self._sup.drain.requested.wait(min(left, _DEADLINE_POLL_SECONDS)):
+                return AttemptEnd(ExitCode.DISRUPTED, "drained while waiting for the step's deadline; nothing recorded")
+            if not self._lease.still_held():
+                return AttemptEnd(ExitCode.DISRUPTED, "lease lost while waiting for the step's deadline; nothing recorded")
+        return None
+
+    def _run_step(self, step: Step, call: StepCall) -> StepOutcome:
+        """A runner that raises has lost track of the step, which may have been sent: unknown, with
+        the real reason, never a crash after the step began."""
+        try:
+            return run_step(step, call, self._sup)
+        except Exception as exc:  # noqa: BLE001 - recorded through the unknown-outcome rules
+            log.exception("step runner failed")
+            return Unknown(f"the worker failed while running the step: {type(exc).__name__}: {exc}")
+
     def _verify(self, step: Step, call: StepCall) -> VerifyOutcome:
         """Verify is read-only, so an error is retried a few times before a human is asked."""
         outcome: VerifyOutcome = VerifyFailed("not run")
         for attempt in range(1, self._verify_tries + 1):
-            outcome = run_verify(step.verify, step, call, self._sup)
+            try:
+                outcome = run_verify(step.verify, step, call, self._sup)
+            except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
+                log.exception("verify runner failed")
+                outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")
             event(log, logging.INFO, "verify ran", outcome=type(outcome).__name__, try_number=attempt)
             if not isinstance(outcome, VerifyFailed) or self._sup.drain.requested.is_set():
                 return outcome
@@ -187,18 +256,25 @@ class Attempt:
     # -- ledger writes -----------------------------------------------------------------------
 
     def _commit(self, idx: int, result: Any, message: str) -> _Committed:
-        result = bounded_result(result)
-        self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
+        result = stored_result(result)
+        try:
+            self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
+        except UnstorableValue as exc:
+            # The effect happened: a result the ledger will not take must not make the step run again.
+            result = {"sanitized": True, "refused": stored_text(str(exc))[:1024]}
+            self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
         event(log, logging.INFO, message)
         return _Committed(result)
 
     def _fail(self, idx: int, error: str, *, retryable: bool) -> AttemptEnd:
+        error = stored_text(error)
         record = self._ledger.fail_step(self._record.uid, self._epoch, idx, error, retryable=retryable,
                                         actor=self._actor)
         event(log, logging.WARNING, "step failed", error=error, retryable=retryable, phase=str(record.phase))
         return AttemptEnd(ExitCode.OVER, f"step failed ({'retryable' if retryable else 'permanent'}): task {record.phase}")
 
     def _flag(self, idx: int, why: str) -> AttemptEnd:
+        why = stored_text(why)
         self._ledger.flag_step(self._record.uid, self._epoch, idx, why, actor=self._actor)
         event(log, logging.ERROR, "needs attention", why=why)
         return AttemptEnd(ExitCode.OVER, f"needs attention: {why}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +30,17 @@ class StepCall:
     results: dict[str, Any]  # committed results of the earlier steps, by step name
 
 
+def _always_held() -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Supervision:
-    """How step work is bounded: the drain, and the environment of step processes."""
+    """How step work is bounded: the drain, the lease (`held`: false once the worker can no longer
+    show it holds it — the running step is then killed at once), and the environment of step
+    processes."""
 
     drain: Drain
     env: Mapping[str, str] = field(default_factory=step_environment)
     kill_grace_seconds: float = 2.0
+    held: Callable[[], bool] = _always_held

@@ -8,13 +8,15 @@ from typing import Any
 
 
 class PermanentError(Exception):
-    """The step failed and running it again cannot help: the task fails at once."""
+    """The step failed without its effect and running it again cannot help: the task fails at once."""
 
 
 class RetryableError(Exception):
-    """The step failed and may succeed later: the attempt ends and the task retries after backoff.
+    """The step failed without its effect and may succeed later: the attempt ends and the task
+    retries after backoff. Raise it only when nothing happened.
 
-    Any other exception raised by a step counts as retryable too.
+    Any other exception counts as retryable only for an `idempotent` step; for any other step it
+    is an unknown outcome (verify, else NeedsAttention): it may have been raised after the effect.
     """
 
 

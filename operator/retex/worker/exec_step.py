@@ -36,7 +36,7 @@ from retex.worker.outcomes import (
     VerifyOutcome,
     tail_text,
 )
-from retex.worker.processes import ProcessEnd, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline_seconds, supervise
 
 STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024
@@ -76,9 +76,10 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
             not_started = workdir / "not-started"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
-                 *action.command, *(action.args or [])],
+                 str(own_deadline_seconds(step, sup)), *action.command, *(action.args or [])],
                 env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
-            end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds)
+            end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
+                            held=sup.held)
             if not_started.exists():  # not found, not executable: no retry will change that
                 return Failed(not_started.read_text(), retryable=False)
             out, out_cut = tail_text(_last_bytes(stdout, STDOUT_TAIL_BYTES), STDOUT_TAIL_BYTES)
@@ -101,6 +102,8 @@ def _last_bytes(file, limit: int) -> bytes:
 
 def _unanswered(end: ProcessEnd, step: Step) -> str | None:
     """Why the command gave no answer of its own (timeout, drain, a signal), or None if it exited."""
+    if end.lease_lost:
+        return LEASE_LOST
     if end.timed_out:
         return f"timed out after {step.timeout_seconds}s (process group killed)"
     if end.abandoned:
@@ -111,6 +114,8 @@ def _unanswered(end: ProcessEnd, step: Step) -> str | None:
 
 
 def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
+    if not sup.held():
+        return Abandoned(LEASE_LOST)
     ran = _execute(action, step, call, sup)
     if isinstance(ran, Failed):
         return ran
@@ -125,6 +130,8 @@ def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> Ste
 
 
 def verify(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
+    if not sup.held():
+        return Abandoned(LEASE_LOST)
     ran = _execute(action, step, call, sup, {"RETEX_NOT_FOUND_EXIT_CODE": str(VERIFY_NOT_FOUND_EXIT_CODE)})
     if isinstance(ran, Failed):
         return VerifyFailed(ran.error)

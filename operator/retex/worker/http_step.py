@@ -7,8 +7,11 @@ Redirects are not followed (a 3xx is an answer like any other).
 
 Outcomes: 2xx = success, result {"status", "body"} (JSON body parsed when it fits 32 KiB, else the
 beginning as text with "bodyTruncated": true). A non-2xx status is a failure, retryable for 408,
-425, 429 and 5xx unless the step's status lists say otherwise. No connection (refused, DNS, TLS
-handshake) = retryable failure: nothing was sent. Lost after sending or timed out = unknown.
+425, 429 and 5xx unless the step's status lists say otherwise — but for a step that is not
+idempotent those statuses are unknown unless a list declares them (`status_outcome`). No
+connection (refused, DNS, TLS handshake) = retryable failure: nothing was sent. A request that
+cannot be put together (a header value) = permanent failure, nothing sent. Lost after sending or
+timed out = unknown.
 Verify convention: 2xx = found (that response is the result), 404 = not found, other = error.
 """
 
@@ -16,15 +19,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from retex.api.models import HttpAction, Step
 from retex.worker.calls import StepCall, Supervision
+from retex.worker.processes import LEASE_LOST
 from retex.worker.outcomes import (
     Abandoned,
     Failed,
@@ -43,6 +49,18 @@ ERROR_BODY_BYTES = 512
 DEFAULT_RETRYABLE_STATUSES = frozenset({408, 425, 429})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 _POLL_SECONDS = 0.05
+
+
+def status_outcome(step: Step, status: int, summary: str) -> Failed | Unknown:
+    """A non-2xx answer. 408, 425, 429 and 5xx do not prove that nothing happened (a gateway's 504
+    after the upstream committed): for a step that is not idempotent they are unknown, unless the
+    step declares that status in retryableStatuses or permanentStatuses. Other statuses (3xx,
+    4xx) are the server refusing the request: a clean failure."""
+    declared = (step.retryable_statuses or []) + (step.permanent_statuses or [])
+    ambiguous = status in DEFAULT_RETRYABLE_STATUSES or status >= 500
+    if ambiguous and not step.idempotent and status not in declared:
+        return Unknown(f"{summary} (not idempotent, and this status does not prove nothing happened)")
+    return Failed(summary, retryable=status_retryable(step, status))
 
 
 def status_retryable(step: Step, status: int) -> bool:
@@ -76,17 +94,35 @@ class _NotConnected:
 
 
 @dataclass(frozen=True)
+class _NotSent:
+    """The request could not be put together (a header value http.client refuses): nothing was sent."""
+
+    error: str
+
+
+@dataclass(frozen=True)
 class _LostAfterSending:
     error: str
+
+
+_FORBIDDEN_IN_HEADER_VALUE = re.compile("[\r\n\x00]")
+
+
+def unsendable_header(headers: dict[str, str]) -> str | None:
+    """Why a header cannot be sent as given (CR/LF would inject headers, NUL is refused), or None."""
+    for name, value in headers.items():
+        if _FORBIDDEN_IN_HEADER_VALUE.search(value):
+            return f"header {name}: its value contains CR, LF or NUL; nothing was sent"
+    return None
 
 
 class _Exchange:
     """One request/response on a helper thread, so the caller can give up on it at a deadline."""
 
-    def __init__(self, action: HttpAction, call: StepCall, timeout: float):
-        self._action, self._call, self._timeout = action, call, timeout
+    def __init__(self, action: HttpAction, call: StepCall, timeout: float, held: Callable[[], bool]):
+        self._action, self._call, self._timeout, self._held = action, call, timeout, held
         self._connection: http.client.HTTPConnection | None = None
-        self.answer: _Response | _NotConnected | _LostAfterSending | None = None
+        self.answer: _Response | _NotConnected | _NotSent | _LostAfterSending | None = None
         self.done = threading.Event()
 
     def start(self) -> None:
@@ -100,10 +136,18 @@ class _Exchange:
     def _run(self) -> None:
         try:
             self.answer = self._exchange()
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the caller must get an answer
+            self.answer = _LostAfterSending(f"unexpected {type(exc).__name__}: {exc}")
         finally:
             self.done.set()
 
-    def _exchange(self) -> _Response | _NotConnected | _LostAfterSending:
+    def _exchange(self) -> _Response | _NotConnected | _NotSent | _LostAfterSending:
+        body, content_type = _request_body(self._action, self._call)
+        headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
+        if content_type and not any(h.lower() == "content-type" for h in headers):
+            headers["Content-Type"] = content_type
+        if (why := unsendable_header(headers)) is not None:
+            return _NotSent(why)
         url = urlsplit(self._action.url)
         if url.scheme == "https":
             connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=self._timeout,
@@ -116,15 +160,22 @@ class _Exchange:
                 connection.connect()
             except OSError as exc:  # includes TLS handshake and certificate errors
                 return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
-            body, content_type = _request_body(self._action, self._call)
-            headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
-            if content_type and not any(h.lower() == "content-type" for h in headers):
-                headers["Content-Type"] = content_type
             path = url.path or "/"
             if url.query:
                 path += f"?{url.query}"
+            # http.client only buffers the request line and headers until endheaders().
+            connection.putrequest(self._action.method, path)
+            for name, value in headers.items():
+                try:
+                    connection.putheader(name, value)
+                except (ValueError, UnicodeError) as exc:  # a value it cannot encode (latin-1 only)
+                    return _NotSent(f"header {name} cannot be sent: {type(exc).__name__}: {exc}; nothing was sent")
+            if body is not None:
+                connection.putheader("Content-Length", str(len(body)))
+            if not self._held():  # the last moment a lost lease can still keep the request unsent
+                return _NotSent(LEASE_LOST)
             try:
-                connection.request(self._action.method, path, body=body, headers=headers)
+                connection.endheaders(body)
                 response = connection.getresponse()
                 data = response.read(BODY_LIMIT_BYTES + 1)
             except (OSError, http.client.HTTPException) as exc:
@@ -162,11 +213,18 @@ def _parse(status: int, data: bytes) -> _Response:
 
 
 def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
-    """The answer, or "timeout" / "abandoned" when the step's time or the drain ran out first."""
-    exchange = _Exchange(action, call, timeout=step.timeout_seconds)
+    """The answer, or "timeout" / "abandoned" / "lease-lost" when the step's time, the drain or the
+    lease ran out first. Closing the connection stops the client; a server may still process what
+    it received, which is why a verify waits for the step's deadline (docs/worker.md)."""
+    if not sup.held():
+        return "lease-lost"
+    exchange = _Exchange(action, call, timeout=step.timeout_seconds, held=sup.held)
     exchange.start()
     deadline = time.monotonic() + step.timeout_seconds
     while not exchange.done.wait(_POLL_SECONDS):
+        if not sup.held():
+            exchange.abort()
+            return "lease-lost"
         now = time.monotonic()
         if now >= deadline:
             exchange.abort()
@@ -179,26 +237,32 @@ def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
 
 def run(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
     answer = _exchange(action, step, call, sup)
+    if answer == "lease-lost" or answer == _NotSent(LEASE_LOST):
+        return Abandoned(LEASE_LOST)
     if answer == "abandoned":
         return Abandoned("stopped at the drain deadline")
     if answer == "timeout":
         return Unknown(f"no response within {step.timeout_seconds}s")
     if isinstance(answer, _NotConnected):
         return Failed(answer.error, retryable=True)
+    if isinstance(answer, _NotSent):
+        return Failed(answer.error, retryable=False)  # the step as written can never be sent
     if isinstance(answer, _LostAfterSending):
         return Unknown(f"connection lost after sending: {answer.error}")
     if 200 <= answer.status < 300:
         return Succeeded(answer.as_result())
-    return Failed(answer.summary(), retryable=status_retryable(step, answer.status))
+    return status_outcome(step, answer.status, answer.summary())
 
 
 def verify(action: HttpAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
     answer = _exchange(action, step, call, sup)
+    if answer == "lease-lost" or answer == _NotSent(LEASE_LOST):
+        return Abandoned(LEASE_LOST)
     if answer == "abandoned":
         return Abandoned("stopped at the drain deadline")
     if answer == "timeout":
         return VerifyFailed(f"verify: no response within {step.timeout_seconds}s")
-    if isinstance(answer, _NotConnected | _LostAfterSending):
+    if isinstance(answer, _NotConnected | _NotSent | _LostAfterSending):
         return VerifyFailed(f"verify: {answer.error}")
     if 200 <= answer.status < 300:
         return Found({**answer.as_result(), "verified": True})

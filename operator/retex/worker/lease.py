@@ -1,8 +1,10 @@
 """The worker's hold on its attempt's Lease: acquire, renew in the background, release.
 
 The Lease is liveness for the operator, not safety: every ledger write is fenced by epoch, so a
-worker that loses its Lease without noticing cannot corrupt anything. What the worker must do is
-stop starting steps once it can no longer show it is alive (`still_held`).
+worker that loses its Lease without noticing cannot corrupt the ledger. External effects are not
+fenced by the ledger, though: once the worker can no longer show it holds the Lease (`still_held`
+turns false at the renew deadline, `LeaseTiming`), it kills its running step and starts no other,
+before the operator can judge the Lease expired and start the next attempt.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from retex.kube.leases import (
     Holder,
     LeaseConflict,
     LeaseNotFound,
+    LeaseTiming,
     LeaseView,
     RenewalWatch,
     Verdict,
@@ -53,15 +56,19 @@ def is_transient(exc: BaseException) -> bool:
 
 
 class AttemptLease:
-    def __init__(self, api: client.ApiClient, namespace: str, name: str, me: Holder, duration_seconds: int, *,
+    def __init__(self, api: client.ApiClient, namespace: str, name: str, me: Holder, timing: LeaseTiming, *,
                  clock: Callable[[], float] = time.monotonic):
         self._api, self._namespace, self._name, self.me = api, namespace, name, me
-        self.duration = duration_seconds
+        self.timing = timing
+        self.duration = timing.duration
         self._clock = clock
-        self._timeout = max(1.0, min(5.0, duration_seconds / 3))
+        self._timeout = timing.request_timeout
         self._body: dict[str, Any] | None = None
+        # When the last successful write was *sent*: the server wrote it after that, and the
+        # operator observed it later still, so counting from here is on the safe side.
         self._last_renewal = float("-inf")
         self._taken_from_us = False
+        self._deadline_logged = False
         self._stopping = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -80,8 +87,9 @@ class AttemptLease:
                 watch.observe(view, self._clock())
                 verdict = judge(view, self.me, watch, self._clock(), default_duration=self.duration)
                 if verdict is Verdict.TAKE:
-                    self._body = self._replace(acquired(body, self.me, self.duration, datetime.now(UTC)))
-                    self._last_renewal = self._clock()
+                    sent = self._clock()
+                    self._body = self._replace(acquired(body, self.me, int(self.duration), datetime.now(UTC)))
+                    self._last_renewal = sent
                     event(log, logging.INFO, "lease acquired", lease=self._name, holder=self.me.identity,
                           previous_holder=view.holder_identity)
                     return
@@ -110,26 +118,41 @@ class AttemptLease:
         self._renewer.start()
 
     def still_held(self) -> bool:
-        """False once someone else took it or renewals have failed for longer than the duration."""
-        return not self._taken_from_us and self._clock() - self._last_renewal <= self.duration
+        """False once someone else took it, or at the renew deadline without a successful renewal.
+        Computed from the clock on the caller's thread, so a renewer stuck in a call cannot delay it."""
+        if self._taken_from_us:
+            return False
+        if self._clock() - self._last_renewal < self.timing.renew_deadline:
+            return True
+        if not self._deadline_logged:
+            self._deadline_logged = True
+            event(log, logging.WARNING, "lease lost: renew deadline passed",
+                  renew_deadline_seconds=round(self.timing.renew_deadline, 2),
+                  seconds_since_renewal=round(self._clock() - self._last_renewal, 2))
+        return False
 
     def _renew_loop(self) -> None:
-        while not self._stopping.wait(self.duration / 3):
-            if self._taken_from_us:
-                return
+        # A try every retry period, counted from the start of the previous one: a failing call
+        # (bounded by the period) is retried at once, so about five tries fit in the renew deadline.
+        next_try = self._clock() + self.timing.retry_period
+        while not self._stopping.wait(max(0.0, next_try - self._clock())):
+            if not self.still_held():
+                return  # given up: the worker kills its step and exits; release() still tries
+            next_try = self._clock() + self.timing.retry_period
             try:
                 self._renew_once()
             except Exception as exc:  # noqa: BLE001 - the renewer must outlive any one failure
                 # Even a non-transient error (RBAC revoked) only stops renewals landing: still_held()
-                # turns false after the duration and the worker stops at the next step boundary.
+                # turns false at the renew deadline and the worker kills its step and stops.
                 event(log, logging.WARNING if is_transient(exc) else logging.ERROR, "lease renewal failed",
                       error=str(exc), seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
 
     def _renew_once(self) -> None:
         for _ in range(2):  # a conflict while we still hold it (someone touched metadata): once more
             try:
+                sent = self._clock()
                 self._body = self._replace(renewed(self._body, datetime.now(UTC)))
-                self._last_renewal = self._clock()
+                self._last_renewal = sent
                 return
             except LeaseConflict:
                 if not self._refresh_if_ours():

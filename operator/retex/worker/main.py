@@ -12,7 +12,8 @@ import sys
 
 from retex.failpoints import failpoint
 from retex.kube.client import api_client
-from retex.kube.leases import Holder, single_attempt_client
+from retex.api.models import TaskSpec
+from retex.kube.leases import Holder, LeaseTiming, single_attempt_client
 from retex.ledger import FenceRejected, Ledger, LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.worker import logs
@@ -67,8 +68,11 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
     if record.epoch != config.epoch or record.phase != TaskPhase.RUNNING:
         return AttemptEnd(ExitCode.STALE, f"task is {record.phase} at epoch {record.epoch}")
 
+    # The Lease's duration is the Job's (the operator's); the renew deadline may come from the spec.
+    timing = LeaseTiming.of(config.lease_duration_seconds,
+                            TaskSpec.model_validate(record.spec).lease.renew_deadline_seconds)
     lease = AttemptLease(single_attempt_client(api_client()), config.namespace, config.lease_name,
-                         Holder(config.pod_name, config.epoch), config.lease_duration_seconds)
+                         Holder(config.pod_name, config.epoch), timing)
     try:
         lease.acquire()
     except LeaseRefused as exc:

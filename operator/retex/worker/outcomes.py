@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,3 +108,43 @@ def bounded_result(result: Any) -> Any:
         return result
     preview, cut = head_text(encoded, RESULT_BUDGET_BYTES // 2)
     return {"truncated": cut, "bytes": len(encoded), "preview": preview}
+
+
+# What Postgres refuses in text and jsonb: NUL, and UTF-16 surrogates that pair with nothing.
+_UNSTORABLE_CHARS = re.compile("[\x00\ud800-\udfff]")
+_NON_FINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
+SANITIZED_NOTE = " [retex: NUL or invalid characters replaced with U+FFFD]"
+
+
+def storable(value: Any) -> tuple[Any, bool]:
+    """`value` with what the ledger cannot store replaced, and whether anything was: NUL and lone
+    surrogates in strings (keys too) become U+FFFD, NaN and ±Infinity become the strings "NaN",
+    "Infinity", "-Infinity" (jsonb has no such numbers)."""
+    if isinstance(value, str):
+        clean = _UNSTORABLE_CHARS.sub("\ufffd", value)
+        return clean, clean != value
+    if isinstance(value, float) and not math.isfinite(value):
+        return ("NaN" if math.isnan(value) else _NON_FINITE[value]), True
+    if isinstance(value, dict):
+        pairs = [(storable(k), storable(v)) for k, v in value.items()]
+        return {k: v for (k, _), (v, _) in pairs}, any(kc or vc for (_, kc), (_, vc) in pairs)
+    if isinstance(value, list | tuple):
+        items = [storable(v) for v in value]
+        return [v for v, _ in items], any(c for _, c in items)
+    return value, False
+
+
+def stored_result(result: Any) -> Any:
+    """The result as the ledger will keep it: storable, bounded, and marked `"sanitized": true`
+    (a non-object result is wrapped as {"sanitized": true, "value": ...}) when anything was replaced."""
+    clean, changed = storable(result)
+    bounded = bounded_result(clean)
+    if not changed:
+        return bounded
+    return {**bounded, "sanitized": True} if isinstance(bounded, dict) else {"sanitized": True, "value": bounded}
+
+
+def stored_text(text: str) -> str:
+    """Error text the ledger can store; says so when characters had to be replaced."""
+    clean, changed = storable(text)
+    return clean + SANITIZED_NOTE if changed else clean

@@ -7,29 +7,47 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from retex.api.models import Step
+from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
 
 _POLL_SECONDS = 0.05
+LEASE_LOST = "lease lost (renew deadline passed, or taken): the step was killed"
+
+
+def own_deadline_seconds(step: Step, sup: Supervision) -> float:
+    """When the step's group leader kills its group by its own clock, whatever the worker does (a
+    SIGSTOPped worker enforces nothing): after the timeout and the worker's own SIGTERM grace, so
+    a live worker's graceful stop comes first. Inside the margin the next attempt waits out."""
+    return step.timeout_seconds + sup.kill_grace_seconds + 1
 
 
 @dataclass(frozen=True)
 class ProcessEnd:
     returncode: int | None  # None when the worker stopped it
     timed_out: bool = False
-    abandoned: bool = False  # stopped at the drain deadline
+    abandoned: bool = False  # stopped at the drain deadline, or killed because the lease was lost
+    lease_lost: bool = False
 
 
-def supervise(proc: subprocess.Popen, *, timeout: float, drain: Drain, kill_grace: float) -> ProcessEnd:
-    """Wait for `proc` (started with start_new_session=True) until it exits, its timeout passes or
-    the drain deadline does; stop its whole process group in the last two cases, and after an
-    exit too, so nothing the step started outlives it."""
+def supervise(proc: subprocess.Popen, *, timeout: float, drain: Drain, kill_grace: float,
+              held: Callable[[], bool]) -> ProcessEnd:
+    """Wait for `proc` (started with start_new_session=True) until it exits, its timeout passes,
+    the drain deadline does or the lease is lost (`held()` false); stop its whole process group in
+    those cases — at once with SIGKILL for a lost lease, the next attempt may be about to start —
+    and after an exit too, so nothing the step started outlives it."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             returncode = proc.wait(timeout=_POLL_SECONDS)
         except subprocess.TimeoutExpired:
+            if not held():
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return ProcessEnd(None, abandoned=True, lease_lost=True)
             now = time.monotonic()
             if now >= deadline:
                 stop_group(proc, kill_grace)

@@ -3,7 +3,7 @@
 A child process, not a thread, so that a timeout or the drain can really stop the call (a thread
 cannot be killed, and one still running could perform its effect after the worker moved on).
 Reads the request JSON, imports `module:function`, calls `function(context, **args)` and writes
-{"outcome": "ok" | "permanent" | "retryable", "result" | "error"} atomically: no response file
+{"outcome": "ok" | "permanent" | "retryable" | "unexpected", "result" | "error"} atomically: no response file
 means the call ended without answering (killed, crashed).
 """
 
@@ -17,7 +17,7 @@ import traceback
 from typing import Any
 
 from retex.worker.context import PermanentError, RetryableError, StepContext
-from retex.worker.tether import tie_to
+from retex.worker.tether import kill_group_after, tie_to
 
 ERROR_TAIL_CHARS = 2048
 
@@ -36,13 +36,15 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
                           step=request["step"], attempt=request["attempt"], payload=request["payload"],
                           results=request["results"])
     tie_to(request["workerPid"], on_sigterm=context.cancelled.set)
+    kill_group_after(request["deadlineSeconds"])
     try:
         result = function(context, **request["args"])
     except PermanentError as exc:
         return {"outcome": "permanent", "error": f"{type(exc).__name__}: {exc}"}
-    except Exception as exc:  # RetryableError and anything unexpected: retried
-        kind = "RetryableError" if isinstance(exc, RetryableError) else "unexpected"
-        return {"outcome": "retryable", "error": f"{kind}: {traceback.format_exc()[-ERROR_TAIL_CHARS:]}"}
+    except RetryableError:  # declared by the step: nothing happened, try again later
+        return {"outcome": "retryable", "error": f"RetryableError: {traceback.format_exc()[-ERROR_TAIL_CHARS:]}"}
+    except Exception:  # undeclared: the effect may have happened before it raised
+        return {"outcome": "unexpected", "error": f"unexpected: {traceback.format_exc()[-ERROR_TAIL_CHARS:]}"}
     return {"outcome": "ok", "result": result}
 
 

@@ -2,8 +2,10 @@
 in a child interpreter (see `pycall`) with a `StepContext`.
 
 Outcomes: a return value = success (the result, JSON; other values are stored as their repr);
-`PermanentError` = permanent failure; `RetryableError` or any other exception = retryable failure;
-killed, crashed or timed out without answering = unknown.
+`PermanentError` = permanent failure; `RetryableError` = retryable failure (both declare that the
+effect did not happen); any other exception = retryable failure if the step is idempotent, else
+unknown (it may have raised after its effect); killed, crashed or timed out without answering =
+unknown.
 Verify convention: returns a result = found (that is the result); returns None = not found;
 raises = error.
 """
@@ -32,7 +34,7 @@ from retex.worker.outcomes import (
     VerifyFailed,
     VerifyOutcome,
 )
-from retex.worker.processes import ProcessEnd, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline_seconds, supervise
 
 
 def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> tuple[ProcessEnd, dict[str, Any] | None]:
@@ -42,11 +44,12 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
         request.write_text(json.dumps({
             "callable": action.callable, "args": action.args or {}, "idempotencyKey": call.idempotency_key,
             "taskUid": call.task_uid, "step": call.step, "attempt": call.attempt, "payload": call.payload,
-            "results": call.results, "workerPid": os.getpid(),
+            "results": call.results, "workerPid": os.getpid(), "deadlineSeconds": own_deadline_seconds(step, sup),
         }))
         proc = subprocess.Popen([sys.executable, "-m", "retex.worker.pycall", str(request), str(response)],
                                 env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True)
-        end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds)
+        end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
+                        held=sup.held)
         answer = json.loads(response.read_text()) if response.exists() else None
         return end, answer
     finally:
@@ -54,13 +57,19 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
 
 
 def _unanswered(end: ProcessEnd, step: Step) -> str:
+    if end.lease_lost:
+        return LEASE_LOST
     if end.timed_out:
         return f"timed out after {step.timeout_seconds}s (process killed)"
     return f"the call ended without answering (exit code {end.returncode})"
 
 
 def run(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
+    if not sup.held():
+        return Abandoned(LEASE_LOST)
     end, answer = _call(action, step, call, sup)
+    if end.lease_lost:
+        return Abandoned(LEASE_LOST)
     if end.abandoned and (answer is None or answer["outcome"] != "ok"):
         # A failure it raised because the drain cancelled it is not the step's failure.
         return Abandoned("stopped at the drain deadline")
@@ -68,11 +77,18 @@ def run(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> S
         return Unknown(_unanswered(end, step))
     if answer["outcome"] == "ok":
         return Succeeded(answer["result"])
-    return Failed(answer["error"], retryable=answer["outcome"] == "retryable")
+    if answer["outcome"] == "unexpected" and not step.idempotent:
+        return Unknown(f"raised an undeclared exception (not idempotent, so the effect may have happened): "
+                       f"{answer['error']}")
+    return Failed(answer["error"], retryable=answer["outcome"] != "permanent")
 
 
 def verify(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
+    if not sup.held():
+        return Abandoned(LEASE_LOST)
     end, answer = _call(action, step, call, sup)
+    if end.lease_lost:
+        return Abandoned(LEASE_LOST)
     if end.abandoned and answer is None:
         return Abandoned("stopped at the drain deadline")
     if answer is None:

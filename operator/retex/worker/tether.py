@@ -1,11 +1,13 @@
-"""Step processes die with their worker: `python -m retex.worker.tether WORKER_PID NOT_STARTED_FILE COMMAND...`.
+"""Step processes die with their worker: `python -m retex.worker.tether WORKER_PID NOT_STARTED_FILE DEADLINE COMMAND...`.
 
 In a pod, the end of the container kills every process in it. Run directly on a host — or on the
 test rig, which has no PID namespaces — a step in its own process group would outlive a worker
 that was SIGKILLed and could still perform its effect after the next attempt has moved on. So
 every step's process group is led by a tethered process: it asks the kernel for SIGTERM when its
 parent dies (PR_SET_PDEATHSIG) and then SIGKILLs its whole group. A SIGTERM sent by a live
-worker (step timeout, drain deadline) is left to the step to handle, as before.
+worker (step timeout, drain deadline) is left to the step to handle, as before. And at DEADLINE
+seconds (the step's timeout plus grace) it SIGKILLs its group by its own clock, so the step ends
+on time even while its worker is paused (SIGSTOP) and cannot.
 
 If COMMAND cannot be started at all, the reason is written to NOT_STARTED_FILE: that is a
 permanent failure, and it cannot be told from an exit code the command might use itself.
@@ -18,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
@@ -38,9 +41,18 @@ def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None) -> Non
         os.killpg(0, signal.SIGKILL)
 
 
+def kill_group_after(seconds: float) -> None:
+    """The step's own deadline, kept by this process: a paused worker cannot stop its step, and the
+    next attempt counts on it being dead by begin + timeoutSeconds + margin."""
+    timer = threading.Timer(seconds, os.killpg, args=(0, signal.SIGKILL))
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str]) -> int:
-    worker_pid, not_started_file, command = int(argv[0]), argv[1], argv[2:]
+    worker_pid, not_started_file, deadline, command = int(argv[0]), argv[1], float(argv[2]), argv[3:]
     tie_to(worker_pid)
+    kill_group_after(deadline)
     try:
         proc = subprocess.Popen(command)  # same stdio, environment and process group
     except OSError as exc:
