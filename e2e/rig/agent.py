@@ -214,6 +214,13 @@ def run_as(pod: client.V1Pod, container: client.V1Container) -> tuple[int, int, 
 # ----- one pod ---------------------------------------------------------------------------------
 
 
+def unpullable_image(image: str | None) -> bool:
+    """The rig has no images: an image whose registry is in the reserved `.invalid` domain
+    (RFC 2606) stands for one that cannot be pulled, so tests can see ImagePullBackOff."""
+    registry = (image or "").split("/")[0] if "/" in (image or "") else ""
+    return registry.split(":")[0].endswith(".invalid")
+
+
 class Container:
     """One running (or finished) container: a process group."""
 
@@ -384,6 +391,9 @@ class PodWorker:
             return self._wait_for_deletion_then_delete()
 
         self.start_time = now()
+        unpullable = [c for c in self.containers + self.init_containers if unpullable_image(c.spec.image)]
+        if unpullable:
+            return self._fail_to_pull(unpullable)
         prepared = self._prepare_until_ready()
         if prepared is None:
             return self._delete_finally()
@@ -391,6 +401,19 @@ class PodWorker:
         if ok:
             self._run_containers(prepared)
         self._wait_for_deletion_then_delete()
+
+    def _fail_to_pull(self, containers: list[Container]) -> None:
+        """What the kubelet reports for an image it cannot pull: ErrImagePull, then ImagePullBackOff,
+        until the pod is deleted. Nothing runs."""
+        reason = "ErrImagePull"
+        while not self.deleting.is_set():
+            for c in containers:
+                c.reason = reason
+                c.message = f'Back-off pulling image "{c.spec.image}": the rig never resolves the .invalid domain'
+            self._report("Pending")
+            reason = "ImagePullBackOff"
+            self.deleting.wait(2.0)
+        self._delete_finally()
 
     def _prepare_until_ready(self) -> dict | None:
         """Resolve env, token and user; while that fails, report CreateContainerConfigError."""

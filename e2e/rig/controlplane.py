@@ -49,6 +49,7 @@ CONTROLLERS = (
     "taint-eviction-controller",
     "pod-garbage-collector-controller",
     "ttl-after-finished-controller",
+    "resourcequota-controller",  # a ResourceQuota is enforced only once its usage is computed
 )
 
 

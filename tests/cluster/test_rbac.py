@@ -135,10 +135,10 @@ def test_a_worker_cannot_patch_task_status_read_secrets_or_touch_another_namespa
     refused(token, "replace", "-f", "-", input=json.dumps(stolen))
 
 
-def test_the_operator_cannot_read_secrets_or_pods_nor_hold_leases(rig, tenants, tmp_path):
+def test_the_operator_cannot_read_secrets_or_get_pods_nor_hold_leases(rig, tenants, tmp_path):
     _, namespace, _ = tenants
     for verb, resource, subresource in [("get", "secrets", None), ("list", "secrets", None),
-                                        ("get", "pods", None), ("list", "pods", None), ("create", "pods", None),
+                                        ("get", "pods", None), ("watch", "pods", None), ("create", "pods", None),
                                         ("update", "leases.coordination.k8s.io", None),
                                         ("get", "leases.coordination.k8s.io", None),
                                         ("delete", "tasks.retex.dev", None), ("update", "tasks.retex.dev", None),
@@ -148,4 +148,4 @@ def test_the_operator_cannot_read_secrets_or_pods_nor_hold_leases(rig, tenants, 
     kubeconfig = service_account_kubeconfig(rig.kubectl, rig.kubeconfig, "retex-system", "retex-operator",
                                             tmp_path / "operator.kubeconfig")
     refused(kubeconfig, "get", "-n", namespace, "secret", "retex-worker-db")
-    refused(kubeconfig, "get", "pods", "--all-namespaces")
+    refused(kubeconfig, "get", "-n", namespace, "pod", "any-pod")

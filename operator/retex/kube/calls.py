@@ -147,6 +147,26 @@ class KubeCalls:
             },
         )
 
+    # -- the reaper's questions about one attempt (attempt lifecycle) ------------------------
+
+    def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Lease as it is now: the reaper confirms what the watch showed before acting on it.
+        A LIST of one name (a consistent read), so the operator needs no `get` on Leases."""
+        listed = self._coordination.list_namespaced_lease(namespace, field_selector=f"metadata.name={name}")
+        items = self._plain(listed).get("items") or []
+        return items[0] if items else None
+
+    def job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        """The pods the Job controller made for this Job (label job-name)."""
+        listed = self._core.list_namespaced_pod(namespace, label_selector=f"job-name={job}")
+        return self._plain(listed).get("items") or []
+
+    def job_events(self, namespace: str, job: str) -> list[dict[str, Any]]:
+        """Events about the Job (FailedCreate: a pod the API server refused, e.g. by quota)."""
+        listed = self._core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={job}")
+        return self._plain(listed).get("items") or []
+
 
 def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Callable[[], dict[str, Any]]) -> None:
     """Create; AlreadyExists is success only if the object there is owned by the same Task (a

@@ -4,6 +4,12 @@ Liveness is judged as client-go's leader election does: an attempt is lost when 
 seen no change of the lease's holder or renewTime for the lease duration, measured on the
 operator's own monotonic clock. The worker's renewTime is never compared with our clock. The watch
 only updates a table; a reaper reads it, so lease renewals cause no handler storms.
+
+Blind spots: while the watch is down nothing is seen, so the time it was down is not counted
+against a lease (a relist moves an unchanged lease's timer forward by the blind time only, never
+resets it: a watch that fails often still expires a dead worker after its duration plus the time
+it was blind). A watch that stalls without an error, or an operator that was paused, shows stale
+observations; the reaper therefore confirms a lease with a GET (`confirm`) before acting on one.
 """
 
 from __future__ import annotations
@@ -11,7 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -39,14 +47,53 @@ class LeaseObservation:
         return self.holder_epoch is None and self.last_epoch == epoch
 
 
+def _instant(renew_time: str | None) -> datetime | None:
+    """renewTime as an instant: a watch event spells it `...Z`, a GET or LIST through the client's
+    serializer `...+00:00`; the same renewal must compare equal (else a GET looks like one)."""
+    return datetime.fromisoformat(renew_time.replace("Z", "+00:00")) if renew_time else None
+
+
 class LeaseObserver:
-    def __init__(self, api: client.ApiClient):
+    def __init__(self, api: client.ApiClient, *, clock: Callable[[], float] = time.monotonic):
         self._coordination = client.CoordinationV1Api(api)
+        self._clock = clock
         self._by_task: dict[str, LeaseObservation] = {}
-        self._renewals: dict[str, tuple[str | None, str | None]] = {}
+        self._renewals: dict[str, tuple[str | None, datetime | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._blind_since: float | None = None  # when the watch last went down
         self.synced = threading.Event()
+
+    def confirm(self, task_uid: str, lease: dict | None) -> LeaseObservation | None:
+        """Record a Lease just read with a GET (None: it is gone) and return the observation:
+        a renewal the watch has not delivered (stalled stream, paused operator) counts as one."""
+        if lease is None:
+            with self._lock:
+                self._by_task.pop(task_uid, None)
+                self._renewals.pop(task_uid, None)
+        else:
+            self._observe(lease)
+        return self.get(task_uid)
+
+    def relisted(self, leases: list[dict]) -> None:
+        """A fresh LIST after a blind spot. While we could not watch we could not see renewals
+        either: the blind time is not counted against a lease (an API server restart condemns no
+        one), but the time we could see is (a watch that keeps failing still expires the dead)."""
+        blind = self._clock() - self._blind_since if self._blind_since is not None else 0.0
+        self._blind_since = None
+        listed = {(lease["metadata"].get("labels") or {}).get(LABEL_TASK_UID) for lease in leases}
+        with self._lock:  # deleted while we were blind
+            for uid in set(self._by_task) - listed:
+                self._by_task.pop(uid, None)
+                self._renewals.pop(uid, None)
+        for lease in leases:
+            self._observe(lease, relisted=True, blind=blind)
+
+    def went_blind(self) -> None:
+        """The watch is down: nothing is seen from now until the next relist."""
+        self.synced.clear()
+        if self._blind_since is None:
+            self._blind_since = self._clock()
 
     def get(self, task_uid: str) -> LeaseObservation | None:
         with self._lock:
@@ -55,7 +102,7 @@ class LeaseObserver:
     def stop(self) -> None:
         self._stop.set()
 
-    def _observe(self, lease: dict, deleted: bool = False, relisted: bool = False) -> None:
+    def _observe(self, lease: dict, deleted: bool = False, relisted: bool = False, blind: float = 0.0) -> None:
         meta, spec = lease["metadata"], lease.get("spec") or {}
         uid = (meta.get("labels") or {}).get(LABEL_TASK_UID)
         if not uid:
@@ -66,9 +113,11 @@ class LeaseObserver:
                 self._renewals.pop(uid, None)
                 return
             holder = spec.get("holderIdentity") or None
-            seen = (holder, spec.get("renewTime"))
+            seen = (holder, _instant(spec.get("renewTime")))
             previous = self._by_task.get(uid)
-            if previous and self._renewals.get(uid) == seen and not relisted:
+            if previous and self._renewals.get(uid) == seen:
+                if relisted and blind:  # unchanged across a blind spot: forgive the blind time only
+                    self._by_task[uid] = replace(previous, changed_at=min(self._clock(), previous.changed_at + blind))
                 return  # an update that is not a renewal (labels, owner refs): not a sign of life
             try:
                 parsed = parse_holder(holder)
@@ -80,7 +129,7 @@ class LeaseObserver:
                 task_uid=uid, holder_pod=pod, holder_epoch=epoch,
                 last_epoch=epoch if epoch is not None else (previous.last_epoch if previous else None),
                 duration_seconds=int(spec.get("leaseDurationSeconds") or 15),
-                changed_at=time.monotonic(), changed_wall=time.time(),
+                changed_at=self._clock(), changed_wall=time.time(),
             )
 
     def run(self) -> None:
@@ -91,10 +140,7 @@ class LeaseObserver:
                 if version is None:
                     listed = self._coordination.list_lease_for_all_namespaces(label_selector=LABEL_TASK_UID)
                     plain = self._coordination.api_client.sanitize_for_serialization(listed)
-                    # While we could not watch, we could not see renewals either: every lease gets a
-                    # fresh grace period rather than being judged on a blind spot (API server restart).
-                    for lease in plain.get("items") or []:
-                        self._observe(lease, relisted=True)
+                    self.relisted(plain.get("items") or [])
                     version = plain["metadata"]["resourceVersion"]
                     self.synced.set()
                 stream = watch.Watch()
@@ -111,12 +157,12 @@ class LeaseObserver:
                         self._observe(event["raw_object"], deleted=event["type"] == "DELETED")
             except ApiException as exc:
                 version = None
-                self.synced.clear()
+                self.went_blind()
                 if exc.status != 410:
                     log.warning("lease watch failed (%s); relisting", exc.status)
                     self._stop.wait(1.0)
             except Exception as exc:  # connection refused while the API server restarts, etc.
                 version = None
-                self.synced.clear()
+                self.went_blind()
                 log.warning("lease watch interrupted: %s; relisting", exc)
                 self._stop.wait(1.0)

@@ -24,6 +24,7 @@ from retex.ledger.records import (
     StepRecord,
     TaskAdmission,
     TaskRecord,
+    WatchedAttempt,
 )
 from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
 
@@ -31,5 +32,6 @@ __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
     "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
     "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "UnstorableValue",
+    "WatchedAttempt",
     "step_idempotency_key",
 ]

@@ -36,6 +36,7 @@ class AdmitResult:
     uid: str  # the task that holds this work (the first one, for an idempotency-key duplicate)
     created: bool
     duplicate_of: str | None = None
+    purged: bool = False  # the task ended and its history was purged: it is not admitted again
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,21 @@ class AttemptRecord:
     outcome: str | None
     started_at: datetime
     ended_at: datetime | None
+
+
+@dataclass(frozen=True)
+class WatchedAttempt:
+    """An attempt the reaper watches: the current one of a Running task (`current`), or one the
+    operator ended that may still be running a step (it holds its slot and key until settled)."""
+
+    uid: str
+    namespace: str
+    name: str
+    epoch: int
+    current: bool
+    cancel_requested: bool
+    job_name: str | None
+    dispatched_seconds_ago: float | None  # since its Job was created (database clock); None: not yet
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from retex.ledger.records import (
     StepRecord,
     TaskAdmission,
     TaskRecord,
+    WatchedAttempt,
 )
 from retex.machine import (
     TERMINAL_PHASES,
@@ -67,6 +68,9 @@ NOTIFY_CHANNEL = "retex_ledger"
 PLACEMENT_LOCK_KEY = 0x706C616365
 # Transient: the operation did not happen or will be found done when repeated.
 _TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+# Phases that hold a run slot (Running) or a concurrency key: leaving one may let a queued task start.
+_HOLDS_KEY = (TaskPhase.RUNNING, TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION)
+_CANCEL_REASONS = ("Cancelled", "TaskDeleted")
 
 
 def step_idempotency_key(uid: str, step_name: str, step_spec: Any) -> str:
@@ -139,6 +143,23 @@ class Ledger:
 
         return self._retrying(attempt, op=op)
 
+    def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
+        """`_tx` for an operation whose repetition would be refused (a human action that moves the
+        task on): when a retry follows a COMMIT whose reply was lost, the history row this call
+        wrote is there, so the retry returns the task as it is instead of trying again."""
+        written: list[int] = []
+
+        def once(cur: psycopg.Cursor) -> TaskRecord | T:
+            if written and cur.execute("SELECT 1 FROM retex.history WHERE id = %s", (written[0],)).fetchone():
+                return self._record(cur, uid)
+            written.clear()
+            result = fn(cur)
+            last = cur.execute("SELECT max(id) AS id FROM retex.history WHERE task_uid = %s", (uid,)).fetchone()
+            written.append(last["id"])
+            return result
+
+        return self._tx(once, op=op)
+
     # -- shared pieces of operations (always inside a transaction) ----------------------------
 
     @staticmethod
@@ -178,8 +199,8 @@ class Ledger:
         ).fetchone()
         self._history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
                       to_state=str(new_phase), detail=detail)
-        if task["phase"] == TaskPhase.RUNNING and new_phase != TaskPhase.RUNNING:
-            self._fill_slots(cur, actor)  # a running slot (and perhaps a concurrency key) came free
+        if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
+            self._fill_slots(cur, actor)  # a running slot or a concurrency key may have come free
         return updated
 
     @staticmethod
@@ -246,12 +267,18 @@ class Ledger:
         while holding the lock (whoever holds that row places it when it is done)."""
         cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
         limits = cur.execute("SELECT * FROM retex.run_limits").fetchone()
+        # An attempt the operator ended (timeout, deletion) may still be running a step until it is
+        # known dead (settled): until then it keeps its slot and its key.
+        unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
         by_namespace = {r["namespace"]: r["n"] for r in cur.execute(
-            "SELECT namespace, count(*) AS n FROM retex.tasks WHERE phase = 'Running' GROUP BY namespace")}
+            f"""SELECT namespace, count(*) AS n FROM retex.tasks WHERE uid IN (
+                    SELECT uid FROM retex.tasks WHERE phase = 'Running' UNION {unsettled})
+                GROUP BY namespace""")}
         total = sum(by_namespace.values())
         busy_keys = {(r["namespace"], r["concurrency_key"]) for r in cur.execute(
-            """SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
-               AND phase IN ('Running', 'Retrying', 'NeedsAttention')""")}
+            f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
+                AND uid IN (SELECT uid FROM retex.tasks WHERE phase IN ('Running', 'Retrying', 'NeedsAttention')
+                            UNION {unsettled})""")}
         candidates = cur.execute(
             """SELECT uid, namespace, concurrency_key, priority, submitted, created_at FROM (
                    SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
@@ -281,11 +308,14 @@ class Ledger:
             by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
 
     @staticmethod
-    def _end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str) -> None:
+    def _end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
+        """Record the attempt's outcome. `settled`: it is known dead (its worker ended it, or its
+        lease was released or expired, or it never held it). The operator ending an attempt whose
+        worker may still be inside a step passes False; the reaper settles it later."""
         cur.execute(
-            "UPDATE retex.attempts SET outcome = %s, ended_at = now() "
+            "UPDATE retex.attempts SET outcome = %s, ended_at = now(), settled_at = CASE WHEN %s THEN now() END "
             "WHERE task_uid = %s AND epoch = %s AND outcome IS NULL",
-            (outcome, uid, epoch),
+            (outcome, settled, uid, epoch),
         )
 
     def _record(self, cur: psycopg.Cursor, uid: str) -> TaskRecord:
@@ -313,6 +343,10 @@ class Ledger:
                  admission.concurrency_key, admission.priority, admission.timeout_seconds,
                  admission.submitted_at),
             ).fetchone()
+            # Checked after the insert, in its own statement: a purge that committed while the insert
+            # waited on the row is seen here (a check before it could miss it).
+            if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (admission.uid,)).fetchone():
+                raise _Purged
             if inserted is None:
                 return _existing_admission(cur, admission)
             step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
@@ -325,7 +359,11 @@ class Ledger:
             self._place(cur, inserted, "first", actor)
             return AdmitResult(uid=admission.uid, created=True)
 
-        return self._tx(op, op="admit")
+        try:
+            return self._tx(op, op="admit")
+        except _Purged:
+            # It ran to its end and its history was purged (retention): never run it again.
+            return AdmitResult(uid=admission.uid, created=False, purged=True)
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
         """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
@@ -340,7 +378,7 @@ class Ledger:
                 return self._record(cur, uid)
             self._end_attempt(cur, uid, lost_epoch, "lost")
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled")
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
             elif task["disruptions"] + 1 > task["max_disruptions"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
                                  dead_lettered=True, disruptions=task["disruptions"] + 1,
@@ -363,8 +401,8 @@ class Ledger:
                 (limit,),
             ).fetchall()
             for task in overdue:
-                if task["phase"] == TaskPhase.RUNNING:
-                    self._end_attempt(cur, task["uid"], task["epoch"], "failed")
+                if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+                    self._end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
                                  last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
             due = cur.execute(
@@ -405,18 +443,23 @@ class Ledger:
 
         self._tx(op, op="set_run_limits")
 
-    def request_cancel(self, uid: str, *, actor: str = "operator") -> TaskRecord:
-        """Waiting tasks are cancelled at once; a running one at its worker's next step boundary."""
+    def request_cancel(self, uid: str, *, reason: str = "Cancelled", actor: str = "operator") -> TaskRecord:
+        """Waiting tasks are cancelled at once; a running one at its worker's next step boundary
+        (or by the reaper at once when its attempt holds no lease). `reason` is what the task ends
+        with when the operator ends it: Cancelled, or TaskDeleted for a deletion."""
+        if reason not in _CANCEL_REASONS:
+            raise ValueError(f"cancel reason {reason!r} is not one of {', '.join(_CANCEL_REASONS)}")
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
                 return self._record(cur, uid)
             if task["phase"] == TaskPhase.RUNNING:
-                self._touch(cur, uid, cancel_requested=True)
-                self._history(cur, uid, actor, "cancel-requested", epoch=task["epoch"])
+                self._touch(cur, uid, cancel_requested=True, cancel_reason=reason)
+                self._history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
             else:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled", cancel_requested=True)
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
+                                 cancel_reason=reason)
             return self._record(cur, uid)
 
         return self._tx(op, op="request_cancel")
@@ -427,8 +470,8 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["phase"] not in TERMINAL_PHASES:
-                if task["phase"] == TaskPhase.RUNNING:
-                    self._end_attempt(cur, uid, task["epoch"], "failed")
+                if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+                    self._end_attempt(cur, uid, task["epoch"], "failed", settled=False)
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
             return self._record(cur, uid)
 
@@ -443,8 +486,8 @@ class Ledger:
             if row is None:
                 return None
             if row["phase"] not in TERMINAL_PHASES:
-                if row["phase"] == TaskPhase.RUNNING:
-                    self._end_attempt(cur, uid, row["epoch"], "cancelled")
+                if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+                    self._end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
                 self._transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
             return self._record(cur, uid)
 
@@ -467,7 +510,7 @@ class Ledger:
             self._place(cur, pending, "requeue", actor)
             return self._record(cur, uid)
 
-        return self._tx(op, op="requeue")
+        return self._tx_once(op, uid=uid, op="requeue")
 
     def resolve_step(self, uid: str, step_name: str, *, mark_done: bool, result: Any = None,
                      actor: str) -> TaskRecord:
@@ -497,7 +540,96 @@ class Ledger:
                 self._place(cur, pending, "requeue", actor)
             return self._record(cur, uid)
 
-        return self._tx(op, op="resolve_step")
+        return self._tx_once(op, uid=uid, op="resolve_step")
+
+    # -- attempt lifecycle (operator: the reaper and the promoter) -----------------------------
+
+    def watched(self) -> list[WatchedAttempt]:
+        """What the reaper watches: the current attempt of every Running task, and every attempt
+        the operator ended that is not yet known dead (it holds its slot and key until then)."""
+
+        def op(cur: psycopg.Cursor) -> list[WatchedAttempt]:
+            rows = cur.execute(
+                """SELECT t.uid, t.namespace, t.name, a.epoch, t.phase = 'Running' AND a.epoch = t.epoch AS current,
+                          t.cancel_requested, a.job_name,
+                          extract(epoch FROM now() - o.sent_at)::float8 AS dispatched_seconds_ago
+                   FROM retex.attempts a JOIN retex.tasks t ON t.uid = a.task_uid
+                   LEFT JOIN retex.outbox o ON o.task_uid = a.task_uid AND o.epoch = a.epoch AND o.outcome = 'sent'
+                   WHERE (t.phase = 'Running' AND a.epoch = t.epoch AND a.outcome IS NULL)
+                      OR (a.outcome IS NOT NULL AND a.settled_at IS NULL)
+                   ORDER BY t.uid, a.epoch""").fetchall()
+            return [WatchedAttempt(**row) for row in rows]
+
+        return self._tx(op, op="watched")
+
+    def settle_attempt(self, uid: str, epoch: int, *, actor: str = "operator") -> None:
+        """Attempt `epoch`, already ended by the operator, is known dead: free its slot and key."""
+
+        def op(cur: psycopg.Cursor) -> None:
+            settled = cur.execute(
+                """UPDATE retex.attempts SET settled_at = now() WHERE task_uid = %s AND epoch = %s
+                   AND outcome IS NOT NULL AND settled_at IS NULL""", (uid, epoch)).rowcount
+            if settled:
+                self._history(cur, uid, actor, "attempt-settled", epoch=epoch)
+                self._fill_slots(cur, actor)
+
+        self._tx(op, op="settle_attempt")
+
+    def fail_unstarted(self, uid: str, epoch: int, error: str, *, actor: str = "operator",
+                       rng: random.Random | None = None) -> TaskRecord:
+        """Attempt `epoch` never took its lease in time (its pod could not start: image, config,
+        scheduling, quota). A failed attempt, counted against the retry budget like a step failure
+        (a broken spec would otherwise loop for ever); a cancel request makes it Cancelled.
+        No-op unless `epoch` is current and Running."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
+                return self._record(cur, uid)
+            self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
+            failures = task["failures"] + 1
+            if task["cancel_requested"]:
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+            elif failures >= task["max_attempts"]:
+                self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
+                                 dead_lettered=True, last_error=error[:4096])
+            else:
+                delay = Backoff(**task["backoff"]).delay(failures, rng)
+                self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
+                                 reason="WorkerNotStarted", failures=failures, last_error=error[:4096],
+                                 not_before=_db_now(cur) + timedelta(seconds=delay))
+            return self._record(cur, uid)
+
+        return self._tx(op, op="fail_unstarted")
+
+    def cancel_unheld(self, uid: str, epoch: int, *, actor: str = "operator") -> TaskRecord:
+        """A cancel (or delete) was requested and attempt `epoch` holds no lease (never took it, or
+        its worker is gone): no worker will reach a step boundary, so the task ends now with its
+        cancel reason. A worker that starts later is fenced at its first write.
+        No-op unless `epoch` is current, Running and cancel was requested."""
+
+        def op(cur: psycopg.Cursor) -> TaskRecord:
+            task = self._lock_task(cur, uid)
+            if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
+                return self._record(cur, uid)
+            self._end_attempt(cur, uid, epoch, "cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+            return self._record(cur, uid)
+
+        return self._tx(op, op="cancel_unheld")
+
+    def fill_slots(self, *, actor: str = "operator") -> None:
+        """Start what may start: the periodic backstop for a placement that skipped a briefly
+        locked queue head (SKIP LOCKED) or a slot freed where no placement followed."""
+        self._tx(lambda cur: self._fill_slots(cur, actor), op="fill_slots")
+
+    def seconds_until(self, at: datetime) -> float:
+        """`at` minus the database's now(): time left measured on the ledger's clock, the one
+        that set `at` (a deadline), never the caller's wall clock."""
+        return self._tx(
+            lambda cur: cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)).fetchone()["s"],
+            op="seconds_until",
+        )
 
     # -- the outbox relay (operator) ---------------------------------------------------------
 
@@ -734,12 +866,18 @@ class Ledger:
 
     def purge_finished(self, *, older_than_seconds: float) -> int:
         """Delete tasks (with their steps, attempts and history) that ended that long ago: the
-        history-retention setting. Returns how many went."""
+        history-retention setting. Each leaves a tombstone (uid, name, final phase) that is kept
+        forever. Returns how many went."""
 
         def op(cur: psycopg.Cursor) -> int:
+            # The Task object may outlive its row; the tombstone keeps `admit` from running it again.
             return cur.execute(
-                """DELETE FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
-                   AND finished_at < now() - make_interval(secs => %s)""",
+                """WITH gone AS (
+                       DELETE FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
+                       AND finished_at < now() - make_interval(secs => %s)
+                       RETURNING uid, namespace, name, phase)
+                   INSERT INTO retex.tombstones (uid, namespace, name, phase)
+                   SELECT uid, namespace, name, phase FROM gone ON CONFLICT DO NOTHING""",
                 (older_than_seconds,),
             ).rowcount
 
@@ -939,6 +1077,10 @@ def _check_result_size(result: Any) -> None:
     size = len(json.dumps(result).encode())
     if size > RESULT_LIMIT_BYTES:
         raise ResultTooLarge(f"step result is {size} bytes; the limit is {RESULT_LIMIT_BYTES} (store large data by reference)")
+
+
+class _Purged(Exception):
+    """Inside `admit`: the uid has a tombstone; rolls the transaction back."""
 
 
 def _existing_admission(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult:

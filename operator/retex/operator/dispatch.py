@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from datetime import UTC, datetime
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
@@ -93,7 +92,7 @@ class Relay(Loop):
             previous_node = next((a.node for a in self._ledger.attempts(dispatch.task_uid)
                                   if a.epoch == dispatch.epoch - 1), None)
         job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults,
-                        active_deadline_seconds=_time_left(dispatch), avoid_node=previous_node,
+                        active_deadline_seconds=_time_left(self._ledger, dispatch), avoid_node=previous_node,
                         failpoint=failpoint_armed)
         self._kube.create_job(job)
         failpoint("after-job-create")  # crash-matrix R3: Job exists, outbox not yet marked sent
@@ -104,20 +103,26 @@ class Relay(Loop):
 
 class Promoter(Loop):
     """Starts Scheduled and Retrying tasks when due, sleeping until the earliest one (no per-task
-    timers; a far-future task costs nothing until its time)."""
+    timers; a far-future task costs nothing until its time). Every `refill_seconds` it also fills
+    free slots: the backstop for a placement that skipped a briefly locked queue head."""
 
     name = "promoter"
 
-    def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0,
+    def __init__(self, ledger: Ledger, relay: Relay, *, max_sleep: float = 5.0, refill_seconds: float = 5.0,
                  retention_seconds: float | None = None):
         super().__init__()
         self._ledger, self._relay, self._max_sleep = ledger, relay, max_sleep
+        self._refill_seconds, self._next_refill = refill_seconds, 0.0
         self._retention_seconds = retention_seconds
         self._next_purge = 0.0
 
     def round(self) -> float:
         if self._ledger.promote_due():
             self._relay.wake.set()
+        if time.monotonic() >= self._next_refill:
+            self._ledger.fill_slots()
+            self._relay.wake.set()
+            self._next_refill = time.monotonic() + self._refill_seconds
         if self._retention_seconds and time.monotonic() >= self._next_purge:
             purged = self._ledger.purge_finished(older_than_seconds=self._retention_seconds)
             if purged:
@@ -126,13 +131,13 @@ class Promoter(Loop):
         due = self._ledger.next_due_at()
         if due is None:
             return self._max_sleep
-        return min(self._max_sleep, max(0.0, (due - datetime.now(UTC)).total_seconds()))
+        return min(self._max_sleep, max(0.0, self._ledger.seconds_until(due)))
 
 
-
-def _time_left(dispatch: Dispatch) -> int | None:
+def _time_left(ledger: Ledger, dispatch: Dispatch) -> int | None:
     """The Job's activeDeadlineSeconds: what is left of the task's timeout, plus a margin so the
-    ledger's Timeout (which fences the worker) lands first and Kubernetes only stops stragglers."""
+    ledger's Timeout (which fences the worker) lands first and Kubernetes only stops stragglers.
+    Measured on the database clock that set the deadline, never against the operator's."""
     if dispatch.deadline_at is None:
         return None
-    return max(1, math.ceil((dispatch.deadline_at - datetime.now(UTC)).total_seconds())) + 10
+    return max(1, math.ceil(ledger.seconds_until(dispatch.deadline_at))) + 10

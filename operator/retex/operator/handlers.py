@@ -55,6 +55,7 @@ class Runtime:
         retention = settings.history_retention_days
         self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)
         self.reaper = Reaper(self.ledger, self.kube, self.leases, interval=settings.reaper_interval_seconds,
+                             start_deadline_seconds=settings.worker_start_deadline_seconds,
                              on_replaced=self.relay.wake.set)
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
         self._loops = [self.leases, self.relay, self.promoter, self.reaper, self.mirror]
@@ -169,6 +170,10 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
             raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
         result = runtime.ledger.admit(admission)
         failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
+        if result.purged:  # it ran to its end long ago and its history was purged: never again
+            event(log, logging.INFO, "purged by history retention: not admitted again", uid=uid,
+                  namespace=namespace, name=name)
+            return
         if result.duplicate_of:
             first = runtime.ledger.get(result.duplicate_of)
             event(log, logging.INFO, "duplicate by idempotencyKey: not run", uid=uid, namespace=namespace, name=name,
@@ -186,10 +191,13 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
 
 @kopf.on.field(*TASKS, field="spec.cancel", new=True)
 def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
+    """A waiting task ends now; a running one at its worker's next step boundary, or at once
+    (the reaper) when no worker holds its lease."""
     try:
         memo.runtime.ledger.request_cancel(uid)
     except TaskNotFound:
-        return  # refused at admission (e.g. a duplicate idempotencyKey): never in the ledger
+        return  # refused at admission (e.g. a duplicate idempotencyKey) or purged: never in the ledger
+    memo.runtime.reaper.wake.set()
 
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
@@ -206,13 +214,15 @@ def requeue(uid: str, new: str | None, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.delete(*TASKS)
 def deleted(uid: str, memo: kopf.Memo, **_: Any) -> None:
-    """The finalizer holds deletion until the task is terminal: cancelled at once when waiting,
-    at its worker's next step boundary when running. The ledger keeps its history (see the
-    retention setting); owner references then take the Job and Lease away."""
+    """The finalizer holds deletion until the task is terminal: ended at once (TaskDeleted) when
+    waiting or when no worker holds its lease (the reaper: a pod that never started, a namespace
+    being deleted), at its worker's next step boundary when running. The ledger keeps its history
+    (see the retention setting); owner references then take the Job and Lease away."""
     runtime: Runtime = memo.runtime
     try:
-        record = runtime.ledger.request_cancel(uid)
+        record = runtime.ledger.request_cancel(uid, reason="TaskDeleted")
     except TaskNotFound:
-        return  # refused at admission: never in the ledger
+        return  # refused at admission (never in the ledger), or purged
     if not record.terminal:
+        runtime.reaper.wake.set()
         raise kopf.TemporaryError("waiting for the worker to stop at a step boundary", delay=2)

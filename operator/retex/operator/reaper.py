@@ -1,22 +1,34 @@
-"""The lease reaper: finds attempts that are gone and has the ledger start the next one.
+"""The lease reaper: watches every attempt that may still be alive and settles what is gone.
 
-An attempt (epoch E of a Running task) is gone when
-  - its worker released the lease (graceful stop: eviction, drain) — acted on at once;
-  - the operator has observed no renewal for the lease duration (crash, node loss, pause);
-  - it never took the lease and its Job failed or vanished (a pod that died before starting).
-Each is a disruption, not a failure: it does not consume the retry budget. The old Job is deleted
+An attempt (epoch E) is *known dead* when its worker released the lease, when the operator has
+observed no renewal for the lease duration, or when it never held the lease (it can then never run
+a step: its first ledger write is fenced). Until then it holds its run slot and concurrency key.
+
+For the current attempt of a Running task:
+  - lease released by E — a disruption (eviction, drain): the next attempt at once;
+  - lease held by E, no renewal seen for the duration — a disruption ('lease-expired');
+  - E never took the lease and its Job failed or vanished — a disruption;
+  - E never took the lease within the start deadline (pod cannot start: missing Secret, image
+    pull, unschedulable, quota) — a failed attempt, with the pod's reason as lastError;
+  - cancel or delete requested and E holds no lease — Cancelled now (no worker will reach a
+    step boundary).
+For an attempt the operator already ended (task timeout, deletion): settled once known dead, which
+frees its slot and key.
+
+Every verdict is confirmed with a GET of the Lease first, so a stalled watch or a paused operator cannot condemn live workers. The old Job is deleted
 with background propagation; a pod stuck Terminating on a lost node is not waited for.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 
 from retex.kube.calls import KubeCalls
-from retex.kube.leasewatch import LeaseObserver
-from retex.kube.objects import job_name
-from retex.ledger import Ledger, TaskRecord
+from retex.kube.leasewatch import LeaseObservation, LeaseObserver
+from retex.kube.objects import job_name, lease_name
+from retex.ledger import Ledger, WatchedAttempt
 from retex.logs import event
 from retex.operator.loop import Loop
 
@@ -24,6 +36,23 @@ log = logging.getLogger(__name__)
 
 # A Job that has not taken its lease is asked about at most this often.
 JOB_CHECK_SECONDS = 3.0
+# Waiting reasons that only mean "still starting".
+_STARTING = {"ContainerCreating", "PodInitializing"}
+
+
+class Hold(enum.Enum):
+    HELD = "held"  # the attempt holds the lease and was seen renewing within the duration
+    EXPIRED = "expired"  # it holds the lease but no renewal was seen for the duration
+    RELEASED = "released"  # it held the lease and let it go
+    NEVER = "never"  # it does not hold it (never took it, or another epoch does, or no lease)
+
+
+def hold_of(seen: LeaseObservation | None, epoch: int, now: float) -> Hold:
+    if seen is not None and seen.holder_epoch == epoch:
+        return Hold.EXPIRED if seen.expired(now) else Hold.HELD
+    if seen is not None and seen.released_by(epoch):
+        return Hold.RELEASED
+    return Hold.NEVER
 
 
 def _job_failed(job: dict | None) -> bool:
@@ -34,50 +63,133 @@ def _job_failed(job: dict | None) -> bool:
     return failed or bool(status.get("failed"))
 
 
+def why_not_started(pods: list[dict], events: list[dict]) -> str:
+    """What keeps a Job's pod from starting, as the kubelet, scheduler and Job controller say it."""
+    reasons = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+            waiting = (container.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") and waiting["reason"] not in _STARTING:
+                reasons.append(f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                reasons.append(f"{condition.get('reason', 'Unschedulable')}: {condition.get('message', '')}".rstrip(": "))
+    if not pods:
+        for ev in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "", reverse=True):
+            if ev.get("reason") == "FailedCreate":
+                reasons.append(f"FailedCreate: {ev.get('message', '')}")
+                break
+    if not reasons:
+        reasons.append("no pod of the Job started" if not pods else
+                       f"pod {pods[0]['metadata']['name']} is {(pods[0].get('status') or {}).get('phase')}")
+    return "; ".join(dict.fromkeys(reasons))
+
+
 class Reaper(Loop):
     name = "reaper"
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, interval: float,
-                 on_replaced=lambda: None):
+                 start_deadline_seconds: float, on_replaced=lambda: None):
         super().__init__()
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._interval, self._on_replaced = interval, on_replaced
+        self._start_deadline = start_deadline_seconds
         self._job_checked: dict[tuple[str, int], float] = {}
 
     def round(self) -> float:
         if not self._leases.synced.is_set():
             return self._interval  # blind while the watch is down: judging now would condemn live workers
-        running = self._ledger.running()
-        current = {(task.uid, task.epoch) for task in running}
-        self._job_checked = {k: v for k, v in self._job_checked.items() if k in current}
-        for task in running:
-            cause = self.lost_cause(task, time.monotonic())
-            if cause:
-                self._replace(task, cause)
+        watched = self._ledger.watched()
+        keys = {(a.uid, a.epoch) for a in watched}
+        self._job_checked = {k: v for k, v in self._job_checked.items() if k in keys}
+        for attempt in watched:
+            if attempt.current:
+                self._judge_current(attempt)
+            else:
+                self._judge_ended(attempt)
         return self._interval
 
-    def lost_cause(self, task: TaskRecord, now: float) -> str | None:
-        """Why attempt `task.epoch` is gone ('lease-expired', 'disruption'), or None if it is not."""
-        seen = self._leases.get(task.uid)
-        if seen is not None and seen.holder_epoch == task.epoch:
-            return "lease-expired" if seen.expired(now) else None
-        if seen is not None and seen.released_by(task.epoch):
-            return "disruption"
-        # The attempt has not taken the lease yet: its pod may still be starting. Ask its Job.
-        key = (task.uid, task.epoch)
-        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
-            return None
-        self._job_checked[key] = now
-        attempt = self._ledger.attempts(task.uid)[-1]
-        if attempt.job_name is None:
-            return None  # not relayed yet
-        if _job_failed(self._kube.get_job(task.namespace, attempt.job_name)):
-            return "disruption"
-        return None
+    # -- verdicts --------------------------------------------------------------------------
 
-    def _replace(self, task: TaskRecord, cause: str) -> None:
-        event(log, logging.INFO, "attempt gone: starting the next", uid=task.uid, namespace=task.namespace,
-              name=task.name, epoch=task.epoch, cause=cause)
-        self._ledger.replace_attempt(task.uid, task.epoch, cause=cause)
-        self._kube.delete_job(task.namespace, job_name(task.name, task.uid, task.epoch))
+    def _judge_current(self, attempt: WatchedAttempt) -> None:
+        hold = self._observed(attempt)
+        if hold is Hold.HELD:
+            return
+        if hold is not Hold.NEVER:
+            if self._confirmed(attempt, hold):
+                self._replace(attempt, "lease-expired" if hold is Hold.EXPIRED else "disruption")
+            return
+        # The attempt does not hold the lease: its pod may still be starting.
+        if attempt.cancel_requested:
+            if self._confirmed(attempt, hold):
+                self._cancel(attempt)
+            return
+        if attempt.job_name is None:
+            return  # not relayed yet
+        now = time.monotonic()
+        key = (attempt.uid, attempt.epoch)
+        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
+            return
+        self._job_checked[key] = now
+        if _job_failed(self._kube.get_job(attempt.namespace, attempt.job_name)):
+            if self._confirmed(attempt, hold):
+                self._replace(attempt, "disruption")
+        elif attempt.dispatched_seconds_ago is not None and attempt.dispatched_seconds_ago > self._start_deadline:
+            if self._confirmed(attempt, hold):
+                self._not_started(attempt)
+
+    def _judge_ended(self, attempt: WatchedAttempt) -> None:
+        """An attempt the operator ended while its worker may still be inside a step."""
+        hold = self._observed(attempt)
+        if hold is Hold.HELD or not self._confirmed(attempt, hold):
+            return
+        if self._leases.get(attempt.uid) is None:
+            # No Lease at all (deleted with its Task or namespace): dead once its pods are.
+            pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
+            if any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed") for p in pods):
+                return
+        event(log, logging.INFO, "ended attempt is known dead: its slot and key are free", uid=attempt.uid,
+              namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, hold=hold.value)
+        self._ledger.settle_attempt(attempt.uid, attempt.epoch)
         self._on_replaced()
+
+    def _observed(self, attempt: WatchedAttempt) -> Hold:
+        return hold_of(self._leases.get(attempt.uid), attempt.epoch, time.monotonic())
+
+    def _confirmed(self, attempt: WatchedAttempt, hold: Hold) -> bool:
+        """Before acting on what the watch showed, read the Lease itself: True if it still says
+        `hold`. A renewal the watch missed (a stalled stream, a paused operator) is recorded and
+        the attempt is judged again next round, so no live worker is condemned on stale news."""
+        lease = self._kube.get_lease(attempt.namespace, lease_name(attempt.name, attempt.uid))
+        return hold_of(self._leases.confirm(attempt.uid, lease), attempt.epoch, time.monotonic()) is hold
+
+    # -- actions ---------------------------------------------------------------------------
+
+    def _replace(self, attempt: WatchedAttempt, cause: str) -> None:
+        event(log, logging.INFO, "attempt gone: starting the next", uid=attempt.uid, namespace=attempt.namespace,
+              name=attempt.name, epoch=attempt.epoch, cause=cause)
+        self._ledger.replace_attempt(attempt.uid, attempt.epoch, cause=cause)
+        self._kube.delete_job(attempt.namespace, self._job(attempt))
+        self._on_replaced()
+
+    def _not_started(self, attempt: WatchedAttempt) -> None:
+        job = self._job(attempt)
+        why = why_not_started(self._kube.job_pods(attempt.namespace, job), self._kube.job_events(attempt.namespace, job))
+        message = f"worker of attempt {attempt.epoch} did not start within {self._start_deadline:.0f}s: {why}"
+        event(log, logging.WARNING, "worker never started: a failed attempt", uid=attempt.uid,
+              namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
+        self._ledger.fail_unstarted(attempt.uid, attempt.epoch, message)
+        self._kube.delete_job(attempt.namespace, job)
+        self._on_replaced()
+
+    def _cancel(self, attempt: WatchedAttempt) -> None:
+        event(log, logging.INFO, "cancel requested and no worker holds the lease: cancelled now", uid=attempt.uid,
+              namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
+        self._ledger.cancel_unheld(attempt.uid, attempt.epoch)
+        self._kube.delete_job(attempt.namespace, self._job(attempt))
+        self._on_replaced()
+
+    @staticmethod
+    def _job(attempt: WatchedAttempt) -> str:
+        return attempt.job_name or job_name(attempt.name, attempt.uid, attempt.epoch)

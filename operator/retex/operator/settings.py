@@ -19,6 +19,7 @@ class OperatorSettings:
     max_running: int | None = None  # running attempts in all; None: unlimited
     max_running_per_namespace: int | None = None
     history_retention_days: float | None = None  # purge terminal tasks this long after they end
+    worker_start_deadline_seconds: float = 120.0  # dispatch → lease taken, else a failed attempt
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
 
     @classmethod
@@ -41,6 +42,7 @@ class OperatorSettings:
             max_running=_optional(env, "RETEX_MAX_RUNNING", int),
             max_running_per_namespace=_optional(env, "RETEX_MAX_RUNNING_PER_NAMESPACE", int),
             history_retention_days=_optional(env, "RETEX_HISTORY_RETENTION_DAYS", float),
+            worker_start_deadline_seconds=_optional(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
             metrics_port=int(env.get("RETEX_METRICS_PORT", "9090") or 0) or None,
         )
 

@@ -1,0 +1,156 @@
+"""The attempt lifecycle on the rig: purged tasks are not run again, worker pods that never start
+end their attempt with Kubernetes' reason, cancel and delete without a worker end at once, a
+deleted namespace finishes terminating, and a timed-out task keeps its key until its old attempt
+is known dead."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from e2e.system import WORKER_DB_SECRET, wait_for
+from tests.cluster.test_operator import apply, phase_is, sh, status, task
+
+START_DEADLINE = 8  # RETEX_WORKER_START_DEADLINE_SECONDS for these tests
+
+
+def operator_log_has(system, text: str) -> bool:
+    return text in system.operator.log_path.read_text(errors="replace")
+
+
+def test_a_task_purged_by_history_retention_is_not_run_again_after_an_operator_restart(retex, stubs):
+    _, notifier = stubs  # counts every delivery as an execution: a second run shows
+    retex.operator.restart(RETEX_HISTORY_RETENTION_DAYS="0.00002")  # about 1.7 s
+    apply(retex, "once", [{"name": "notify", "http": {"method": "POST", "url": f"{notifier.url}/effects/notify"}}])
+    wait_for(lambda: phase_is(retex, "once", "Succeeded"), timeout=60, what="Succeeded")
+    uid = task(retex, "once")["metadata"]["uid"]
+    assert notifier.for_task(uid)["notify"]["executions"] == 1
+    retex.operator.restart(RETEX_HISTORY_RETENTION_DAYS="0.00002")  # its first round purges the task
+    wait_for(lambda: retex.ledger.find(retex.namespace, "once") is None, timeout=30, what="purged")
+    retex.operator.restart(RETEX_HISTORY_RETENTION_DAYS="0.00002")  # resume handler sees the Task again
+    wait_for(lambda: operator_log_has(retex, "not admitted again") or retex.ledger.find(retex.namespace, "once"),
+             timeout=60, what="the resume verdict")
+    again = retex.ledger.find(retex.namespace, "once")
+    assert again is None, f"admitted again: {again.phase} at epoch {again.epoch}"
+    assert notifier.for_task(uid)["notify"]["executions"] == 1
+
+
+def _missing_secret(retex):
+    retex.kubectl("delete", "secret", WORKER_DB_SECRET)
+    return {}
+
+
+def _unpullable_image(retex):
+    return {"worker": {"image": "registry.invalid/retex-worker:none"}}
+
+
+def _unschedulable(retex):
+    return {"worker": {"nodeSelector": {"retex.dev/no-such-node": "true"}}}
+
+
+def _pod_quota(retex):
+    quota = {"apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": "no-pods"},
+             "spec": {"hard": {"pods": "0"}}}
+    retex.kubectl("apply", "-f", "-", input=json.dumps(quota))
+    # Enforced once the quota controller has computed its usage.
+    wait_for(lambda: json.loads(retex.kubectl("get", "resourcequota", "no-pods", "-o", "json").stdout)
+             .get("status", {}).get("hard"), timeout=30, what="quota in force")
+    return {}
+
+
+@pytest.mark.parametrize("cause, make, expected", [
+    ("missing DSN Secret", _missing_secret, "CreateContainerConfigError"),
+    ("image pull", _unpullable_image, "ImagePullBackOff"),
+    ("unschedulable", _unschedulable, "Unschedulable"),
+    ("pod quota", _pod_quota, "FailedCreate"),
+])
+def test_a_worker_pod_that_never_starts_fails_its_attempt_with_the_reason_kubernetes_gives(
+        retex, cause, make, expected):
+    retex.operator.restart(RETEX_WORKER_START_DEADLINE_SECONDS=str(START_DEADLINE))
+    spec = make(retex)
+    apply(retex, "stuck", [sh("only", "echo never")], retry={"maxAttempts": 1}, **spec)
+    wait_for(lambda: phase_is(retex, "stuck", "Failed"), timeout=START_DEADLINE + 60, what=f"Failed ({cause})")
+    shown = status(retex, "stuck")
+    assert expected in shown["lastError"], shown["lastError"]
+    assert {c["type"]: c["reason"] for c in shown["conditions"]}["Failed"] == "RetriesExhausted"
+    described = retex.kubectl("describe", "task", "stuck").stdout
+    assert expected in described
+    record = retex.ledger.find(retex.namespace, "stuck")
+    assert [a.outcome for a in retex.ledger.attempts(record.uid)] == ["failed"]
+    assert not retex.ledger.running()  # its run slot is free
+
+
+@pytest.mark.parametrize("how", ["cancel", "delete"])
+def test_cancel_or_delete_of_a_task_whose_worker_never_started_ends_it_at_once(retex, how):
+    apply(retex, "no-worker", [sh("only", "echo never")], **_unpullable_image(retex))
+    wait_for(lambda: "ImagePullBackOff" in retex.kubectl("get", "pods", "-o", "json").stdout, timeout=60,
+             what="the pod stuck pulling")
+    uid = task(retex, "no-worker")["metadata"]["uid"]
+    if how == "cancel":
+        retex.kubectl("patch", "task", "no-worker", "--type=merge", "-p", '{"spec":{"cancel":true}}')
+    else:
+        retex.kubectl("delete", "task", "no-worker", "--wait=false")
+    # Long before the start deadline (the default, 120 s): nothing waits for a worker.
+    wait_for(lambda: retex.ledger.get(uid).terminal, timeout=30, what="ended")
+    record = retex.ledger.get(uid)
+    assert (record.phase, record.reason) == ("Cancelled", "Cancelled" if how == "cancel" else "TaskDeleted")
+    if how == "delete":
+        wait_for(lambda: task(retex, "no-worker") is None, timeout=30, what="Task gone")
+
+
+def test_deleting_a_namespace_with_running_tasks_finishes_without_anyone_touching_finalizers(retex):
+    # Cluster-wide, as the Deployment runs: restricted to named namespaces, kopf 1.45.2 stops
+    # watching a namespace once it is marked for deletion with no blocking condition yet (a race
+    # with the namespace controller, seen on the rig) and never sees its Tasks' deletion.
+    retex.operator.restart(RETEX_NAMESPACES="")
+    names = ["long-0", "long-1"]
+    for name in names:
+        apply(retex, name, [sh("first", "sleep 60; echo one"), sh("second", "echo two")],
+              lease={"durationSeconds": 5})
+    for name in names:
+        wait_for(lambda n=name: (status(retex, n).get("lease") or {}).get("holder"), timeout=60,
+                 what=f"{name} held by its worker")
+    uids = [task(retex, name)["metadata"]["uid"] for name in names]
+    retex.rig.kubectl("delete", "namespace", retex.namespace, "--wait=false")
+    wait_for(lambda: retex.rig.kubectl("get", "namespace", retex.namespace, check=False).returncode != 0,
+             timeout=150, what="namespace gone")
+    for uid in uids:
+        record = retex.ledger.get(uid)
+        assert record.phase == "Cancelled", (record.phase, record.reason)
+        assert record.reason == "TaskDeleted"
+
+
+def test_a_timed_out_task_keeps_its_concurrency_key_until_its_old_attempt_is_known_dead(retex):
+    # Under /tmp, not pytest's root-only tree: pods may run as another user.
+    marker = uuid.uuid4().hex
+    alive, started = Path(f"/tmp/retex-slow-alive-{marker}"), Path(f"/tmp/retex-next-started-{marker}")
+    # The slow step beats until it is killed (the Job's deadline, 10 s after the Timeout); 15 s
+    # leaves a slow rig the time to start its pod before the Timeout.
+    apply(retex, "slow", [sh("only", f"while true; do date +%s.%N > {alive}; sleep 0.2; done", idempotent=True)],
+          timeoutSeconds=15, concurrencyKey="k", lease={"durationSeconds": 5})
+    wait_for(lambda: alive.exists(), timeout=60, what="slow step running")
+    apply(retex, "next", [sh("only", f"date +%s.%N > {started}")], concurrencyKey="k")
+    wait_for(lambda: phase_is(retex, "next", "Succeeded"), timeout=120, what="next Succeeded")
+    assert retex.ledger.find(retex.namespace, "slow").reason == "Timeout"
+    last_beat, next_start = float(alive.read_text()), float(started.read_text())
+    assert next_start > last_beat, f"next started {last_beat - next_start:.1f}s before the old step stopped"
+
+
+def test_an_operator_paused_longer_than_a_lease_condemns_no_live_worker(retex):
+    apply(retex, "patient", [sh("only", "sleep 20; echo done", idempotent=True)], lease={"durationSeconds": 5})
+    wait_for(lambda: (status(retex, "patient").get("lease") or {}).get("holder"), timeout=60, what="held")
+    os.killpg(retex.operator.proc.pid, signal.SIGSTOP)  # the fault: the operator freezes for 3 durations
+    try:
+        time.sleep(15)
+    finally:
+        os.killpg(retex.operator.proc.pid, signal.SIGCONT)
+    # On waking, every observation looks 15 s old; the worker renewed all along.
+    wait_for(lambda: phase_is(retex, "patient", "Succeeded"), timeout=60, what="Succeeded")
+    record = retex.ledger.find(retex.namespace, "patient")
+    assert [(a.epoch, a.cause) for a in retex.ledger.attempts(record.uid)] == [(1, "first")]

@@ -1,0 +1,127 @@
+"""The lease observer's bookkeeping on the operator's clock, and the reaper's pure verdicts: blind
+spots are forgiven but never reset a timer, a GET confirms what a stale watch showed, and a pod
+that cannot start is described by the reasons Kubernetes gives."""
+
+from kubernetes import client
+
+from retex.kube.leasewatch import LeaseObserver
+from retex.operator.reaper import Hold, hold_of, why_not_started
+
+
+R1, R2, R9 = "2026-12-02T16:00:01.000000Z", "2026-12-02T16:00:02.000000Z", "2026-12-02T16:00:09.000000Z"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def lease(renew: str, holder: str | None = "worker-pod:1", duration: int = 15) -> dict:
+    return {"metadata": {"name": "t-abc", "namespace": "ns", "labels": {"retex.dev/task-uid": "uid-1"}},
+            "spec": {"holderIdentity": holder, "renewTime": renew, "leaseDurationSeconds": duration}}
+
+
+def observer(clock):
+    return LeaseObserver(client.ApiClient(), clock=clock)
+
+
+def test_a_watch_that_keeps_failing_still_expires_a_dead_worker_after_its_duration_plus_the_blind_time():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])  # the worker renews for the last time, then dies
+    for _ in range(4):  # the watch fails every 5 s and is blind for 1 s each time
+        clock.now += 4
+        leases.went_blind()
+        clock.now += 1
+        leases.relisted([lease(R1)])
+    # 20 s after the last renewal, 4 of them blind: 16 s seen > 15 s duration.
+    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
+
+
+def test_a_long_blind_spot_gives_a_live_worker_its_grace_back():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])
+    clock.now += 10
+    leases.went_blind()  # the API server restarts: nobody can renew for 30 s
+    clock.now += 30
+    leases.relisted([lease(R1)])
+    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.HELD
+    clock.now += 6  # 10 s seen before the outage + 6 s after: past the duration
+    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
+
+
+def test_a_get_that_shows_a_renewal_the_stalled_watch_missed_keeps_the_worker_alive():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])
+    clock.now += 40  # the watch stalled (or the operator was paused): nothing seen for 40 s
+    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
+    assert hold_of(leases.confirm("uid-1", lease(R9)), 1, clock.now) is Hold.HELD
+
+
+def test_the_same_renewal_read_by_get_is_not_mistaken_for_a_new_one():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease("2026-12-02T16:33:00.123456Z")])  # as a watch event spells it
+    clock.now += 16
+    # As the client's serializer spells the same instant after a GET:
+    confirmed = leases.confirm("uid-1", lease("2026-12-02T16:33:00.123456+00:00"))
+    assert hold_of(confirmed, 1, clock.now) is Hold.EXPIRED
+
+
+def test_a_get_that_shows_no_renewal_confirms_the_expiry():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])
+    clock.now += 16
+    assert hold_of(leases.confirm("uid-1", lease(R1)), 1, clock.now) is Hold.EXPIRED
+    assert leases.confirm("uid-1", None) is None  # the Lease is gone
+
+
+def test_a_lease_deleted_while_the_watch_was_blind_is_forgotten_at_the_relist():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])
+    leases.went_blind()
+    leases.relisted([])
+    assert leases.get("uid-1") is None
+
+
+def test_released_and_other_epochs_are_told_apart():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])
+    leases.confirm("uid-1", lease(R2, holder=None))
+    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.RELEASED
+    assert hold_of(leases.get("uid-1"), 2, clock.now) is Hold.NEVER
+    assert hold_of(None, 1, clock.now) is Hold.NEVER
+
+
+def pod(*, waiting=None, scheduled=None):
+    status = {"phase": "Pending", "conditions": []}
+    if waiting:
+        status["containerStatuses"] = [{"name": "worker", "state": {"waiting": {"reason": waiting[0], "message": waiting[1]}}}]
+    if scheduled:
+        status["conditions"].append({"type": "PodScheduled", "status": "False", "reason": scheduled[0],
+                                     "message": scheduled[1]})
+    return {"metadata": {"name": "t-abc-1-xyz"}, "status": status}
+
+
+def test_the_reason_a_pod_does_not_start_is_what_kubernetes_reports():
+    secret = pod(waiting=("CreateContainerConfigError", 'secret "retex-worker-db" not found'))
+    assert why_not_started([secret], []) == 'CreateContainerConfigError: secret "retex-worker-db" not found'
+    image = pod(waiting=("ImagePullBackOff", 'Back-off pulling image "registry.invalid/w"'))
+    assert why_not_started([image], []).startswith("ImagePullBackOff")
+    unschedulable = pod(scheduled=("Unschedulable", "0/2 nodes are available: node(s) didn't match selector"))
+    assert why_not_started([unschedulable], []).startswith("Unschedulable: 0/2 nodes")
+    starting = pod(waiting=("ContainerCreating", ""))
+    assert why_not_started([starting], []) == "pod t-abc-1-xyz is Pending"
+    quota = [{"reason": "FailedCreate", "message": 'pods "x" is forbidden: exceeded quota: no-pods',
+              "lastTimestamp": "2026-12-02T10:00:00Z"},
+             {"reason": "SuccessfulCreate", "message": "Created pod", "lastTimestamp": "2026-12-02T09:00:00Z"}]
+    assert why_not_started([], quota) == 'FailedCreate: pods "x" is forbidden: exceeded quota: no-pods'
+    assert why_not_started([], []) == "no pod of the Job started"
