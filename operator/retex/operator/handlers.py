@@ -114,7 +114,7 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
           memo: kopf.Memo, **_: Any) -> None:
     """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1)."""
     runtime: Runtime = memo.runtime
-    failpoint("before-admit")  # crash-matrix R1: the Task exists, the ledger row does not
+    failpoint("before-admit", task=name, uid=uid)  # crash-matrix R1: the Task exists, the ledger row does not
     try:
         submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
         admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec),
@@ -123,7 +123,7 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
         runtime.mirror.refuse(dict(body), str(refused))
         return
     result = runtime.ledger.admit(admission)
-    failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
+    failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
     if result.duplicate_of:
         event(log, logging.INFO, "duplicate by idempotencyKey: not run", uid=uid, namespace=namespace, name=name,
               duplicate_of=result.duplicate_of)
