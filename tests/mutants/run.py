@@ -99,6 +99,7 @@ def remove_copy(tree: Path) -> None:
 def run_mutant(mutant: Mutant) -> Result:
     started = time.monotonic()
     tree = Path(tempfile.mkdtemp(prefix=f"retex-mutant-{mutant.name}-")) / "repo"
+    tree.parent.chmod(0o755)  # worker pods and Postgres run as `nobody` and read the copy
     try:
         make_copy(tree)
         check = applies(tree, patch_of(mutant))
