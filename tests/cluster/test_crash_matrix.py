@@ -143,8 +143,9 @@ def begun_by_epoch(system, uid) -> dict[int, list[int]]:
 
 
 def fired(spec: str, submitted: Submitted) -> str:
-    """The start of the line retex.failpoints prints just before the signal."""
-    return f"retex failpoint {spec} fired: task={submitted.name} uid={submitted.uid} "
+    """The start of the line retex.failpoints prints just before the signal (it names the spec
+    without its action)."""
+    return f"retex failpoint {spec.partition('=')[0]} fired: task={submitted.name} uid={submitted.uid} "
 
 
 def operator_died_at(system, spec: str, submitted: Submitted) -> None:
@@ -221,7 +222,8 @@ def test_R1_R2_R3_operator_killed_around_admission_and_dispatch_converges_to_one
     assert outcome(retex, crash.uid) == expected
     assert_exactly_once(effects_of(payments, notifier, crash.uid))
     assert [a.epoch for a in retex.ledger.attempts(crash.uid)] == [1], "one attempt: the crash cost nothing"
-    assert outbox(retex, crash.uid) == [(1, "sent")]
+    # R3: the relay sends it again (AlreadyExists), or finds the task already moved on (stale).
+    assert outbox(retex, crash.uid) in ([(1, "sent")], [(1, "stale")] if row == "R3" else [(1, "sent")])
     jobs = job_names(retex, crash.uid)
     assert len(jobs) == 1 and jobs == (jobs_at_death or jobs), f"one Job, a repeated dispatch met AlreadyExists: {jobs}"
 
