@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
-        lint-docker images-lock dev down e2e-kind chaos
+        lint-docker images-lock dev down e2e-kind chaos mutants
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -81,7 +81,14 @@ e2e-kind: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-# The long chaos run (CI runs a bounded one inside `make test`). Replay with RETEX_CHAOS_SEED=N.
+# The long chaos run (`make test` runs a bounded one). Replay with RETEX_CHAOS_SEED=N. The test
+# sets its own timeout from RETEX_CHAOS_SECONDS, past pytest's per-test 300 s.
 chaos: $(STAMP) rig-binaries
 	RETEX_CHAOS_TASKS=$${RETEX_CHAOS_TASKS:-30} RETEX_CHAOS_SECONDS=$${RETEX_CHAOS_SECONDS:-300} \
 	  $(PY) -m pytest tests/cluster/test_chaos.py -s $(PYTEST_ARGS)
+
+# Does the suite have teeth? Switches off one mechanism at a time (tests/mutants/*.patch, applied
+# in a throwaway copy of HEAD), runs the tests that depend on it, and writes the table into
+# docs/testing.md. Slow (cluster tests, one pytest per mutant). MUTANTS="fence reaper" runs some.
+mutants: $(STAMP) rig-binaries
+	@$(PY) -m tests.mutants.run $(MUTANTS)

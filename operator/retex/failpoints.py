@@ -1,21 +1,93 @@
-"""Named crash points for the crash-point matrix: the process SIGKILLs itself exactly there.
+"""Named crash points for the crash-point matrix: the process SIGKILLs (or SIGSTOPs) itself there.
 
-`RETEX_FAILPOINT` names one point, optionally with a step: `after-effect` or `after-effect:charge`.
-Read once at import, so an unset variable costs one comparison per point passed.
+`RETEX_FAILPOINT` arms one point: `point[:step][@task][=action]`
+
+    after-effect                 the first time any step passes after-effect
+    after-effect:charge          only in step `charge`
+    after-admit@crash            only while handling the task named (or with the uid) `crash`
+    after-effect:notify=stop     SIGSTOP instead of SIGKILL: a zombie, alive but frozen, until
+                                 someone sends SIGCONT (crash-matrix R11)
+
+The task scope matters where one process serves many tasks (the operator): without it, any task
+passing the point trips it — including one resumed by kopf after a restart. A call site that
+names no task never fires a scoped point. Just before the signal, one line on stderr names the
+point, the step and the task, so a test can prove the fault fired where it meant it to:
+
+    retex failpoint after-admit@crash fired: task=crash uid=1b2c... step=-: SIGKILL
+
+Read once at import; a malformed or unknown spec is an error at once (a typo would otherwise
+arm nothing and the test would wait for a death that never comes). Unset costs one comparison.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
+from dataclasses import dataclass
 
-_ARMED = os.environ.get("RETEX_FAILPOINT", "")
-_POINT, _, _STEP = _ARMED.partition(":")
+POINTS = frozenset({
+    # operator
+    "before-admit", "after-admit", "after-job-create", "in-status-mirror",
+    # worker
+    "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",
+    # ledger, inside the commit transaction (the worker's)
+    "in-commit",
+})
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+_SPEC = re.compile(r"(?P<point>[a-z-]+)(?::(?P<step>[a-z0-9-]+))?(?:@(?P<task>[A-Za-z0-9.-]+))?(?:=(?P<action>[a-z]+))?")
 
 
-def failpoint(point: str, step: str | None = None) -> None:
-    if not _ARMED or point != _POINT or (_STEP and step != _STEP):
+class FailpointSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Armed:
+    point: str
+    step: str | None = None
+    task: str | None = None  # a task's name or uid
+    action: str = "kill"
+
+    @property
+    def label(self) -> str:
+        """The spec without its action: what the fired line starts with."""
+        return self.point + (f":{self.step}" if self.step else "") + (f"@{self.task}" if self.task else "")
+
+    def matches(self, point: str, step: str | None, task: str | None, uid: str | None) -> bool:
+        if point != self.point or (self.step and step != self.step):
+            return False
+        return self.task is None or self.task in (task, uid)
+
+
+def parse(spec: str) -> Armed | None:
+    """`point[:step][@task][=action]` → Armed; '' → None; anything else → FailpointSpecError."""
+    if not spec:
+        return None
+    match = _SPEC.fullmatch(spec)
+    if match is None:
+        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: expected point[:step][@task][=action]")
+    if match["point"] not in POINTS:
+        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: unknown point {match['point']!r}; "
+                                 f"known: {', '.join(sorted(POINTS))}")
+    action = match["action"] or "kill"
+    if action not in ACTIONS:
+        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: unknown action {action!r}; known: kill, stop")
+    return Armed(point=match["point"], step=match["step"], task=match["task"], action=action)
+
+
+def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | None) -> str:
+    return (f"retex failpoint {armed.label} fired: task={task or '-'} uid={uid or '-'} step={step or '-'}: "
+            f"{ACTIONS[armed.action].name}")
+
+
+_ARMED = parse(os.environ.get("RETEX_FAILPOINT", ""))
+
+
+def failpoint(point: str, step: str | None = None, *, task: str | None = None, uid: str | None = None) -> None:
+    """Die (or freeze) here if this point is armed for this step and task."""
+    if _ARMED is None or not _ARMED.matches(point, step, task, uid):
         return
-    print(f"retex failpoint {_ARMED}: SIGKILL", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+    print(fired_line(_ARMED, step=step, task=task, uid=uid), file=sys.stderr, flush=True)
+    os.kill(os.getpid(), ACTIONS[_ARMED.action])

@@ -35,6 +35,7 @@ class RetexOnCluster:
     operator: OperatorProcess
     ledger: Ledger
     namespace: str
+    dsn: str  # the ledger database, for what the Ledger API does not show (the outbox)
 
     def kubectl(self, *args, **kwargs):
         return self.rig.kubectl("-n", self.namespace, *args, **kwargs)
@@ -55,7 +56,7 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
                                extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
     operator.start()
     with Ledger(dsn) as ledger:
-        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace)
+        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
         try:
             yield system
         finally:

@@ -1,25 +1,47 @@
 """The crash-point matrix (../shared/crash-matrix.md, docs/crash-matrix.md): every row on the rig
 with the real operator, real worker pods, real Postgres and a counting stub of the outside world.
 
-Each row runs a control task (no crash) to its end, then the same task with the crash injected at
-exactly one point, and asserts: (1) the same terminal phase and step results as the control,
-(2) exactly one real execution per idempotency key at the stub, (3) terminal within the bound,
-(4) the row's own behaviour.
+Each row first proves its fault fired where the row says — the process died by SIGKILL and printed
+its failpoint's line, and the ledger/outbox/Jobs at death are the row's state — and then the row's
+outcome: the same terminal phase and step results as a control run of the same steps, one real
+execution per effect (at a counter that does not deduplicate where the row is about duplicates),
+terminal within the bound measured from submission, and the row's own behaviour.
+`make mutants` switches off each mechanism in turn and checks that a row here fails.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import signal
+import tempfile
 import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
 
+import psycopg
 import pytest
 import yaml
 
 from e2e.system import task_manifest, wait_for
+from retex.kube.objects import job_name
 from tests.cluster.test_operator import status, task
 
+pytestmark = pytest.mark.slow
+
 TERMINAL = ("Succeeded", "Failed", "Cancelled", "NeedsAttention")
-BOUND_SECONDS = 90  # every task reaches a terminal phase (or NeedsAttention) within this
+LEASE_SECONDS = 5
+LEASE = {"durationSeconds": LEASE_SECONDS}
+# Every step's timeoutSeconds: an attempt that finds a step begun by an earlier one may wait out
+# that step's timeout before resolving it, so rows stay short only with a short one.
+STEP_TIMEOUT = 5
+
+
+def bound(lease_seconds: int = LEASE_SECONDS) -> float:
+    """Submission → terminal: a control run takes ~10 s here; a crash costs at most a lease
+    duration and a step timeout more, once for the fault and once more for a slow 2-core machine."""
+    return 60 + 2 * (lease_seconds + STEP_TIMEOUT)
 
 
 def order_steps(payments, notifier, **overrides) -> list[dict]:
@@ -32,22 +54,64 @@ def order_steps(payments, notifier, **overrides) -> list[dict]:
         {"name": "email", "exec": {"command": ["sh", "-c", "sleep 1; echo sent"]}, "idempotent": True},
     ]
     for step in steps:
+        step["timeoutSeconds"] = STEP_TIMEOUT
         step.update(overrides.get(step["name"], {}))
     return steps
 
 
-def submit(system, name, steps, failpoint=None, **spec):
+def exec_step(name: str, seconds: float) -> dict:
+    return {"name": name, "exec": {"command": ["sh", "-c", f"sleep {seconds}"]}, "idempotent": True,
+            "timeoutSeconds": max(STEP_TIMEOUT, int(seconds) + 5)}
+
+
+def gate_step(gate: Path) -> dict:
+    """Holds the task Running until the test creates `gate` (pods share the rig host's /tmp)."""
+    return {"name": "gate", "exec": {"command": ["sh", "-c", f"until [ -e {gate} ]; do sleep 0.2; done"]},
+            "idempotent": True, "timeoutSeconds": 120}
+
+
+@pytest.fixture
+def gates():
+    """Gate files under /tmp (readable by the worker pods, which run as `nobody`), removed after."""
+    made: list[Path] = []
+
+    def gate(opened: bool) -> Path:
+        path = Path(tempfile.gettempdir()) / f"retex-gate-{uuid.uuid4().hex}"
+        made.append(path)
+        if opened:
+            path.touch()
+        return path
+
+    yield gate
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Submitted:
+    name: str
+    uid: str
+    at: float  # time.monotonic() just before the create: the bounds run from here
+
+
+def submit(system, name, steps, failpoint=None, **spec) -> Submitted:
     manifest = yaml.safe_load(task_manifest(name, steps, **spec))
     if failpoint:
         manifest["metadata"]["annotations"] = {"retex.dev/failpoint": failpoint}
+    at = time.monotonic()
     system.kubectl("create", "-f", "-", input=json.dumps(manifest))
-    return wait_for(lambda: (task(system, name) or {}).get("metadata", {}).get("uid"), timeout=10, what="uid")
+    uid = wait_for(lambda: (task(system, name) or {}).get("metadata", {}).get("uid"), timeout=10, what="uid")
+    return Submitted(name, uid, at)
 
 
-def settle(system, name, phases=TERMINAL, bound=BOUND_SECONDS) -> dict:
-    """Wait until the task's status shows one of `phases`, within the bound; return the status."""
-    return wait_for(lambda: status(system, name) if status(system, name).get("phase") in phases else None,
-                    timeout=bound, what=f"{name} in {phases}")
+def settle(system, submitted: Submitted, phases=TERMINAL, lease_seconds: int = LEASE_SECONDS) -> dict:
+    """Wait until the task's status shows one of `phases` within the bound from its submission."""
+    def shown():
+        s = status(system, submitted.name)
+        return s if s.get("phase") in phases else None
+
+    return wait_for(shown, timeout=max(submitted.at + bound(lease_seconds) - time.monotonic(), 0.1),
+                    what=f"{submitted.name} in {phases} within {bound(lease_seconds)}s of submission")
 
 
 def outcome(system, uid) -> tuple[str, list]:
@@ -62,10 +126,10 @@ def outcome(system, uid) -> tuple[str, list]:
     return str(record.phase), [(s.name, str(s.state), normal(s.result)) for s in record.steps]
 
 
-def control(system, payments, notifier, **spec) -> tuple[str, list]:
-    uid = submit(system, "control", order_steps(payments, notifier), **spec)
-    settle(system, "control")
-    return outcome(system, uid)
+def control(system, steps, **spec) -> tuple[str, list]:
+    submitted = submit(system, "control", steps, **spec)
+    settle(system, submitted)
+    return outcome(system, submitted.uid)
 
 
 def assert_exactly_once(stub_counts: dict, effects=("charge", "ship", "notify")):
@@ -81,98 +145,292 @@ def job_names(system, uid) -> list[str]:
     return sorted(j["metadata"]["name"] for j in json.loads(out)["items"])
 
 
+def outbox(system, uid) -> list[tuple[int, str | None]]:
+    """(epoch, outcome) of the task's outbox records; outcome None = not sent yet."""
+    with psycopg.connect(system.dsn) as conn:
+        rows = conn.execute("SELECT epoch, outcome FROM retex.outbox WHERE task_uid = %s ORDER BY id", (uid,))
+        return [tuple(r) for r in rows.fetchall()]
+
+
+def ledger_phase(system, name) -> str | None:
+    """The task's phase in the ledger; None until it is admitted."""
+    record = system.ledger.find(system.namespace, name)
+    return record and str(record.phase)
+
+
+def commits_by_epoch(system, uid) -> dict[int, list[int]]:
+    by_epoch: dict[int, list[int]] = {}
+    for h in system.ledger.history(uid):
+        if h.event == "step-commit":
+            by_epoch.setdefault(h.epoch, []).append(h.step_idx)
+    return by_epoch
+
+
+def begun_by_epoch(system, uid) -> dict[int, list[int]]:
+    by_epoch: dict[int, list[int]] = {}
+    for h in system.ledger.history(uid):
+        if h.event == "step-begin":
+            by_epoch.setdefault(h.epoch, []).append(h.step_idx)
+    return by_epoch
+
+
+def fired(spec: str, submitted: Submitted) -> str:
+    """The start of the line retex.failpoints prints just before the signal (it names the spec
+    without its action)."""
+    return f"retex failpoint {spec.partition('=')[0]} fired: task={submitted.name} uid={submitted.uid} "
+
+
+def operator_died_at(system, spec: str, submitted: Submitted) -> None:
+    """The operator died by SIGKILL, at this failpoint, for this task."""
+    wait_for(lambda: system.operator.exited() is not None, timeout=30, what=f"operator to die at {spec}")
+    code = system.operator.exited()
+    assert code == -signal.SIGKILL, f"operator exit {code}, not SIGKILL"
+    lines = [line for line in system.operator.log_path.read_text(errors="replace").splitlines()
+             if line.startswith("retex failpoint ")]
+    assert len(lines) == 1 and lines[0].startswith(fired(spec, submitted)) and lines[0].endswith(": SIGKILL"), lines
+
+
+# -- worker pods, read from the node agents' records: a replaced attempt's Job (and pod) is deleted --
+
+
+@dataclass(frozen=True)
+class PodEnd:
+    pod: str
+    exit_code: int | None  # None while it runs
+    log: str
+
+
+def attempt_pods(system, submitted: Submitted, epoch: int) -> list[PodEnd]:
+    prefix = f"{system.namespace}_{job_name(submitted.name, submitted.uid, epoch)}-"
+    ends = []
+    for node in system.rig.nodes:
+        agent_log = (system.rig.state_dir / "logs" / f"agent-{node}.log").read_text(errors="replace")
+        for pod_dir in sorted((system.rig.node_dir(node) / "pods").glob(f"{prefix}*")):
+            pod = pod_dir.name.split("_")[1]
+            codes = re.findall(rf"pod {re.escape(system.namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
+                               agent_log)
+            log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
+            ends.append(PodEnd(pod, int(codes[-1]) if codes else None, log))
+    return ends
+
+
+def worker_died_at(system, spec: str, submitted: Submitted) -> PodEnd:
+    """Attempt 1's worker died by SIGKILL (exit 137), at this failpoint, for this task."""
+    def ended():
+        return next((p for p in attempt_pods(system, submitted, 1) if p.exit_code is not None), None)
+
+    end = wait_for(ended, timeout=60, what=f"attempt 1's worker to die at {spec}")
+    assert end.exit_code == 128 + signal.SIGKILL, f"{end.pod} exited {end.exit_code}, not SIGKILL:\n{end.log[-2000:]}"
+    lines = [line for line in end.log.splitlines() if line.startswith("retex failpoint ")]
+    assert len(lines) == 1 and lines[0].startswith(fired(spec, submitted)) and lines[0].endswith(": SIGKILL"), \
+        end.log[-2000:]
+    return end
+
+
 # -- operator side ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("row", "point"), [("R1", "before-admit"), ("R2", "after-admit"),
                                             ("R3", "after-job-create")])
 def test_R1_R2_R3_operator_killed_around_admission_and_dispatch_converges_to_one_task_and_one_job(
-        retex, stubs, row, point):
+        retex, stubs, gates, row, point):
     payments, notifier = stubs
-    expected = control(retex, payments, notifier)
-    retex.operator.restart(RETEX_FAILPOINT=point)
-    uid = submit(retex, "crash", order_steps(payments, notifier))
-    wait_for(lambda: retex.operator.exited() is not None, timeout=30, what=f"operator to die at {point}")
+    expected = control(retex, [gate_step(gates(opened=True)), *order_steps(payments, notifier)])
+    spec = f"{point}@crash"  # scoped: kopf resumes the finished control task on restart, and it must pass
+    retex.operator.restart(RETEX_FAILPOINT=spec)
+    # The gate keeps the crash task Running until the restarted relay has dealt with its record,
+    # so R3's record is sent again (not found stale) and meets the Job that already exists.
+    gate = gates(opened=False)
+    crash = submit(retex, "crash", [gate_step(gate), *order_steps(payments, notifier)])
+    operator_died_at(retex, spec, crash)
+    in_ledger = retex.ledger.find(retex.namespace, "crash") is not None
+    jobs_at_death = job_names(retex, crash.uid)
+    at_death = {"ledger row": in_ledger, "outbox": outbox(retex, crash.uid), "jobs": len(jobs_at_death)}
+    assert at_death == {
+        "R1": {"ledger row": False, "outbox": [], "jobs": 0},
+        "R2": {"ledger row": True, "outbox": [(1, None)], "jobs": 0},
+        "R3": {"ledger row": True, "outbox": [(1, None)], "jobs": 1},
+    }[row]
     retex.operator.start()
-    settle(retex, "crash")
-    assert outcome(retex, uid) == expected
-    assert_exactly_once(effects_of(payments, notifier, uid))
-    assert len([t for t in retex.ledger.versions() if t == uid]) == 1
-    assert [a.epoch for a in retex.ledger.attempts(uid)] == [1], "one attempt: the crash cost nothing"
-    assert len(job_names(retex, uid)) == 1, "one Job: a repeated dispatch met AlreadyExists"
+    wait_for(lambda: outbox(retex, crash.uid) == [(1, "sent")], timeout=60, what="the record sent after the restart")
+    gate.touch()
+    settle(retex, crash)
+    assert outcome(retex, crash.uid) == expected
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
+    assert [a.epoch for a in retex.ledger.attempts(crash.uid)] == [1], "one attempt: the crash cost nothing"
+    jobs = job_names(retex, crash.uid)
+    assert len(jobs) == 1 and jobs == (jobs_at_death or jobs), f"one Job, a repeated dispatch met AlreadyExists: {jobs}"
 
 
 def test_R4_operator_killed_while_mirroring_status_recomputes_it_and_it_never_goes_backwards(retex, stubs):
     payments, notifier = stubs
-    expected = control(retex, payments, notifier)
-    retex.operator.restart(RETEX_FAILPOINT="in-status-mirror")
-    uid = submit(retex, "crash", order_steps(payments, notifier))
-    wait_for(lambda: retex.operator.exited() is not None, timeout=30, what="operator to die mirroring")
-    shown_versions = []
+    steps = order_steps(payments, notifier)
+    steps.insert(2, exec_step("pack", 8))  # long enough for the restarts to land mid-run
+    expected = control(retex, steps)
+    crash = submit(retex, "crash", steps)
+    shown: list[tuple[str, int]] = []  # (operator life, ledgerVersion) sampled from submission to the end
+    life = "first"
+
+    def sample() -> dict:
+        s = status(retex, "crash")
+        if "ledgerVersion" in s:
+            shown.append((life, s["ledgerVersion"]))
+        return s
+
+    # The first operator mirrors the run for a while; then one armed for this task dies at its
+    # next mirror of it, mid-run; a third recomputes the status from the ledger.
+    wait_for(lambda: [st.get("state") for st in sample().get("steps") or []][:1] == ["done"], timeout=60,
+             what="charge shown done")
+    life = "armed"
+    retex.operator.restart(RETEX_FAILPOINT="in-status-mirror@crash")
+    wait_for(lambda: sample() is not None and retex.operator.exited() is not None, timeout=30,
+             what="operator to die mirroring")
+    operator_died_at(retex, "in-status-mirror@crash", crash)
+    # It died mid-run with a newer status in hand: what is shown lags the ledger (the worker,
+    # meanwhile, goes on without the operator).
+    at_death = sample()
+    assert at_death["phase"] == "Running" and at_death["ledgerVersion"] < retex.ledger.get(crash.uid).version
+    life = "after"
     retex.operator.start()
-    deadline = time.monotonic() + BOUND_SECONDS
+    wait_for(lambda: sample().get("phase") == "Succeeded" and shown[-1][1] == retex.ledger.get(crash.uid).version,
+             timeout=crash.at + bound() - time.monotonic(), what="the final status shown")
+    versions = [v for _, v in shown]
+    assert versions == sorted(versions), f"status went backwards: {shown}"
+    assert {life for life, _ in shown} >= {"first", "after"}, f"sampled before the kill and after: {shown}"
+    assert outcome(retex, crash.uid) == expected
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
+
+
+def test_R4_a_status_written_by_a_newer_mirror_is_never_overwritten_by_an_older_version(retex, stubs):
+    """The mirror writes only a newer ledgerVersion and the CRD refuses a lower one: an older
+    writer (a second operator, a delayed patch) can never roll the shown status back."""
+    payments, notifier = stubs
+    steps = order_steps(payments, notifier)
+    steps.insert(0, exec_step("pack", 4))
+    crash = submit(retex, "crash", steps)
+    wait_for(lambda: [st.get("state") for st in status(retex, "crash").get("steps") or []][:1] == ["started"],
+             timeout=60, what="pack shown started")
+    ahead = retex.ledger.get(crash.uid).version + 1000  # as if a newer mirror had written it
+    retex.kubectl("patch", "task", "crash", "--subresource=status", "--type=merge",
+                  "-p", json.dumps({"status": {"ledgerVersion": ahead}}))
+    wait_for(lambda: retex.ledger.get(crash.uid).phase == "Succeeded", timeout=crash.at + bound() - time.monotonic(),
+             what="the ledger to finish the task")
+    # Each ledger change is mirrored within a second or two, and every resync (5 s) marks lagging
+    # tasks again: over two resyncs an older write would have landed.
+    deadline = time.monotonic() + 2 * 5 + 2
     while time.monotonic() < deadline:
-        shown = status(retex, "crash")
-        if "ledgerVersion" in shown:
-            shown_versions.append(shown["ledgerVersion"])
-        if shown.get("phase") == "Succeeded" and shown.get("ledgerVersion") == retex.ledger.get(uid).version:
-            break
-        time.sleep(0.2)
-    assert shown_versions == sorted(shown_versions), "status went backwards"
-    assert status(retex, "crash")["ledgerVersion"] == retex.ledger.get(uid).version
-    assert outcome(retex, uid) == expected
-    assert_exactly_once(effects_of(payments, notifier, uid))
+        assert status(retex, "crash").get("ledgerVersion") == ahead, "an older status overwrote a newer one"
+        time.sleep(0.5)
+    refused = retex.kubectl("patch", "task", "crash", "--subresource=status", "--type=merge",
+                            "-p", json.dumps({"status": {"ledgerVersion": ahead - 1}}), check=False)
+    assert refused.returncode != 0 and "ledgerVersion never goes backwards" in refused.stderr, refused.stderr
 
 
 # -- worker side ----------------------------------------------------------------------------------
 
-LEASE = {"durationSeconds": 5}
 
-
-@pytest.mark.parametrize(("row", "point", "row_check"), [
-    ("R5", "after-lease", None),
-    ("R6-idempotent", "after-effect:charge", "charge-redelivered"),
-    ("R6-verify", "after-effect:ship", "ship-verified"),
-    ("R7", "after-commit:charge", None),
-    ("R8", "in-commit:charge", None),
-    ("R9", "before-complete", "nothing-rerun"),
-])
-def test_R5_to_R9_worker_killed_at_each_point_resumes_with_one_execution_per_key(
-        retex, stubs, row, point, row_check):
+def test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_the_lease_expires(retex, stubs):
     payments, notifier = stubs
-    expected = control(retex, payments, notifier, lease=LEASE)
-    uid = submit(retex, "crash", order_steps(payments, notifier), failpoint=point, lease=LEASE)
-    settle(retex, "crash")
-    assert outcome(retex, uid) == expected
-    counts = effects_of(payments, notifier, uid)
+    steps = order_steps(payments, notifier)
+    expected = control(retex, steps, lease=LEASE)
+    crash = submit(retex, "crash", steps, failpoint="after-lease", lease=LEASE)
+    worker_died_at(retex, "after-lease", crash)
+    settle(retex, crash)
+    assert begun_by_epoch(retex, crash.uid).get(1) is None, "attempt 1 died before beginning any step"
+    assert outcome(retex, crash.uid) == expected
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
+    attempts = retex.ledger.attempts(crash.uid)
+    assert [(a.epoch, a.outcome) for a in attempts] == [(1, "lost"), (2, "succeeded")]
+    assert attempts[1].cause == "lease-expired", "the reaper saw no renewal for the lease duration"
+    record = retex.ledger.get(crash.uid)
+    assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1), "a disruption, not a failure"
+    assert commits_by_epoch(retex, crash.uid) == {2: [0, 1, 2, 3]}
+
+
+@pytest.mark.parametrize(("row", "point"), [
+    ("R6-idempotent", "after-effect:charge"),
+    ("R6-verify", "after-effect:ship"),
+    ("R8", "in-commit:charge"),
+])
+def test_R6_R8_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step(
+        retex, stubs, row, point):
+    payments, notifier = stubs
+    steps = order_steps(payments, notifier)
+    expected = control(retex, steps, lease=LEASE)
+    crash = submit(retex, "crash", steps, failpoint=point, lease=LEASE)
+    worker_died_at(retex, point, crash)
+    settle(retex, crash)
+    died_in = 1 if row == "R6-verify" else 0
+    # Where attempt 1 died: it began the step and its commit never landed (R8: rolled back with it).
+    assert begun_by_epoch(retex, crash.uid)[1] == list(range(died_in + 1))
+    assert commits_by_epoch(retex, crash.uid).get(1, []) == list(range(died_in))
+    assert outcome(retex, crash.uid) == expected
+    counts = effects_of(payments, notifier, crash.uid)
     assert_exactly_once(counts)
-    record = retex.ledger.get(uid)
-    assert record.epoch == 2 and record.failures == 0, "the kill was a disruption, replaced once"
-    commits = [h.step_idx for h in retex.ledger.history(uid) if h.event == "step-commit"]
-    assert sorted(commits) == [0, 1, 2, 3], f"each step committed once: {commits}"
-    if row_check == "charge-redelivered":
-        assert counts["charge"]["deliveries"] == 2, "re-run with the same key, replayed by the provider"
-    if row_check == "ship-verified":
-        assert counts["ship"]["deliveries"] == 1, "verify found it: the step was not sent again"
+    record = retex.ledger.get(crash.uid)
+    assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1)
+    assert sorted(commits_by_epoch(retex, crash.uid)[2]) == list(range(died_in, 4))
+    if row in ("R6-idempotent", "R8"):
+        # R8 took the R6 branch (not committed): the step ran again with the same key, and the
+        # provider replayed it.
+        assert begun_by_epoch(retex, crash.uid)[2][0] == 0
+        assert counts["charge"] == {"deliveries": 2, "executions": 1}
+    else:
+        assert counts["ship"] == {"deliveries": 1, "executions": 1}, "verify found it: the step was not sent again"
         assert record.steps[1].result.get("verified") is True
-    if row_check == "nothing-rerun":
-        assert all(c["deliveries"] == 1 for c in counts.values()), counts
+
+
+def test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again(retex, stubs):
+    payments, notifier = stubs
+    # The charge goes to the notifier, which executes every delivery: a re-run would count twice.
+    steps = order_steps(payments, notifier, charge={"http": {"method": "POST", "url": f"{notifier.url}/effects/charge"}})
+    expected = control(retex, steps, lease=LEASE)
+    crash = submit(retex, "crash", steps, failpoint="after-commit:charge", lease=LEASE)
+    worker_died_at(retex, "after-commit:charge", crash)
+    settle(retex, crash)
+    assert begun_by_epoch(retex, crash.uid)[1] == [0] and commits_by_epoch(retex, crash.uid)[1] == [0]
+    assert outcome(retex, crash.uid) == expected
+    counts = effects_of(payments, notifier, crash.uid)
+    assert counts["charge"] == {"deliveries": 1, "executions": 1}, counts
+    assert_exactly_once(counts)
+    assert begun_by_epoch(retex, crash.uid)[2] == [1, 2, 3], "attempt 2 resumed after the done prefix"
+    record = retex.ledger.get(crash.uid)
+    assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1)
+
+
+def test_R9_worker_killed_after_the_last_commit_the_next_attempt_executes_nothing(retex, stubs):
+    payments, notifier = stubs
+    steps = order_steps(payments, notifier)
+    expected = control(retex, steps, lease=LEASE)
+    crash = submit(retex, "crash", steps, failpoint="before-complete", lease=LEASE)
+    worker_died_at(retex, "before-complete", crash)
+    settle(retex, crash)
+    assert commits_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3]}, "attempt 1 committed all four, attempt 2 none"
+    assert 2 not in begun_by_epoch(retex, crash.uid)
+    assert outcome(retex, crash.uid) == expected
+    counts = effects_of(payments, notifier, crash.uid)
+    assert all(c == {"deliveries": 1, "executions": 1} for c in counts.values()), counts
+    record = retex.ledger.get(crash.uid)
+    assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1)
+    assert [h.epoch for h in retex.ledger.history(crash.uid) if h.event == "succeed"] == [2]
 
 
 def test_R6_a_step_neither_idempotent_nor_verifiable_stops_for_a_human_and_never_reruns(retex, stubs):
     payments, notifier = stubs
-    expected = control(retex, payments, notifier, lease=LEASE)
-    uid = submit(retex, "crash", order_steps(payments, notifier), failpoint="after-effect:notify", lease=LEASE)
-    shown = settle(retex, "crash", phases=("NeedsAttention",))
+    steps = order_steps(payments, notifier)
+    expected = control(retex, steps, lease=LEASE)
+    crash = submit(retex, "crash", steps, failpoint="after-effect:notify", lease=LEASE)
+    worker_died_at(retex, "after-effect:notify", crash)
+    shown = settle(retex, crash, phases=("NeedsAttention",))
     assert {c["type"]: c["status"] for c in shown["conditions"]}["NeedsAttention"] == "True"
-    assert notifier.for_task(uid)["notify"] == {"deliveries": 1, "executions": 1}, "zero extra executions"
-    key = retex.ledger.get(uid).steps[2].idempotency_key
+    assert notifier.for_task(crash.uid)["notify"] == {"deliveries": 1, "executions": 1}, "zero extra executions"
+    key = retex.ledger.get(crash.uid).steps[2].idempotency_key
     # The human checks the notifier, finds the effect, and marks the step done with what it said.
-    retex.ledger.resolve_step(uid, "notify", mark_done=True, result={"status": 200, "body": notifier.stored("notify", key)},
-                              actor="cli:test")
-    settle(retex, "crash", phases=("Succeeded",))
-    assert outcome(retex, uid) == expected
-    assert_exactly_once(effects_of(payments, notifier, uid))
+    retex.ledger.resolve_step(crash.uid, "notify", mark_done=True,
+                              result={"status": 200, "body": notifier.stored("notify", key)}, actor="cli:test")
+    wait_for(lambda: status(retex, "crash").get("phase") == "Succeeded", timeout=60, what="Succeeded after resolve")
+    assert outcome(retex, crash.uid) == expected
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
 
 
 def duplicate_job(system, uid, epoch, name):
@@ -202,48 +460,62 @@ def pod_exit_code(system, job_name):
 
 def test_R10_two_pods_for_one_attempt_only_the_lease_holder_executes(retex, stubs):
     payments, notifier = stubs
-    steps = order_steps(payments, notifier, charge={"http": {"method": "POST", "url": f"{payments.url}/effects/charge"}})
-    steps.insert(0, {"name": "warmup", "exec": {"command": ["sh", "-c", "sleep 3"]}, "idempotent": True})
-    uid = submit(retex, "crash", steps, lease=LEASE)
+    steps = order_steps(payments, notifier, charge={"http": {"method": "POST", "url": f"{notifier.url}/effects/charge"},
+                                                    "idempotent": False})
+    steps.insert(0, exec_step("warmup", 3))
+    crash = submit(retex, "crash", steps, lease=LEASE)
     wait_for(lambda: (status(retex, "crash").get("lease") or {}).get("holder"), timeout=60, what="lease taken")
-    duplicate_job(retex, uid, 1, "crash-duplicate")
-    settle(retex, "crash", phases=("Succeeded",))
+    duplicate_job(retex, crash.uid, 1, "crash-duplicate")
+    settle(retex, crash, phases=("Succeeded",))
     assert pod_exit_code(retex, "crash-duplicate") == 3, "the duplicate exits as stale, touching nothing"
-    assert_exactly_once(effects_of(payments, notifier, uid))
-    assert retex.ledger.get(uid).epoch == 1
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
+    assert retex.ledger.get(crash.uid).epoch == 1
 
 
-def test_R11_a_paused_zombie_is_fenced_when_it_resumes(retex, stubs):
+def test_R11_a_zombie_frozen_after_its_effect_is_fenced_when_it_resumes_after_the_next_epoch_committed(
+        retex, stubs):
     payments, notifier = stubs
-    steps = order_steps(payments, notifier, email={"exec": {"command": ["sh", "-c", "sleep 6; echo sent"]}})
-    uid = submit(retex, "crash", steps, lease=LEASE)
-    wait_for(lambda: [s.get("state") for s in status(retex, "crash").get("steps") or []][:4] ==
-             ["done", "done", "done", "started"], timeout=60, what="email step running")
-    pod = status(retex, "crash")["lease"]["holder"].rsplit(":", 1)[0]
-    retex.rig.pause_pod(retex.namespace, pod)
-    wait_for(lambda: status(retex, "crash").get("attempt", 0) >= 2, timeout=20, what="attempt 2")
-    settle(retex, "crash", phases=("Succeeded",))
-    retex.rig.resume_pod(retex.namespace, pod)  # the zombie finishes its sleep and tries to commit
-    time.sleep(8)
-    history = retex.ledger.history(uid)
-    assert not [h for h in history if h.epoch == 1 and h.event == "step-commit" and h.step_idx == 3], \
-        "the zombie's commit must be rejected by the fence"
-    assert_exactly_once(effects_of(payments, notifier, uid))
+    # The reaper deletes the zombie's Job; a long grace keeps its pod from being SIGKILLed before
+    # the test resumes it (the SIGTERM waits, pending, while it is stopped).
+    retex.operator.restart(RETEX_WORKER_GRACE_SECONDS="300")
+    # notify: not idempotent, counted at the notifier (which executes every delivery); its verify
+    # lets attempt 2 commit it without running it again.
+    steps = order_steps(payments, notifier, notify={
+        "verify": {"http": {"method": "GET", "url": f"{notifier.url}/effects/notify"}}})
+    spec = "after-effect:notify=stop"
+    crash = submit(retex, "crash", steps, failpoint=spec, lease=LEASE)
+    frozen = wait_for(lambda: next((p for p in attempt_pods(retex, crash, 1) if fired(spec, crash) in p.log), None),
+                      timeout=60, what="attempt 1 frozen after notify's effect")
+    assert [line for line in frozen.log.splitlines() if line.startswith("retex failpoint ")][-1].endswith(": SIGSTOP")
+    assert frozen.exit_code is None, "alive, frozen"
+    assert notifier.for_task(crash.uid)["notify"] == {"deliveries": 1, "executions": 1}
+    settle(retex, crash, phases=("Succeeded",))
+    assert commits_by_epoch(retex, crash.uid) == {1: [0, 1], 2: [2, 3]}, "attempt 2 committed notify (verified)"
+    assert retex.ledger.get(crash.uid).steps[2].result.get("verified") is True
+    version, history = retex.ledger.get(crash.uid).version, retex.ledger.history(crash.uid)
+
+    retex.rig.resume_pod(retex.namespace, frozen.pod)  # the zombie goes on: commit notify, then the rest
+    zombie = wait_for(lambda: next((p for p in attempt_pods(retex, crash, 1) if p.exit_code is not None), None),
+                      timeout=60, what="the zombie to exit")
+    assert zombie.exit_code == 3, f"exit {zombie.exit_code}, not 3 (stale):\n{zombie.log[-3000:]}"
+    assert '"msg": "fenced: stopping at once"' in zombie.log, zombie.log[-3000:]
+    assert notifier.for_task(crash.uid)["notify"] == {"deliveries": 1, "executions": 1}, "no second effect"
+    assert retex.ledger.get(crash.uid).version == version, "the zombie wrote nothing"
+    assert retex.ledger.history(crash.uid) == history
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
 
 
 def test_R12_a_stale_pod_after_the_task_is_terminal_exits_with_no_side_effects(retex, stubs):
     payments, notifier = stubs
-    uid = submit(retex, "crash", order_steps(payments, notifier))
-    settle(retex, "crash", phases=("Succeeded",))
-    before = effects_of(payments, notifier, uid)
-    version = retex.ledger.get(uid).version
-    job = json.loads(retex.kubectl("get", "job", "-l", f"retex.dev/task-uid={uid}", "-o", "json").stdout)["items"]
-    if not job:
-        pytest.fail("the attempt's Job should still exist (ttlSecondsAfterFinished is 600)")
-    duplicate_job(retex, uid, 1, "crash-stale")
+    crash = submit(retex, "crash", order_steps(payments, notifier))
+    settle(retex, crash, phases=("Succeeded",))
+    before = effects_of(payments, notifier, crash.uid)
+    version = retex.ledger.get(crash.uid).version
+    assert job_names(retex, crash.uid), "the attempt's Job should still exist (ttlSecondsAfterFinished is 600)"
+    duplicate_job(retex, crash.uid, 1, "crash-stale")
     assert pod_exit_code(retex, "crash-stale") == 3
-    assert effects_of(payments, notifier, uid) == before
-    assert retex.ledger.get(uid).version == version, "terminal is not re-entrant"
+    assert effects_of(payments, notifier, crash.uid) == before
+    assert retex.ledger.get(crash.uid).version == version, "terminal is not re-entrant"
 
 
 # -- platform ---------------------------------------------------------------------------------------
@@ -251,11 +523,11 @@ def test_R12_a_stale_pod_after_the_task_is_terminal_exits_with_no_side_effects(r
 
 def test_R13_an_evicted_pod_hands_over_at_once_without_using_the_retry_budget(retex, stubs):
     payments, notifier = stubs
-    expected = control(retex, payments, notifier, lease={"durationSeconds": 60})
-    steps = order_steps(payments, notifier, email={"exec": {"command": ["sh", "-c", "sleep 1; echo sent"]}})
-    steps.insert(3, {"name": "pack", "exec": {"command": ["sh", "-c", "sleep 4"]}, "idempotent": True})
-    expected = (expected[0], expected[1][:3] + [("pack", "done", None)] + expected[1][3:])
-    uid = submit(retex, "crash", steps, lease={"durationSeconds": 60})
+    long_lease = {"durationSeconds": 60}
+    steps = order_steps(payments, notifier)
+    steps.insert(3, exec_step("pack", 4))
+    expected = control(retex, steps, lease=long_lease)
+    crash = submit(retex, "crash", steps, lease=long_lease)
     wait_for(lambda: [s.get("state") for s in status(retex, "crash").get("steps") or []][3:4] == ["started"],
              timeout=60, what="pack running")
     pod = status(retex, "crash")["lease"]["holder"].rsplit(":", 1)[0]
@@ -263,90 +535,108 @@ def test_R13_an_evicted_pod_hands_over_at_once_without_using_the_retry_budget(re
     retex.rig.kubectl("create", "--raw", f"/api/v1/namespaces/{retex.namespace}/pods/{pod}/eviction", "-f", "-",
                       input=json.dumps({"apiVersion": "policy/v1", "kind": "Eviction",
                                         "metadata": {"name": pod, "namespace": retex.namespace}}))
-    wait_for(lambda: status(retex, "crash").get("attempt", 0) >= 2, timeout=40, what="attempt 2")
-    assert time.monotonic() - evicted_at < 30, "no waiting for the 60 s lease to expire"
-    settle(retex, "crash", phases=("Succeeded",))
-    phase, steps_out = outcome(retex, uid)
+    wait_for(lambda: len(retex.ledger.attempts(crash.uid)) >= 2, timeout=40, what="attempt 2")
+    assert time.monotonic() - evicted_at < long_lease["durationSeconds"] / 2, "no waiting for the lease to expire"
+    assert retex.ledger.attempts(crash.uid)[1].cause == "disruption", "acted on the released lease"
+    settle(retex, crash, phases=("Succeeded",), lease_seconds=long_lease["durationSeconds"])
+    phase, steps_out = outcome(retex, crash.uid)
     assert phase == expected[0]
     assert [(n, s) for n, s, _ in steps_out] == [(n, s) for n, s, _ in expected[1]]
-    record = retex.ledger.get(uid)
+    record = retex.ledger.get(crash.uid)
     assert (record.failures, record.disruptions) == (0, 1)
-    assert_exactly_once(effects_of(payments, notifier, uid))
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
 
 
 def test_R14_a_lost_node_is_replaced_on_the_other_node_within_lease_ttl_plus_5s(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    steps.insert(3, {"name": "pack", "exec": {"command": ["sh", "-c", "sleep 8"]}, "idempotent": True})
-    uid = submit(retex, "crash", steps, lease=LEASE)
+    steps.insert(3, exec_step("pack", 8))
+    crash = submit(retex, "crash", steps, lease=LEASE)
     wait_for(lambda: [s.get("state") for s in status(retex, "crash").get("steps") or []][3:4] == ["started"],
              timeout=60, what="pack running")
-    node = retex.ledger.attempts(uid)[0].node
+    node = retex.ledger.attempts(crash.uid)[0].node
     assert node in retex.rig.nodes
     retex.rig.kill_node(node)
     lost_at = time.monotonic()
     try:
-        wait_for(lambda: (retex.ledger.attempts(uid)[-1].epoch >= 2 and retex.ledger.attempts(uid)[-1].node),
-                 timeout=LEASE["durationSeconds"] + 5 + 10, what="attempt 2 running")
+        wait_for(lambda: (retex.ledger.attempts(crash.uid)[-1].epoch >= 2 and retex.ledger.attempts(crash.uid)[-1].node),
+                 timeout=LEASE_SECONDS + 5 + 10, what="attempt 2 running")
         took = time.monotonic() - lost_at
-        replacement = retex.ledger.attempts(uid)[-1]
+        replacement = retex.ledger.attempts(crash.uid)[-1]
         assert replacement.node != node
-        assert took <= LEASE["durationSeconds"] + 5, f"replacement took {took:.1f}s"
-        settle(retex, "crash", phases=("Succeeded",))
+        assert took <= LEASE_SECONDS + 5, f"replacement took {took:.1f}s"
+        settle(retex, crash, phases=("Succeeded",))
     finally:
         retex.rig.restart_node(node)
-    assert_exactly_once(effects_of(payments, notifier, uid))
-    assert retex.ledger.get(uid).failures == 0
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
+    assert retex.ledger.get(crash.uid).failures == 0
+
+
+def _postmaster_started(postgres):
+    with psycopg.connect(postgres.dsn()) as conn:
+        return conn.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
 
 
 def test_R15_a_postgres_restart_mid_run_loses_and_duplicates_nothing(retex, stubs, postgres):
     payments, notifier = stubs
-    expected = control(retex, payments, notifier)
     steps = order_steps(payments, notifier)
-    steps.insert(2, {"name": "pack", "exec": {"command": ["sh", "-c", "sleep 3"]}, "idempotent": True})
-    uid = submit(retex, "crash", steps)
+    steps.insert(2, exec_step("pack", 3))
+    expected = control(retex, steps)
+    crash = submit(retex, "crash", steps)
     wait_for(lambda: [s.get("state") for s in status(retex, "crash").get("steps") or []][2:3] == ["started"],
              timeout=60, what="pack running")
+    before = _postmaster_started(postgres)
     postgres.restart()
-    settle(retex, "crash", phases=("Succeeded",))
-    assert outcome(retex, uid)[0] == expected[0]
-    commits = [h.step_idx for h in retex.ledger.history(uid) if h.event == "step-commit"]
-    assert sorted(commits) == [0, 1, 2, 3, 4]
-    assert_exactly_once(effects_of(payments, notifier, uid))
+    assert _postmaster_started(postgres) > before, "Postgres really restarted"
+    assert retex.ledger.get(crash.uid).phase == "Running", "mid-run"
+    settle(retex, crash, phases=("Succeeded",))
+    assert outcome(retex, crash.uid) == expected
+    record = retex.ledger.get(crash.uid)
+    assert (record.epoch, record.failures, record.disruptions) == (1, 0, 0), "the worker rode out the outage"
+    assert commits_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3, 4]}
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
 
 
 def test_R16_an_api_server_restart_within_the_lease_ttl_does_not_replace_the_attempt(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    steps.insert(2, {"name": "pack", "exec": {"command": ["sh", "-c", "sleep 6"]}, "idempotent": True})
-    uid = submit(retex, "crash", steps, lease={"durationSeconds": 20})
+    steps.insert(2, exec_step("pack", 6))
+    crash = submit(retex, "crash", steps, lease={"durationSeconds": 20})
     wait_for(lambda: [s.get("state") for s in status(retex, "crash").get("steps") or []][2:3] == ["started"],
              timeout=60, what="pack running")
     retex.rig.restart_apiserver()
-    settle(retex, "crash", phases=("Succeeded",))
-    assert retex.ledger.get(uid).epoch == 1, "renewals retried; the attempt went on"
-    assert_exactly_once(effects_of(payments, notifier, uid))
+    settle(retex, crash, phases=("Succeeded",), lease_seconds=20)
+    assert retex.ledger.get(crash.uid).epoch == 1, "renewals retried; the attempt went on"
+    assert_exactly_once(effects_of(payments, notifier, crash.uid))
 
 
 def test_R17_exhausted_retries_dead_letter_with_no_further_attempts_until_requeued(retex, stubs):
     payments, notifier = stubs
-    steps = [{"name": "charge", "http": {"method": "POST", "url": f"{payments.url}/effects/charge?status=503"}}]
-    uid = submit(retex, "crash", steps, retry={"maxAttempts": 2, "backoff": {"initialSeconds": 0.1, "maxSeconds": 0.2}})
-    shown = settle(retex, "crash", phases=("Failed",))
+    backoff = {"initialSeconds": 0.1, "maxSeconds": 0.2}
+    steps = [{"name": "charge", "http": {"method": "POST", "url": f"{payments.url}/effects/charge?status=503"},
+              "idempotent": True, "timeoutSeconds": STEP_TIMEOUT}]
+    crash = submit(retex, "crash", steps, retry={"maxAttempts": 2, "backoff": backoff})
+    wait_for(lambda: ledger_phase(retex, "crash") == "Failed", timeout=60, what="Failed in the ledger")
+    assert retex.ledger.get(crash.uid).dead_lettered
+    # On the ledger, over a window far longer than the backoff (and a promoter round): nothing.
+    window_end = time.monotonic() + max(25 * backoff["maxSeconds"], LEASE_SECONDS)
+    while time.monotonic() < window_end:
+        assert [a.epoch for a in retex.ledger.attempts(crash.uid)] == [1, 2], "no attempt after the dead letter"
+        time.sleep(0.25)
+    assert payments.for_task(crash.uid)["charge"] == {"deliveries": 2, "executions": 0}
+    shown = settle(retex, crash, phases=("Failed",))
     assert {c["type"]: c["status"] for c in shown["conditions"]}["DeadLettered"] == "True"
-    time.sleep(3)
-    assert retex.ledger.get(uid).epoch == 2, "no attempt after the dead letter"
-    assert payments.for_task(uid)["charge"] == {"deliveries": 2, "executions": 0}
     retex.kubectl("annotate", "task", "crash", "retex.dev/requeue=1")
-    wait_for(lambda: retex.ledger.get(uid).epoch == 3, timeout=30, what="a fresh attempt")
-    settle(retex, "crash", phases=("Failed",))
+    wait_for(lambda: len(retex.ledger.attempts(crash.uid)) >= 3, timeout=30, what="a fresh attempt")
+    wait_for(lambda: retex.ledger.get(crash.uid).phase == "Failed", timeout=60, what="Failed again")
 
 
 def test_R18_a_permanent_error_fails_at_once_without_retry(retex, stubs):
     payments, notifier = stubs
-    steps = [{"name": "charge", "http": {"method": "POST", "url": f"{payments.url}/effects/charge?status=400"}}]
-    uid = submit(retex, "crash", steps, retry={"maxAttempts": 5})
-    shown = settle(retex, "crash", phases=("Failed",))
+    steps = [{"name": "charge", "http": {"method": "POST", "url": f"{payments.url}/effects/charge?status=400"},
+              "timeoutSeconds": STEP_TIMEOUT}]
+    crash = submit(retex, "crash", steps, retry={"maxAttempts": 5})
+    shown = settle(retex, crash, phases=("Failed",))
     assert {c["type"]: c["reason"] for c in shown["conditions"]}["Failed"] == "PermanentError"
-    assert retex.ledger.get(uid).epoch == 1
-    assert payments.for_task(uid)["charge"] == {"deliveries": 1, "executions": 0}
+    assert retex.ledger.get(crash.uid).epoch == 1
+    assert payments.for_task(crash.uid)["charge"] == {"deliveries": 1, "executions": 0}

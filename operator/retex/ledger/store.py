@@ -750,7 +750,7 @@ class Ledger:
                 return  # a repeated call
             step = self._step_move(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result),
                                    error=None, finished_at=_NOW)
-            failpoint("in-commit", step["name"])  # crash-matrix R8: dies before COMMIT
+            failpoint("in-commit", step["name"], task=task["name"], uid=uid)  # crash-matrix R8: dies before COMMIT
 
         with self._refusal_as_unstorable():
             self._tx(op, op="commit_step")

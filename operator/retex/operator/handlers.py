@@ -141,7 +141,7 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
     annotations leaving no room for the operator's own, a Job the API server would refuse (a
     server-side dry run of attempt 1's Job), a duplicate idempotencyKey."""
     runtime: Runtime = memo.runtime
-    failpoint("before-admit")  # crash-matrix R1: the Task exists, the ledger row does not
+    failpoint("before-admit", task=name, uid=uid)  # crash-matrix R1: the Task exists, the ledger row does not
     try:
         runtime.ledger.get(uid)
         admitted = True  # resumed after a restart: checked when it was admitted
@@ -169,7 +169,7 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
         except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
             raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
         result = runtime.ledger.admit(admission)
-        failpoint("after-admit")  # crash-matrix R2: ledger row and dispatch committed, no Job yet
+        failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
         if result.purged:  # it ran to its end long ago and its history was purged: never again
             event(log, logging.INFO, "purged by history retention: not admitted again", uid=uid,
                   namespace=namespace, name=name)

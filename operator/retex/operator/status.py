@@ -232,7 +232,7 @@ class StatusMirror(Loop):
         previous = TaskStatus.model_validate(shown) if shown else None
         status = compute_status(record, lease=self._leases.get(uid), generation=task["metadata"].get("generation"),
                                 previous=previous, now=datetime.now(UTC))
-        failpoint("in-status-mirror")
+        failpoint("in-status-mirror", task=record.name, uid=uid)
         try:
             self._kube.patch_task_status(record.namespace, record.name, uid, as_merge_patch(status))
         except ApiException as exc:

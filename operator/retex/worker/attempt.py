@@ -113,14 +113,14 @@ class Attempt:
                 return AttemptEnd(ExitCode.DISRUPTED, "drained: no new step started")
             if not self._lease.still_held():
                 return AttemptEnd(ExitCode.DISRUPTED, "lease lost: no new step started")
-            failpoint("before-step", step.name)
+            failpoint("before-step", step.name, task=self._record.name, uid=uid)
             try:
                 prior = self._ledger.begin_step(uid, self._epoch, idx, actor=self._actor)
             except CancelRequested:
                 self._ledger.finish_cancelled(uid, self._epoch, actor=self._actor)
                 event(log, logging.INFO, "cancelled at a step boundary")
                 return AttemptEnd(ExitCode.OVER, "cancelled")
-            failpoint("after-begin", step.name)
+            failpoint("after-begin", step.name, task=self._record.name, uid=uid)
             call = StepCall(task_uid=uid, step=step.name, idempotency_key=prior.idempotency_key,
                             attempt=self._epoch, payload=spec.payload or {}, results=dict(results))
             ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
@@ -128,14 +128,14 @@ class Attempt:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
                 run_started = time.monotonic()
                 outcome = self._run_step(step, call)
-                failpoint("after-effect", step.name)
+                failpoint("after-effect", step.name, task=self._record.name, uid=uid)
                 ended = self._record_outcome(idx, step, call, outcome, run_started)
             if isinstance(ended, AttemptEnd):
                 return ended
-            failpoint("after-commit", step.name)
+            failpoint("after-commit", step.name, task=self._record.name, uid=uid)
             results[step.name] = ended.result
         self._tag(None)
-        failpoint("before-complete")
+        failpoint("before-complete", task=self._record.name, uid=uid)
         self._ledger.complete_task(uid, self._epoch, actor=self._actor)
         event(log, logging.INFO, "task succeeded")
         return AttemptEnd(ExitCode.OVER, "succeeded")

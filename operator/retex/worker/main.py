@@ -79,7 +79,7 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
         return AttemptEnd(ExitCode.STALE, str(exc))
     except LeaseUnavailable as exc:
         return AttemptEnd(ExitCode.DISRUPTED, str(exc))
-    failpoint("after-lease")
+    failpoint("after-lease", task=config.name, uid=config.task_uid)
     lease.start_renewing()
     end: AttemptEnd | None = None
     try:

@@ -1,0 +1,167 @@
+"""`make mutants`: does the suite have teeth? Each mutant switches off one mechanism with a one-hunk
+patch (tests/mutants/<name>.patch) applied to a throwaway copy of HEAD, then runs the tests that
+depend on that mechanism there. A mutant is killed when at least one of them fails; a survivor
+is a missing test. The table is printed and written into docs/testing.md.
+
+    python -m tests.mutants.run [name ...]     # default: every mutant
+
+The copy is a `git worktree` of HEAD under /tmp with its own .venv: the main .venv's packages
+(through a .pth), but the copy's operator/ first on sys.path, and console scripts of its own —
+the rig's node agents run pods with PATH = <repo>/.venv/bin, so worker pods run the mutant too.
+Uncommitted changes are not in the copy: commit first. Exit status: 0 if every mutant was killed,
+1 otherwise (a survivor, a patch that no longer applies, or a run that errored).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PATCHES = Path(__file__).resolve().parent
+TESTING_DOC = REPO / "docs" / "testing.md"
+BEGIN, END = "<!-- mutants:begin -->", "<!-- mutants:end -->"
+MATRIX = "tests/cluster/test_crash_matrix.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str  # its patch is tests/mutants/<name>.patch
+    mechanism: str
+    tests: tuple[str, ...]
+
+
+MUTANTS = (
+    Mutant("epoch-fence", "the epoch fence on every worker write",
+           (f"{MATRIX}::test_R11_a_zombie_frozen_after_its_effect_is_fenced_when_it_resumes_after_the_next_epoch_committed",)),
+    Mutant("deterministic-job-name", "the outbox's deterministic Job name",
+           (f"{MATRIX}::test_R1_R2_R3_operator_killed_around_admission_and_dispatch_converges_to_one_task_and_one_job[R3-after-job-create]",)),
+    Mutant("lease-reaper", "the lease reaper (expired lease → next attempt)",
+           (f"{MATRIX}::test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_the_lease_expires",)),
+    Mutant("verify-before-rerun", "verify before re-running an interrupted step",
+           (f"{MATRIX}::test_R6_R8_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step[R6-verify-after-effect:ship]",)),
+    Mutant("disruption-count", "the disruption count (a replaced attempt is a disruption)",
+           (f"{MATRIX}::test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again",)),
+    Mutant("concurrency-key", "the concurrency-key check",
+           ("tests/integration/test_ledger_policies.py::test_one_task_per_concurrency_key_runs_and_the_next_is_the_oldest_whatever_its_priority",
+            "tests/cluster/test_policies.py::test_one_task_per_concurrency_key_runs_at_a_time_in_creation_order_across_a_restart")),
+    Mutant("status-monotonic-version", "the status mirror's monotonic ledgerVersion (mirror check and CRD rule)",
+           (f"{MATRIX}::test_R4_a_status_written_by_a_newer_mirror_is_never_overwritten_by_an_older_version",)),
+)
+
+
+@dataclass
+class Result:
+    mutant: Mutant
+    verdict: str  # killed | SURVIVED | PATCH DOES NOT APPLY | ERROR (pytest exit N)
+    failed: list[str]
+    seconds: float
+
+
+def patch_of(mutant: Mutant) -> Path:
+    return PATCHES / f"{mutant.name}.patch"
+
+
+def applies(tree: Path, patch: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(tree), "apply", "--check", str(patch)], capture_output=True, text=True)
+
+
+def make_copy(tree: Path) -> Path:
+    """A worktree of HEAD at `tree` with a .venv that runs *its* operator/ (see the module doc)."""
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), "HEAD"], check=True)
+    venv = tree / ".venv"
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = venv / Path(sysconfig.get_path("purelib")).relative_to(sys.prefix)
+    main_site = sysconfig.get_path("purelib")
+    # Line order is sys.path order: the copy's operator/ before the main site's editable retex.
+    (site / "retex_mutant.pth").write_text(f"{tree / 'operator'}\nimport site; site.addsitedir({main_site!r})\n")
+    for script in ("retex-operator", "retex-worker", "retex", "kubectl-retex"):
+        body = (Path(sys.prefix) / "bin" / script).read_text().split("\n", 1)[1]
+        target = venv / "bin" / script
+        target.write_text(f"#!{venv / 'bin' / 'python'}\n{body}")
+        target.chmod(0o755)
+    return tree
+
+
+def remove_copy(tree: Path) -> None:
+    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    shutil.rmtree(tree, ignore_errors=True)
+
+
+def run_mutant(mutant: Mutant) -> Result:
+    started = time.monotonic()
+    tree = Path(tempfile.mkdtemp(prefix=f"retex-mutant-{mutant.name}-")) / "repo"
+    tree.parent.chmod(0o755)  # worker pods and Postgres run as `nobody` and read the copy
+    try:
+        make_copy(tree)
+        check = applies(tree, patch_of(mutant))
+        if check.returncode != 0:
+            print(f"!!! {mutant.name}: PATCH DOES NOT APPLY to HEAD:\n{check.stderr}", file=sys.stderr)
+            return Result(mutant, "PATCH DOES NOT APPLY", [], time.monotonic() - started)
+        subprocess.run(["git", "-C", str(tree), "apply", str(patch_of(mutant))], check=True)
+        report = tree / "mutant-junit.xml"
+        print(f"==> {mutant.name}: {mutant.mechanism} switched off; running {len(mutant.tests)} test(s)", flush=True)
+        done = subprocess.run([str(tree / ".venv" / "bin" / "python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               f"--junitxml={report}", *mutant.tests], cwd=tree)
+        failed = _failed(report)
+        if done.returncode == 0:
+            verdict = "SURVIVED"
+        elif done.returncode == 1 and failed:
+            verdict = "killed"
+        else:  # collection errors, a crash of pytest: not a kill
+            verdict = f"ERROR (pytest exit {done.returncode})"
+        return Result(mutant, verdict, failed, time.monotonic() - started)
+    finally:
+        remove_copy(tree)
+        shutil.rmtree(tree.parent, ignore_errors=True)
+
+
+def _failed(report: Path) -> list[str]:
+    if not report.exists():
+        return []
+    return [case.get("name") for case in ET.parse(report).iter("testcase")
+            if case.find("failure") is not None or case.find("error") is not None]
+
+
+def table(results: list[Result]) -> str:
+    rows = ["| mutant | mechanism switched off | tests run | verdict | failed |", "|---|---|---|---|---|"]
+    for r in results:
+        tests = "<br>".join(f"`{t.split('::')[-1]}`" for t in r.mutant.tests)
+        rows.append(f"| `{r.mutant.name}` | {r.mutant.mechanism} | {tests} | **{r.verdict}** ({r.seconds:.0f} s) | "
+                    f"{'<br>'.join(f'`{f}`' for f in r.failed) or '-'} |")
+    return "\n".join(rows)
+
+
+def write_doc(results: list[Result]) -> None:
+    text = TESTING_DOC.read_text()
+    head, _, rest = text.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    TESTING_DOC.write_text(f"{head}{BEGIN}\nLast `make mutants`: {stamp}, at {commit}.\n\n{table(results)}\n{END}{tail}")
+
+
+def main(names: list[str]) -> int:
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"unknown mutant(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
+        return 2
+    results = [run_mutant(known[n]) for n in names or known]
+    print(table(results))
+    if not names:  # only a full run speaks for the suite in docs/testing.md
+        write_doc(results)
+    return 0 if all(r.verdict == "killed" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

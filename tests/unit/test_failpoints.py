@@ -1,0 +1,108 @@
+"""Failpoints: the spec's grammar, task scoping, the line printed before the signal, and that every
+call site names a known point (a misspelt point at a call site would never fire)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from retex.failpoints import POINTS, Armed, FailpointSpecError, fired_line, parse
+
+OPERATOR = Path(__file__).resolve().parents[2] / "operator" / "retex"
+
+
+def test_a_spec_names_point_step_task_and_action():
+    assert parse("") is None
+    assert parse("after-effect") == Armed("after-effect")
+    assert parse("after-effect:charge") == Armed("after-effect", step="charge")
+    assert parse("after-admit@crash") == Armed("after-admit", task="crash")
+    assert parse("after-effect:notify@crash=stop") == Armed("after-effect", "notify", "crash", "stop")
+
+
+@pytest.mark.parametrize(("spec", "says"), [
+    ("after-efect", "unknown point 'after-efect'"),
+    ("after-effect=pause", "unknown action 'pause'"),
+    ("after-effect:Charge", "expected point[:step][@task][=action]"),
+    ("after-admit@", "expected point[:step][@task][=action]"),
+])
+def test_a_malformed_or_unknown_spec_is_refused_with_what_was_wrong(spec, says):
+    with pytest.raises(FailpointSpecError, match=f"RETEX_FAILPOINT='{spec}'.*{says}".replace("[", r"\[").replace("]", r"\]")):
+        parse(spec)
+
+
+def test_a_task_scope_matches_the_tasks_name_or_uid_and_nothing_unscoped():
+    armed = parse("after-admit@crash")
+    assert armed.matches("after-admit", None, task="crash", uid="u-1")
+    assert parse("after-admit@u-1").matches("after-admit", None, task="crash", uid="u-1")
+    assert not armed.matches("after-admit", None, task="control", uid="u-2"), "another task passes unharmed"
+    assert not armed.matches("after-admit", None, task=None, uid=None), "a call site naming no task never fires"
+    assert not armed.matches("before-admit", None, task="crash", uid="u-1")
+
+
+def test_a_step_scope_matches_that_step_only():
+    armed = parse("after-effect:charge")
+    assert armed.matches("after-effect", "charge", task="t", uid="u")
+    assert not armed.matches("after-effect", "ship", task="t", uid="u")
+
+
+def test_the_fired_line_names_point_task_and_signal():
+    line = fired_line(parse("after-admit@crash"), step=None, task="crash", uid="u-1")
+    assert line == "retex failpoint after-admit@crash fired: task=crash uid=u-1 step=-: SIGKILL"
+
+
+def _run_with(spec: str, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RETEX_FAILPOINT": spec}
+    return subprocess.run([sys.executable, "-c", f"from retex.failpoints import failpoint\n{code}\nprint('survived')"],
+                          env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_an_armed_point_sigkills_its_process_after_printing_the_line():
+    done = _run_with("after-admit@crash", "failpoint('after-admit', task='control', uid='u-2')\n"
+                                          "failpoint('after-admit', task='crash', uid='u-1')")
+    assert done.returncode == -signal.SIGKILL
+    assert done.stderr.strip() == "retex failpoint after-admit@crash fired: task=crash uid=u-1 step=-: SIGKILL"
+    assert "survived" not in done.stdout
+
+
+def test_a_stop_point_freezes_the_process_until_sigcont_then_it_goes_on():
+    env = {**os.environ, "RETEX_FAILPOINT": "after-effect:notify=stop"}
+    proc = subprocess.Popen([sys.executable, "-c", "from retex.failpoints import failpoint\n"
+                             "failpoint('after-effect', 'notify', task='t', uid='u')\nprint('went on')"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        assert first.strip().endswith(": SIGSTOP"), first
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), "frozen at the point"
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.stdout.read().strip() == "went on"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_malformed_spec_stops_the_process_at_import():
+    done = _run_with("before-admt", "")
+    assert done.returncode == 1
+    assert "FailpointSpecError: RETEX_FAILPOINT='before-admt': unknown point" in done.stderr
+
+
+def _call_sites() -> list[tuple[Path, ast.Call]]:
+    return [(path, node) for path in OPERATOR.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "failpoint"]
+
+
+def test_every_call_site_names_a_known_point_and_every_point_has_a_call_site():
+    assert {node.args[0].value for _, node in _call_sites()} == POINTS
+
+
+def test_every_call_site_passes_its_task_so_a_scoped_point_can_fire_there():
+    for path, node in _call_sites():
+        assert {k.arg for k in node.keywords} == {"task", "uid"}, f"{path.name}:{node.lineno}"
