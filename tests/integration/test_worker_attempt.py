@@ -232,11 +232,22 @@ def test_a_step_abandoned_at_the_drain_deadline_is_left_started_with_nothing_rec
 def test_a_permanent_failure_fails_the_task_and_a_retryable_one_schedules_a_retry(ledger, stub):
     fail_3 = [PY, "-c", "raise SystemExit(3)"]
     permanent = admit(ledger, [exec_step("charge", stub, fail_3, permanentExitCodes=[3])])
-    retryable = admit(ledger, [exec_step("charge", stub, fail_3)])
+    retryable = admit(ledger, [exec_step("charge", stub, fail_3, retryableExitCodes=[3])])
     assert run_attempt(ledger, permanent, 1).code == ExitCode.OVER
     assert run_attempt(ledger, retryable, 1).code == ExitCode.OVER
     assert (ledger.get(permanent).phase, ledger.get(permanent).reason) == (TaskPhase.FAILED, "PermanentError")
     assert ledger.get(retryable).phase == TaskPhase.RETRYING
+
+
+def test_an_exec_step_that_crashes_after_its_effect_is_verified_and_committed_not_run_again(ledger, stub):
+    # `curl ... && jq ...` failing after the POST: exit 1 is no proof that nothing happened.
+    effect_then_crash = [PY, "-c", "import os; "
+                                   "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n'); "
+                                   "raise SystemExit(1)"]
+    uid = admit(ledger, [with_verify("charge", stub, command=effect_then_crash)])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert ledger.get(uid).steps[0].result["verified"] is True
+    assert len(stub.executions()) == 1
 
 
 def test_a_timed_out_step_that_is_not_idempotent_goes_to_a_human_not_to_a_blind_retry(ledger, stub):

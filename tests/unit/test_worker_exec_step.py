@@ -73,20 +73,29 @@ def test_escaped_output_still_fits_the_bound():
     assert len(json.dumps(outcome.result["stdout"]).encode()) <= exec_step.STDOUT_TAIL_BYTES
 
 
-def test_non_zero_exit_is_retryable_by_default_with_stderr_in_the_error():
-    outcome = run("import sys; print('card declined', file=sys.stderr); sys.exit(7)")
+def test_non_zero_exit_of_an_idempotent_step_is_retryable_by_default_with_stderr_in_the_error():
+    outcome = run("import sys; print('card declined', file=sys.stderr); sys.exit(7)", idempotent=True)
     assert isinstance(outcome, Failed) and outcome.retryable
     assert "exit code 7" in outcome.error and "card declined" in outcome.error
 
 
+def test_an_undeclared_exit_code_of_a_step_that_is_not_idempotent_is_unknown_not_a_blind_retry():
+    # A traceback, `set -e`, `curl ... && jq` failing after the POST: most non-zero exits come
+    # after the effect may have happened.
+    outcome = run("import sys; print('charged; then', file=sys.stderr); sys.exit(1)")
+    assert isinstance(outcome, Unknown) and "exit code 1" in outcome.error and "charged; then" in outcome.error
+    assert isinstance(run("raise SystemExit(4)", permanentExitCodes=[3]), Unknown)
+    assert isinstance(run("raise SystemExit(1)", retryableExitCodes=[75]), Unknown)
+
+
 def test_listed_permanent_exit_code_fails_permanently_and_others_stay_retryable():
     assert run("raise SystemExit(3)", permanentExitCodes=[3]) == Failed("exit code 3: ", retryable=False)
-    assert run("raise SystemExit(4)", permanentExitCodes=[3]).retryable
+    assert run("raise SystemExit(4)", permanentExitCodes=[3], idempotent=True).retryable
 
 
 def test_retryable_exit_codes_list_makes_every_other_code_permanent():
     assert run("raise SystemExit(75)", retryableExitCodes=[75]).retryable
-    assert not run("raise SystemExit(1)", retryableExitCodes=[75]).retryable
+    assert not run("raise SystemExit(1)", retryableExitCodes=[75], idempotent=True).retryable
 
 
 def test_missing_command_is_a_permanent_failure():

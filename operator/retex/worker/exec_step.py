@@ -44,6 +44,17 @@ ERROR_TAIL_BYTES = 1024
 VERIFY_NOT_FOUND_EXIT_CODE = 44
 
 
+def exit_outcome(step: Step, code: int, stderr_tail: str) -> Failed | Unknown:
+    """A non-zero exit. Most come after the effect may have happened (a traceback, `set -e`, a
+    `curl ... && jq` failing after the POST): for a step that is not idempotent a code is a clean
+    failure only if the step names it in retryableExitCodes or permanentExitCodes, else unknown."""
+    summary = f"exit code {code}: {stderr_tail}"
+    declared = (step.retryable_exit_codes or []) + (step.permanent_exit_codes or [])
+    if not step.idempotent and code not in declared:
+        return Unknown(f"{summary} (not idempotent, and this exit code is not declared: the effect may have happened)")
+    return Failed(summary, retryable=exit_code_retryable(step, code))
+
+
 def exit_code_retryable(step: Step, code: int) -> bool:
     """By default every non-zero exit is retried; the step's lists narrow that."""
     if step.retryable_exit_codes is not None:
@@ -126,7 +137,7 @@ def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> Ste
     code = ran.end.returncode
     if code == 0:
         return Succeeded(ran.output)
-    return Failed(f"exit code {code}: {ran.stderr_tail}", retryable=exit_code_retryable(step, code))
+    return exit_outcome(step, code, ran.stderr_tail)
 
 
 def verify(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:
