@@ -375,3 +375,13 @@ def test_a_lease_lost_while_a_step_runs_kills_the_step_at_once_and_records_nothi
     assert gone(int(pid_file.read_text()))  # killed, not left running
     assert (step.state, step.result, step.error) == (StepState.STARTED, None, None)
     assert stub.executions() == []
+
+
+def test_a_replaced_attempt_cannot_record_a_run_start(ledger, stub):
+    # start_run is the last fenced write before a re-run: a worker replaced meanwhile stops there.
+    uid = admit(ledger, [with_verify("charge", stub)])
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    ledger.replace_attempt(uid, 1, cause="lease-expired")
+    with pytest.raises(FenceRejected):
+        ledger.start_run(uid, 1, 0, actor="worker:pod-1")
+    assert ledger.get(uid).steps[0].state == StepState.STARTED

@@ -578,6 +578,27 @@ class Ledger:
 
         return self._tx(op, op="begin_step")
 
+    def start_run(self, uid: str, epoch: int, idx: int, *, actor: str) -> None:
+        """Step `idx`, begun by this attempt and found `started` from an earlier one, is about to
+        run now (after its verify found nothing, or as an idempotent re-run): its started_at
+        becomes this moment, so a later attempt waits out this run's deadline, not the begin's.
+        Fenced: a run whose start is not recorded before a newer epoch exists never runs."""
+
+        def op(cur: psycopg.Cursor) -> None:
+            task = self._lock_task(cur, uid)
+            self._fence(task, epoch)
+            row = cur.execute(
+                """UPDATE retex.steps SET started_at = clock_timestamp()
+                   WHERE task_uid = %s AND idx = %s AND state = 'started' AND attempt = %s RETURNING idx""",
+                (uid, idx, epoch),
+            ).fetchone()
+            if row is None:
+                raise IllegalTransition("step", "not started by this attempt", f"start a run of step {idx}")
+            self._history(cur, uid, actor, "step-run", epoch=epoch, step_idx=idx)
+            self._touch(cur, uid)
+
+        self._tx(op, op="start_run")
+
     def seconds_until_step_deadline(self, uid: str, idx: int, *, begun_at: datetime | None,
                                     after_seconds: float) -> float:
         """Seconds left, by the database's clock, until `after_seconds` past the step's begin

@@ -123,7 +123,13 @@ class Attempt:
             failpoint("after-begin", step.name)
             call = StepCall(task_uid=uid, step=step.name, idempotency_key=prior.idempotency_key,
                             attempt=self._epoch, payload=spec.payload or {}, results=dict(results))
-            ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
+            ended = _RUN_IT
+            if prior.state == StepState.STARTED:
+                ended = self._resolve_interrupted(idx, step, call, prior)
+                if ended is _RUN_IT:
+                    # Recorded before it runs (fenced): a later attempt waits out this run, which
+                    # may start long after this attempt's begin_step (after waiting and verifying).
+                    self._ledger.start_run(uid, self._epoch, idx, actor=self._actor)
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
                 run_started = time.monotonic()
