@@ -572,8 +572,11 @@ class Ledger:
                 return prior  # a repeated call
             if any(s["state"] != StepState.DONE for s in steps[:idx]):
                 raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
-            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, started_at=_NOW,
-                            error=None)
+            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
+            # The moment of this write, not the transaction's start (now(), before the lock wait):
+            # a later attempt's deadline wait counts from it.
+            cur.execute("UPDATE retex.steps SET started_at = clock_timestamp() WHERE task_uid = %s AND idx = %s",
+                        (uid, idx))
             return prior
 
         return self._tx(op, op="begin_step")

@@ -114,6 +114,9 @@ class Attempt:
             if not self._lease.still_held():
                 return AttemptEnd(ExitCode.DISRUPTED, "lease lost: no new step started")
             failpoint("before-step", step.name)
+            # Read before the write that records the begin (so never later than its started_at):
+            # the step's own deadlines count from here (StepCall.begun).
+            begun = time.monotonic()
             try:
                 prior = self._ledger.begin_step(uid, self._epoch, idx, actor=self._actor)
             except CancelRequested:
@@ -122,20 +125,20 @@ class Attempt:
                 return AttemptEnd(ExitCode.OVER, "cancelled")
             failpoint("after-begin", step.name)
             call = StepCall(task_uid=uid, step=step.name, idempotency_key=prior.idempotency_key,
-                            attempt=self._epoch, payload=spec.payload or {}, results=dict(results))
+                            attempt=self._epoch, payload=spec.payload or {}, results=dict(results), begun=begun)
             ended = _RUN_IT
             if prior.state == StepState.STARTED:
                 ended = self._resolve_interrupted(idx, step, call, prior)
                 if ended is _RUN_IT:
                     # Recorded before it runs (fenced): a later attempt waits out this run, which
                     # may start long after this attempt's begin_step (after waiting and verifying).
+                    call = dataclasses.replace(call, begun=time.monotonic())
                     self._ledger.start_run(uid, self._epoch, idx, actor=self._actor)
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
-                run_started = time.monotonic()
                 outcome = self._run_step(step, call)
                 failpoint("after-effect", step.name)
-                ended = self._record_outcome(idx, step, call, outcome, run_started)
+                ended = self._record_outcome(idx, step, call, outcome)
             if isinstance(ended, AttemptEnd):
                 return ended
             failpoint("after-commit", step.name)
@@ -148,15 +151,14 @@ class Attempt:
 
     # -- outcomes ----------------------------------------------------------------------------
 
-    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome,
-                        run_started: float) -> _Committed | AttemptEnd:
+    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome) -> _Committed | AttemptEnd:
         match outcome:
             case Succeeded(result):
                 return self._commit(idx, result, "step committed")
             case Failed(error, retryable):
                 return self._fail(idx, error, retryable=retryable)
             case Unknown(why):
-                return self._settle_unknown(idx, step, call, why, run_started)
+                return self._settle_unknown(idx, step, call, why)
             case Abandoned(why):
                 event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
                 return AttemptEnd(ExitCode.DISRUPTED, f"step abandoned, nothing recorded: {why}")
@@ -185,13 +187,12 @@ class Attempt:
         return self._flag(idx, f"step was begun by attempt {prior.attempt} and never recorded; it has no verify "
                                "and is not idempotent, so whether its effect happened is unknown")
 
-    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str,
-                        run_started: float) -> _Committed | AttemptEnd:
+    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str) -> _Committed | AttemptEnd:
         """The run gave no answer: the same question as R6, asked now."""
         event(log, logging.WARNING, "step outcome unknown", why=why)
         if step.verify is not None:
             # The step stays `started` until its deadline: a server may still be processing it.
-            if (end := self._await_step_deadline(idx, step, run_started=run_started)) is not None:
+            if (end := self._await_step_deadline(idx, step, run_started=call.begun)) is not None:
                 return end
             match self._verify(step, call):
                 case Found(result):
@@ -248,7 +249,8 @@ class Attempt:
         outcome: VerifyOutcome = VerifyFailed("not run")
         for attempt in range(1, self._verify_tries + 1):
             try:
-                outcome = run_verify(step.verify, step, call, self._sup)
+                # A verify's own time counts from its own start, not from the step's begin.
+                outcome = run_verify(step.verify, step, dataclasses.replace(call, begun=time.monotonic()), self._sup)
             except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
                 log.exception("verify runner failed")
                 outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")

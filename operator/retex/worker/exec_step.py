@@ -36,7 +36,7 @@ from retex.worker.outcomes import (
     VerifyOutcome,
     tail_text,
 )
-from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline_seconds, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline, supervise
 
 STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024
@@ -87,9 +87,9 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
             not_started = workdir / "not-started"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
-                 str(own_deadline_seconds(step, sup)), *action.command, *(action.args or [])],
+                 repr(own_deadline(step, call, sup)), *action.command, *(action.args or [])],
                 env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
-            end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
+            end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
                             held=sup.held)
             if not_started.exists():  # not found, not executable: no retry will change that
                 return Failed(not_started.read_text(), retryable=False)

@@ -220,7 +220,7 @@ def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
         return "lease-lost"
     exchange = _Exchange(action, call, timeout=step.timeout_seconds, held=sup.held)
     exchange.start()
-    deadline = time.monotonic() + step.timeout_seconds
+    deadline = call.begun + step.timeout_seconds
     while not exchange.done.wait(_POLL_SECONDS):
         if not sup.held():
             exchange.abort()
