@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -204,3 +205,23 @@ def test_a_run_after_a_verify_moves_the_step_deadline_so_the_next_attempt_waits_
     assert run_attempt(ledger, uid, epoch) == AttemptEnd(ExitCode.OVER, "succeeded")
     assert ledger.get(uid).steps[0].result["verified"] is True
     assert (counter.arrivals(key), counter.executions(key)) == (1, 1)
+
+
+def test_a_request_sent_late_gets_the_servers_whole_timeout_before_it_is_verified(ledger, counter, monkeypatch):
+    # A slow name lookup (7.5 s of the 8 s timeout) sends the charge late; the server then takes
+    # 7.5 s, within the timeout it is allowed after receiving it: the effect lands ~15 s after the
+    # begin. A verify at begin + timeout + margin (13 s) would see 404 and charge again.
+    real_getaddrinfo, lookups = socket.getaddrinfo, []
+
+    def slow_first_lookup(*args, **kwargs):
+        lookups.append(args[0])
+        if len(lookups) == 1:
+            time.sleep(7.5)
+        return real_getaddrinfo(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_first_lookup)
+    uid = admit(ledger, charge(counter, "?delay=7.5", timeoutSeconds=8))
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    record = ledger.get(uid)
+    assert record.steps[0].result["verified"] is True
+    assert counter.executions(record.steps[0].idempotency_key) == 1

@@ -48,13 +48,14 @@ from retex.worker.outcomes import (
     stored_result,
     stored_text,
 )
-from retex.worker.steps import run_step, run_verify
+from retex.worker.steps import in_flight_seconds, run_step, run_verify
 
 log = logging.getLogger(__name__)
 
-# How long past a step's begin + timeoutSeconds a verify waits while the step may still be in
-# flight: covers the step's own kill (the tether: timeout + grace + 1 s), the delay between
-# begin_step and the step's start, and clock rate differences.
+# How long past a step's begin + its in-flight time (steps.in_flight_seconds) a verify waits while
+# the step may still be in flight: covers the step's own kill (its group leader's SIGKILL at
+# begin + timeout + grace + 1 s, processes.own_deadline), a late timer on a loaded host and clock
+# rate differences. The begin is read before the write that stores started_at (StepCall.begun).
 DEADLINE_MARGIN_SECONDS = 5.0
 _DEADLINE_POLL_SECONDS = 1.0
 
@@ -210,13 +211,14 @@ class Attempt:
 
     def _await_step_deadline(self, idx: int, step: Step, *, begun_at: datetime | None = None,
                              run_started: float | None = None) -> AttemptEnd | None:
-        """Wait until the step's begin + timeoutSeconds + margin has passed: before that, a run of it
+        """Wait until the step's begin + its in-flight time (timeoutSeconds; for http the send
+        window + timeoutSeconds) + margin has passed: before that, a run of it
         may still land its effect, and a verify would find nothing and run it a second time. Another
         process's begin (`begun_at`, as begin_step returned it) is judged by the database's clock;
         this worker's own run by its own monotonic clock from `run_started` (it may have started
         long after the begin recorded in the ledger). Honours the drain and the lease meanwhile (the
         renewer goes on in the background)."""
-        after = step.timeout_seconds + DEADLINE_MARGIN_SECONDS
+        after = in_flight_seconds(step) + DEADLINE_MARGIN_SECONDS
 
         def seconds_left() -> float:
             if run_started is not None:
