@@ -1,6 +1,7 @@
 """exec steps against real subprocesses: environment, output bounding, exit-code classification,
 timeouts that kill the whole process group, the drain, and the verify convention."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -128,6 +129,24 @@ def test_timeout_kills_the_whole_process_group_and_the_outcome_is_unknown(tmp_pa
     while running(grandchild) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not running(grandchild)
+
+
+def test_a_lease_lost_during_the_sigterm_grace_kills_the_step_at_once(tmp_path):
+    # A step that ignores SIGTERM gets the grace after its timeout; a lease lost meanwhile must
+    # not wait that out: the next attempt may start within K of the loss.
+    pids = tmp_path / "pids"
+    script = ("import os, signal, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"open({str(pids)!r}, 'w').write(str(os.getpid()))\n"
+              "time.sleep(600)\n")
+    s = step(exec={"command": [PY, "-c", script]}, timeoutSeconds=1)
+    begun = time.monotonic()
+    lost_at = begun + 1.5  # half a second into the production grace of 2 s
+    sup = dataclasses.replace(supervision(), kill_grace_seconds=2.0, held=lambda: time.monotonic() < lost_at)
+    outcome = exec_step.run(s.exec, s, call(begun=begun), sup)
+    assert time.monotonic() - lost_at < 0.5, outcome
+    assert isinstance(outcome, Abandoned) and "lease lost" in outcome.why
+    assert not running(int(pids.read_text()))
 
 
 def test_drain_lets_a_step_finish_within_the_deadline():

@@ -54,25 +54,35 @@ def supervise(proc: subprocess.Popen, *, deadline: float, drain: Drain, kill_gra
                 return ProcessEnd(None, abandoned=True, lease_lost=True)
             now = time.monotonic()
             if now >= deadline:
-                stop_group(proc, kill_grace)
+                if not _stop_group(proc, kill_grace, held):
+                    return ProcessEnd(None, abandoned=True, lease_lost=True)
                 return ProcessEnd(None, timed_out=True)
             if drain.deadline is not None and now >= drain.deadline:
-                stop_group(proc, kill_grace)
+                if not _stop_group(proc, kill_grace, held):
+                    return ProcessEnd(None, abandoned=True, lease_lost=True)
                 return ProcessEnd(None, abandoned=True)
             continue
         _signal_group(proc.pid, signal.SIGKILL)
         return ProcessEnd(returncode)
 
 
-def stop_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the group (a python step sets its `cancelled` event), SIGKILL it after `grace`."""
+def _stop_group(proc: subprocess.Popen, grace: float, held: Callable[[], bool]) -> bool:
+    """SIGTERM the group (a python step sets its `cancelled` event), SIGKILL it after `grace` — at
+    once if the lease is lost meanwhile (then False): the next attempt may be about to start."""
     _signal_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
+    until = time.monotonic() + grace
+    still_held = True
+    while (left := until - time.monotonic()) > 0:
+        try:
+            proc.wait(timeout=min(_POLL_SECONDS, left))
+            break
+        except subprocess.TimeoutExpired:
+            if not held():
+                still_held = False
+                break
     _signal_group(proc.pid, signal.SIGKILL)  # also reaches grandchildren that outlived the leader
     proc.wait()
+    return still_held
 
 
 def _signal_group(pgid: int, signum: int) -> None:
