@@ -385,3 +385,15 @@ def test_a_replaced_attempt_cannot_record_a_run_start(ledger, stub):
     with pytest.raises(FenceRejected):
         ledger.start_run(uid, 1, 0, actor="worker:pod-1")
     assert ledger.get(uid).steps[0].state == StepState.STARTED
+
+
+def test_a_spec_the_models_now_refuse_fails_the_task_permanently_instead_of_crashing_every_attempt(ledger, tmp_path):
+    # Admitted before the API refused CR/LF in header values: the worker must end the task
+    # cleanly (fenced, with the reason), never send it, never crash with exit 1 attempt after attempt.
+    step = {"name": "charge", "http": {"method": "POST", "url": "http://127.0.0.1:9/charges",
+                                       "headers": {"X-Note": "a\r\nX-Injected: 1"}}}
+    uid = admit(ledger, [step])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "step failed (permanent): task Failed")
+    record = ledger.get(uid)
+    assert (record.phase, record.reason) == (TaskPhase.FAILED, "PermanentError")
+    assert "steps.0.http.headers" in record.steps[0].error and "CR, LF or NUL" in record.steps[0].error

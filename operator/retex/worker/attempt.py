@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from retex.api.models import Step, TaskSpec
 from retex.failpoints import failpoint
 from retex.ledger import (
@@ -104,7 +106,10 @@ class Attempt:
             return AttemptEnd(ExitCode.DISRUPTED, str(exc))
 
     def _run(self) -> AttemptEnd:
-        spec = TaskSpec.model_validate(self._record.spec)
+        try:
+            spec = TaskSpec.model_validate(self._record.spec)
+        except ValidationError as exc:
+            return self._refuse_spec(exc)
         uid = self._record.uid
         results = {s.name: s.result for s in self._record.steps[: self._record.completed_steps]}
         for idx in range(self._record.completed_steps, len(spec.steps)):
@@ -149,6 +154,29 @@ class Attempt:
         self._ledger.complete_task(uid, self._epoch, actor=self._actor)
         event(log, logging.INFO, "task succeeded")
         return AttemptEnd(ExitCode.OVER, "succeeded")
+
+    def _refuse_spec(self, exc: ValidationError) -> AttemptEnd:
+        """A spec this worker's models refuse (admitted before a rule that now refuses it): no
+        retry can change that. The task ends through the fenced path at its first step not done,
+        nothing run: a permanent failure, or NeedsAttention if that step was begun and never
+        recorded (its effect may have happened)."""
+        problems = "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+                             for error in exc.errors()[:5])
+        why = f"the task's spec is refused by this worker (admitted before a rule that now refuses it): {problems}"
+        event(log, logging.ERROR, "spec refused", error=why)
+        idx = self._record.completed_steps
+        if idx == len(self._record.steps):  # every effect is done and recorded: nothing to refuse
+            self._ledger.complete_task(self._record.uid, self._epoch, actor=self._actor)
+            return AttemptEnd(ExitCode.OVER, "succeeded")
+        self._tag(self._record.steps[idx].name)
+        try:
+            prior = self._ledger.begin_step(self._record.uid, self._epoch, idx, actor=self._actor)
+        except CancelRequested:
+            self._ledger.finish_cancelled(self._record.uid, self._epoch, actor=self._actor)
+            return AttemptEnd(ExitCode.OVER, "cancelled")
+        if prior.state == StepState.STARTED:
+            return self._flag(idx, f"{why}; and the step was begun by attempt {prior.attempt} and never recorded")
+        return self._fail(idx, why, retryable=False)
 
     # -- outcomes ----------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ beginning as text with "bodyTruncated": true). A non-2xx status is a failure, re
 425, 429 and 5xx unless the step's status lists say otherwise — but for a step that is not
 idempotent those statuses are unknown unless a list declares them (`status_outcome`). No
 connection (refused, DNS, TLS handshake) = retryable failure: nothing was sent. A request that
-cannot be put together (a header value) = permanent failure, nothing sent. Lost after sending or
+cannot be put together (a header value http.client cannot encode; CR, LF and NUL are refused by
+the models before any step runs) = permanent failure, nothing sent. Lost after sending or
 timed out = unknown.
 Verify convention: 2xx = found (that response is the result), 404 = not found, other = error.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import socket
 import ssl
 import threading
@@ -114,17 +114,6 @@ class _LostAfterSending:
     error: str
 
 
-_FORBIDDEN_IN_HEADER_VALUE = re.compile("[\r\n\x00]")
-
-
-def unsendable_header(headers: dict[str, str]) -> str | None:
-    """Why a header cannot be sent as given (CR/LF would inject headers, NUL is refused), or None."""
-    for name, value in headers.items():
-        if _FORBIDDEN_IN_HEADER_VALUE.search(value):
-            return f"header {name}: its value contains CR, LF or NUL; nothing was sent"
-    return None
-
-
 class _Exchange:
     """One request/response on a helper thread, so the caller can give up on it at a deadline.
 
@@ -169,8 +158,6 @@ class _Exchange:
         headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
         if content_type and not any(h.lower() == "content-type" for h in headers):
             headers["Content-Type"] = content_type
-        if (why := unsendable_header(headers)) is not None:
-            return _NotSent(why)
         url = urlsplit(self._action.url)
         connect_within = max(0.001, self._send_by - time.monotonic())
         if url.scheme == "https":
