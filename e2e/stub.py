@@ -14,6 +14,8 @@ are persisted (written atomically after every change) so a restart of the stub l
     GET  /effects/<name>[/<key>] verify (query-first), the key from the path or the
                                  Idempotency-Key header: 200 + stored response if executed, else 404
     GET  /counts                 {"<name>/<key>": {"deliveries": d, "executions": e}}
+    GET  /arrivals               {"<name>/<key>": n}: POSTs received so far, counted on arrival (before
+                                 any delay), in memory only: shows a request is in flight
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Ledger:
         self.path = path
         self.lock = threading.Lock()
         self.state = json.loads(path.read_text()) if path.exists() else {"counts": {}, "responses": {}}
+        self.arrivals: dict[str, int] = {}
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -62,6 +65,8 @@ def make_handler(ledger: Ledger, idempotent: bool):
             with ledger.lock:
                 if parts == ["counts"]:
                     return self._answer(200, ledger.state["counts"])
+                if parts == ["arrivals"]:
+                    return self._answer(200, ledger.arrivals)
                 if parts[0] == "effects" and len(parts) in (2, 3):
                     key = parts[2] if len(parts) == 3 else self.headers.get("Idempotency-Key")
                     stored = ledger.state["responses"].get(f"{parts[1]}/{key}")
@@ -75,10 +80,12 @@ def make_handler(ledger: Ledger, idempotent: bool):
                 return self._answer(404, {"error": "unknown path"})
             query = {k: v[0] for k, v in parse_qs(url.query).items()}
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            if "delay" in query:
-                time.sleep(float(query["delay"]))  # outside the lock: other requests go on meanwhile
             key = self.headers.get("Idempotency-Key") or f"anonymous-{uuid.uuid4()}"
             ident = f"{parts[1]}/{key}"
+            with ledger.lock:
+                ledger.arrivals[ident] = ledger.arrivals.get(ident, 0) + 1
+            if "delay" in query:
+                time.sleep(float(query["delay"]))  # outside the lock: other requests go on meanwhile
             with ledger.lock:
                 count = ledger.state["counts"].setdefault(ident, {"deliveries": 0, "executions": 0})
                 count["deliveries"] += 1

@@ -20,7 +20,7 @@ def running_names(system) -> set[str]:
 
 def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it_again(retex):
     marker = Path(f"/tmp/retex-requeue-{uuid.uuid4().hex}")
-    apply(retex, "flaky", [sh("only", f"test -f {marker} || exit 7")],
+    apply(retex, "flaky", [sh("only", f"test -f {marker} || exit 7", retryableExitCodes=[7])],
           retry={"maxAttempts": 2, "backoff": {"initialSeconds": 0.1, "maxSeconds": 0.2}})
     wait_for(lambda: phase_is(retex, "flaky", "Failed"), timeout=90, what="Failed")
     shown = status(retex, "flaky")

@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -30,7 +31,7 @@ from kubernetes.client import BatchV1Api, CoreV1Api
 from e2e.rig.waits import job_pods, wait_job_finished
 from e2e.system import WORKER_DB_SECRET, prepare_namespace
 from retex.api.models import TaskSpec
-from retex.kube.leases import read_lease, released_by
+from retex.kube.leases import LeaseTiming, read_lease, released_by
 from retex.kube.objects import WorkerDefaults, build_job, build_lease, lease_name
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import Backoff, StepState, TaskPhase
@@ -451,7 +452,11 @@ def process_gone(pid: int) -> bool:
 def test_a_worker_whose_renewals_fail_kills_its_running_step_before_the_lease_duration_passes(
         new_task, dsn, rig, proxy, tmp_path):
     # The operator may replace the attempt once it has seen no renewal for the duration; by then
-    # the old step must be dead. Renewals fail from `cut` on, so the last success was before it.
+    # the old step must be dead: the worker gives up R after *sending* its last successful
+    # renewal and kills the step within K (R + K < D). The Lease's renewTime is the worker's wall
+    # clock at that send (same host as this test); a renewal the server wrote but whose answer
+    # the cut lost only makes it later, so the bound measured from it holds all the more.
+    timing = LeaseTiming.of(DURATION)
     pid_file = tmp_path / "step-pid"
     hang = [PY, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600); "
                       "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
@@ -459,9 +464,12 @@ def test_a_worker_whose_renewals_fail_kills_its_running_step_before_the_lease_du
     worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
     pid = int(wait_until("the step to start", lambda: pid_file.exists() and pid_file.read_text()))
     threading.Thread(target=proxy.cut_for, args=(DURATION + 5,), daemon=True).start()
-    cut = time.monotonic()
     wait_until("the step to be killed", lambda: process_gone(pid), timeout=3 * DURATION)
-    assert time.monotonic() - cut < DURATION, "killed after the operator could have replaced the attempt"
+    killed = datetime.now(UTC)
+    last_renewal = datetime.strptime(task.lease()["spec"]["renewTime"], "%Y-%m-%dT%H:%M:%S.%f%z")
+    since_renewal = (killed - last_renewal).total_seconds()
+    assert since_renewal < timing.renew_deadline + timing.kill, \
+        f"killed {since_renewal:.2f}s after the last renewal was sent; R + K = {timing.renew_deadline + timing.kill}s"
     assert worker.wait() == 75, worker.log()
     assert "renew deadline passed" in worker.log()
     assert [s.state for s in task.record().steps] == [StepState.STARTED, StepState.PENDING]  # nothing recorded

@@ -232,11 +232,22 @@ def test_a_step_abandoned_at_the_drain_deadline_is_left_started_with_nothing_rec
 def test_a_permanent_failure_fails_the_task_and_a_retryable_one_schedules_a_retry(ledger, stub):
     fail_3 = [PY, "-c", "raise SystemExit(3)"]
     permanent = admit(ledger, [exec_step("charge", stub, fail_3, permanentExitCodes=[3])])
-    retryable = admit(ledger, [exec_step("charge", stub, fail_3)])
+    retryable = admit(ledger, [exec_step("charge", stub, fail_3, retryableExitCodes=[3])])
     assert run_attempt(ledger, permanent, 1).code == ExitCode.OVER
     assert run_attempt(ledger, retryable, 1).code == ExitCode.OVER
     assert (ledger.get(permanent).phase, ledger.get(permanent).reason) == (TaskPhase.FAILED, "PermanentError")
     assert ledger.get(retryable).phase == TaskPhase.RETRYING
+
+
+def test_an_exec_step_that_crashes_after_its_effect_is_verified_and_committed_not_run_again(ledger, stub):
+    # `curl ... && jq ...` failing after the POST: exit 1 is no proof that nothing happened.
+    effect_then_crash = [PY, "-c", "import os; "
+                                   "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n'); "
+                                   "raise SystemExit(1)"]
+    uid = admit(ledger, [with_verify("charge", stub, command=effect_then_crash)])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert ledger.get(uid).steps[0].result["verified"] is True
+    assert len(stub.executions()) == 1
 
 
 def test_a_timed_out_step_that_is_not_idempotent_goes_to_a_human_not_to_a_blind_retry(ledger, stub):
@@ -364,3 +375,25 @@ def test_a_lease_lost_while_a_step_runs_kills_the_step_at_once_and_records_nothi
     assert gone(int(pid_file.read_text()))  # killed, not left running
     assert (step.state, step.result, step.error) == (StepState.STARTED, None, None)
     assert stub.executions() == []
+
+
+def test_a_replaced_attempt_cannot_record_a_run_start(ledger, stub):
+    # start_run is the last fenced write before a re-run: a worker replaced meanwhile stops there.
+    uid = admit(ledger, [with_verify("charge", stub)])
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    ledger.replace_attempt(uid, 1, cause="lease-expired")
+    with pytest.raises(FenceRejected):
+        ledger.start_run(uid, 1, 0, actor="worker:pod-1")
+    assert ledger.get(uid).steps[0].state == StepState.STARTED
+
+
+def test_a_spec_the_models_now_refuse_fails_the_task_permanently_instead_of_crashing_every_attempt(ledger, tmp_path):
+    # Admitted before the API refused CR/LF in header values: the worker must end the task
+    # cleanly (fenced, with the reason), never send it, never crash with exit 1 attempt after attempt.
+    step = {"name": "charge", "http": {"method": "POST", "url": "http://127.0.0.1:9/charges",
+                                       "headers": {"X-Note": "a\r\nX-Injected: 1"}}}
+    uid = admit(ledger, [step])
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "step failed (permanent): task Failed")
+    record = ledger.get(uid)
+    assert (record.phase, record.reason) == (TaskPhase.FAILED, "PermanentError")
+    assert "steps.0.http.headers" in record.steps[0].error and "CR, LF or NUL" in record.steps[0].error

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 import urllib.request
@@ -38,6 +39,11 @@ class Counter:
     def executions(self, key: str) -> int:
         with urllib.request.urlopen(f"{self.url}/counts") as response:
             return json.load(response).get(f"charge/{key}", {}).get("executions", 0)
+
+    def arrivals(self, key: str) -> int:
+        """Requests received so far, counted before the stub's delay: a charge in flight shows here."""
+        with urllib.request.urlopen(f"{self.url}/arrivals") as response:
+            return json.load(response).get(f"charge/{key}", 0)
 
 
 @pytest.fixture
@@ -170,3 +176,52 @@ def test_a_run_started_after_waiting_out_an_old_begin_gets_its_own_full_deadline
     record = ledger.get(uid)
     assert counter.executions(record.steps[0].idempotency_key) == 1
     assert record.steps[0].result["verified"] is True
+
+
+class LeaseLostOnceSent:
+    """Held until the stub has received the charge: the worker is replaced with its request in flight."""
+
+    def __init__(self, counter: Counter, key: str):
+        self._counter, self._key = counter, key
+
+    def still_held(self) -> bool:
+        return self._counter.arrivals(self._key) == 0
+
+
+def test_a_run_after_a_verify_moves_the_step_deadline_so_the_next_attempt_waits_for_that_run(ledger, counter):
+    # Attempt 2 waits out attempt 1's begin, verifies (not found) and only then sends the charge,
+    # long after its own begin_step; it is replaced while the stub is still processing. Attempt 3
+    # must wait from attempt 2's *run*, not its begin: verifying at once sees 404 and charges again.
+    uid = admit(ledger, charge(counter, "?delay=2.5", timeoutSeconds=1))
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    key = ledger.get(uid).steps[0].idempotency_key
+    epoch = ledger.replace_attempt(uid, 1, cause="lease-expired").epoch
+    record = ledger.claim_attempt(uid, epoch, pod="pod-2", node=None)
+    end = Attempt(ledger, record, epoch=epoch, actor="worker:pod-2", lease=LeaseLostOnceSent(counter, key),
+                  supervision=Supervision(drain=Drain(30)), verify_retry_seconds=0.05).run()
+    assert end.code == ExitCode.DISRUPTED and counter.arrivals(key) == 1  # replaced with the charge in flight
+    assert counter.executions(key) == 0
+    epoch = ledger.replace_attempt(uid, epoch, cause="lease-expired").epoch
+    assert run_attempt(ledger, uid, epoch) == AttemptEnd(ExitCode.OVER, "succeeded")
+    assert ledger.get(uid).steps[0].result["verified"] is True
+    assert (counter.arrivals(key), counter.executions(key)) == (1, 1)
+
+
+def test_a_request_sent_late_gets_the_servers_whole_timeout_before_it_is_verified(ledger, counter, monkeypatch):
+    # A slow name lookup (7.5 s of the 8 s timeout) sends the charge late; the server then takes
+    # 7.5 s, within the timeout it is allowed after receiving it: the effect lands ~15 s after the
+    # begin. A verify at begin + timeout + margin (13 s) would see 404 and charge again.
+    real_getaddrinfo, lookups = socket.getaddrinfo, []
+
+    def slow_first_lookup(*args, **kwargs):
+        lookups.append(args[0])
+        if len(lookups) == 1:
+            time.sleep(7.5)
+        return real_getaddrinfo(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_first_lookup)
+    uid = admit(ledger, charge(counter, "?delay=7.5", timeoutSeconds=8))
+    assert run_attempt(ledger, uid, 1) == AttemptEnd(ExitCode.OVER, "succeeded")
+    record = ledger.get(uid)
+    assert record.steps[0].result["verified"] is True
+    assert counter.executions(record.steps[0].idempotency_key) == 1

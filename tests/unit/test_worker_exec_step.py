@@ -1,6 +1,7 @@
 """exec steps against real subprocesses: environment, output bounding, exit-code classification,
 timeouts that kill the whole process group, the drain, and the verify convention."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -73,20 +74,29 @@ def test_escaped_output_still_fits_the_bound():
     assert len(json.dumps(outcome.result["stdout"]).encode()) <= exec_step.STDOUT_TAIL_BYTES
 
 
-def test_non_zero_exit_is_retryable_by_default_with_stderr_in_the_error():
-    outcome = run("import sys; print('card declined', file=sys.stderr); sys.exit(7)")
+def test_non_zero_exit_of_an_idempotent_step_is_retryable_by_default_with_stderr_in_the_error():
+    outcome = run("import sys; print('card declined', file=sys.stderr); sys.exit(7)", idempotent=True)
     assert isinstance(outcome, Failed) and outcome.retryable
     assert "exit code 7" in outcome.error and "card declined" in outcome.error
 
 
+def test_an_undeclared_exit_code_of_a_step_that_is_not_idempotent_is_unknown_not_a_blind_retry():
+    # A traceback, `set -e`, `curl ... && jq` failing after the POST: most non-zero exits come
+    # after the effect may have happened.
+    outcome = run("import sys; print('charged; then', file=sys.stderr); sys.exit(1)")
+    assert isinstance(outcome, Unknown) and "exit code 1" in outcome.error and "charged; then" in outcome.error
+    assert isinstance(run("raise SystemExit(4)", permanentExitCodes=[3]), Unknown)
+    assert isinstance(run("raise SystemExit(1)", retryableExitCodes=[75]), Unknown)
+
+
 def test_listed_permanent_exit_code_fails_permanently_and_others_stay_retryable():
     assert run("raise SystemExit(3)", permanentExitCodes=[3]) == Failed("exit code 3: ", retryable=False)
-    assert run("raise SystemExit(4)", permanentExitCodes=[3]).retryable
+    assert run("raise SystemExit(4)", permanentExitCodes=[3], idempotent=True).retryable
 
 
 def test_retryable_exit_codes_list_makes_every_other_code_permanent():
     assert run("raise SystemExit(75)", retryableExitCodes=[75]).retryable
-    assert not run("raise SystemExit(1)", retryableExitCodes=[75]).retryable
+    assert not run("raise SystemExit(1)", retryableExitCodes=[75], idempotent=True).retryable
 
 
 def test_missing_command_is_a_permanent_failure():
@@ -119,6 +129,24 @@ def test_timeout_kills_the_whole_process_group_and_the_outcome_is_unknown(tmp_pa
     while running(grandchild) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not running(grandchild)
+
+
+def test_a_lease_lost_during_the_sigterm_grace_kills_the_step_at_once(tmp_path):
+    # A step that ignores SIGTERM gets the grace after its timeout; a lease lost meanwhile must
+    # not wait that out: the next attempt may start within K of the loss.
+    pids = tmp_path / "pids"
+    script = ("import os, signal, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"open({str(pids)!r}, 'w').write(str(os.getpid()))\n"
+              "time.sleep(600)\n")
+    s = step(exec={"command": [PY, "-c", script]}, timeoutSeconds=1)
+    begun = time.monotonic()
+    lost_at = begun + 1.5  # half a second into the production grace of 2 s
+    sup = dataclasses.replace(supervision(), kill_grace_seconds=2.0, held=lambda: time.monotonic() < lost_at)
+    outcome = exec_step.run(s.exec, s, call(begun=begun), sup)
+    assert time.monotonic() - lost_at < 0.5, outcome
+    assert isinstance(outcome, Abandoned) and "lease lost" in outcome.why
+    assert not running(int(pids.read_text()))
 
 
 def test_drain_lets_a_step_finish_within_the_deadline():

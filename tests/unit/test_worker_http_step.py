@@ -1,10 +1,12 @@
 """http steps against a real local HTTP server: headers, bodies, status classification, timeouts,
 lost connections, TLS verification and the verify convention."""
 
+import dataclasses
 import json
 import socket
 import ssl
 import subprocess
+import threading
 import time
 
 import pytest
@@ -159,11 +161,45 @@ def test_verify_404_is_not_found_and_other_statuses_are_errors(stub):
     assert isinstance(verify(stub, 403), VerifyFailed)
 
 
-def test_a_header_value_with_cr_lf_fails_before_anything_is_sent(stub):
-    # The API refuses such a Task; a spec admitted before that rule must still not crash the worker.
-    s = step(http={"method": "POST", "url": stub.url("/charges")})
-    action = s.http.model_copy(update={"headers": {"X-Note": "a\r\nX-Injected: 1"}})
-    outcome = http_step.run(action, s, call(), supervision())
+def test_a_header_value_http_client_cannot_encode_fails_before_anything_is_sent(stub):
+    # http.client sends latin-1 only; the models let other text through (CR, LF and NUL they
+    # refuse before any step runs: test_worker_attempt).
+    s = step(http={"method": "POST", "url": stub.url(), "headers": {"X-Note": "日本"}})
+    outcome = http_step.run(s.http, s, call(), supervision())
     assert isinstance(outcome, Failed) and not outcome.retryable
     assert "X-Note" in outcome.error and "nothing was sent" in outcome.error
     assert stub.requests == []
+
+
+def exchange_threads_done() -> None:
+    """Wait for every request thread run() left behind: whatever it would still send is sent by then."""
+    for thread in threading.enumerate():
+        if thread.name == "retex-http-step":
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("gives_up", ["timeout", "drain", "lease"])
+def test_a_request_the_worker_gave_up_on_while_resolving_is_never_sent_afterwards(stub, monkeypatch, gives_up):
+    # Name resolution has no timeout of its own (getaddrinfo); a resolver 1.5 s slow stands in for
+    # a slow DNS server. The worker gives up at 1 s; the request thread must then never send.
+    real_getaddrinfo = socket.getaddrinfo
+
+    def slow_getaddrinfo(*args, **kwargs):
+        time.sleep(1.5)
+        return real_getaddrinfo(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", slow_getaddrinfo)
+    sup = supervision()
+    s = step(http={"method": "POST", "url": stub.url()}, timeoutSeconds=1 if gives_up == "timeout" else 30)
+    if gives_up == "drain":
+        sup = supervision(drain_seconds=1.0)
+        sup.drain.begin()
+    if gives_up == "lease":
+        lost_at = time.monotonic() + 1.0
+        sup = dataclasses.replace(sup, held=lambda: time.monotonic() < lost_at)
+    started = time.monotonic()
+    outcome = http_step.run(s.http, s, call(), sup)
+    assert time.monotonic() - started < 1.4, outcome
+    exchange_threads_done()
+    assert stub.requests == [], f"sent after run() returned {outcome}"

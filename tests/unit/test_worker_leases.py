@@ -4,6 +4,8 @@ from datetime import UTC, datetime
 
 import pytest
 
+from retex.worker.lease import AttemptLease
+
 from retex.kube.leases import (
     LeaseTiming,
     RELEASED_BY_ANNOTATION,
@@ -169,3 +171,30 @@ def test_lease_timing_kills_the_step_before_the_operator_can_judge_the_lease_exp
 def test_a_task_renew_deadline_is_used_only_if_it_keeps_the_invariant_with_the_jobs_duration():
     assert LeaseTiming.of(15, 12).renew_deadline == 12
     assert LeaseTiming.of(10, 12).renew_deadline == pytest.approx(20 / 3)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_lease_seen_lost_stays_lost_when_a_renewal_sent_before_the_deadline_succeeds_after_it():
+    # The renewal's answer arrives late (the API server slow, a proxy): by then the worker has
+    # seen the deadline pass and is killing its step. A lease that comes back to life would let
+    # another part of the worker (the next step boundary, a deadline wait) carry on.
+    clock = FakeClock()
+    lease = AttemptLease(None, "ns", "lease", Holder("pod-a", 1), LeaseTiming.of(15), clock=clock)
+    lease._last_renewal, lease._body = clock.now, {"metadata": {}, "spec": {}}
+    clock.now += 9.5  # the last try before the 10 s renew deadline is sent ...
+
+    def answered_late(body):
+        clock.now += 1.0  # ... and its answer comes after the deadline
+        assert not lease.still_held()  # meanwhile the step was killed
+        return body
+
+    lease._replace = answered_late  # the API call's answer only: the timing logic is under test
+    lease._renew_once()
+    assert not lease.still_held()

@@ -711,11 +711,35 @@ class Ledger:
                 return prior  # a repeated call
             if any(s["state"] != StepState.DONE for s in steps[:idx]):
                 raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
-            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, started_at=_NOW,
-                            error=None)
+            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
+            # The moment of this write, not the transaction's start (now(), before the lock wait):
+            # a later attempt's deadline wait counts from it.
+            cur.execute("UPDATE retex.steps SET started_at = clock_timestamp() WHERE task_uid = %s AND idx = %s",
+                        (uid, idx))
             return prior
 
         return self._tx(op, op="begin_step")
+
+    def start_run(self, uid: str, epoch: int, idx: int, *, actor: str) -> None:
+        """Step `idx`, begun by this attempt and found `started` from an earlier one, is about to
+        run now (after its verify found nothing, or as an idempotent re-run): its started_at
+        becomes this moment, so a later attempt waits out this run's deadline, not the begin's.
+        Fenced: a run whose start is not recorded before a newer epoch exists never runs."""
+
+        def op(cur: psycopg.Cursor) -> None:
+            task = self._lock_task(cur, uid)
+            self._fence(task, epoch)
+            row = cur.execute(
+                """UPDATE retex.steps SET started_at = clock_timestamp()
+                   WHERE task_uid = %s AND idx = %s AND state = 'started' AND attempt = %s RETURNING idx""",
+                (uid, idx, epoch),
+            ).fetchone()
+            if row is None:
+                raise IllegalTransition("step", "not started by this attempt", f"start a run of step {idx}")
+            self._history(cur, uid, actor, "step-run", epoch=epoch, step_idx=idx)
+            self._touch(cur, uid)
+
+        self._tx(op, op="start_run")
 
     def seconds_until_step_deadline(self, uid: str, idx: int, *, begun_at: datetime | None,
                                     after_seconds: float) -> float:

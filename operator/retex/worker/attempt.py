@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from retex.api.models import Step, TaskSpec
 from retex.failpoints import failpoint
 from retex.ledger import (
@@ -48,13 +50,14 @@ from retex.worker.outcomes import (
     stored_result,
     stored_text,
 )
-from retex.worker.steps import run_step, run_verify
+from retex.worker.steps import in_flight_seconds, run_step, run_verify
 
 log = logging.getLogger(__name__)
 
-# How long past a step's begin + timeoutSeconds a verify waits while the step may still be in
-# flight: covers the step's own kill (the tether: timeout + grace + 1 s), the delay between
-# begin_step and the step's start, and clock rate differences.
+# How long past a step's begin + its in-flight time (steps.in_flight_seconds) a verify waits while
+# the step may still be in flight: covers the step's own kill (its group leader's SIGKILL at
+# begin + timeout + grace + 1 s, processes.own_deadline), a late timer on a loaded host and clock
+# rate differences. The begin is read before the write that stores started_at (StepCall.begun).
 DEADLINE_MARGIN_SECONDS = 5.0
 _DEADLINE_POLL_SECONDS = 1.0
 
@@ -103,7 +106,10 @@ class Attempt:
             return AttemptEnd(ExitCode.DISRUPTED, str(exc))
 
     def _run(self) -> AttemptEnd:
-        spec = TaskSpec.model_validate(self._record.spec)
+        try:
+            spec = TaskSpec.model_validate(self._record.spec)
+        except ValidationError as exc:
+            return self._refuse_spec(exc)
         uid = self._record.uid
         results = {s.name: s.result for s in self._record.steps[: self._record.completed_steps]}
         for idx in range(self._record.completed_steps, len(spec.steps)):
@@ -114,6 +120,9 @@ class Attempt:
             if not self._lease.still_held():
                 return AttemptEnd(ExitCode.DISRUPTED, "lease lost: no new step started")
             failpoint("before-step", step.name, task=self._record.name, uid=uid)
+            # Read before the write that records the begin (so never later than its started_at):
+            # the step's own deadlines count from here (StepCall.begun).
+            begun = time.monotonic()
             try:
                 prior = self._ledger.begin_step(uid, self._epoch, idx, actor=self._actor)
             except CancelRequested:
@@ -122,14 +131,20 @@ class Attempt:
                 return AttemptEnd(ExitCode.OVER, "cancelled")
             failpoint("after-begin", step.name, task=self._record.name, uid=uid)
             call = StepCall(task_uid=uid, step=step.name, idempotency_key=prior.idempotency_key,
-                            attempt=self._epoch, payload=spec.payload or {}, results=dict(results))
-            ended = self._resolve_interrupted(idx, step, call, prior) if prior.state == StepState.STARTED else _RUN_IT
+                            attempt=self._epoch, payload=spec.payload or {}, results=dict(results), begun=begun)
+            ended = _RUN_IT
+            if prior.state == StepState.STARTED:
+                ended = self._resolve_interrupted(idx, step, call, prior)
+                if ended is _RUN_IT:
+                    # Recorded before it runs (fenced): a later attempt waits out this run, which
+                    # may start long after this attempt's begin_step (after waiting and verifying).
+                    call = dataclasses.replace(call, begun=time.monotonic())
+                    self._ledger.start_run(uid, self._epoch, idx, actor=self._actor)
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
-                run_started = time.monotonic()
                 outcome = self._run_step(step, call)
                 failpoint("after-effect", step.name, task=self._record.name, uid=uid)
-                ended = self._record_outcome(idx, step, call, outcome, run_started)
+                ended = self._record_outcome(idx, step, call, outcome)
             if isinstance(ended, AttemptEnd):
                 return ended
             failpoint("after-commit", step.name, task=self._record.name, uid=uid)
@@ -140,17 +155,39 @@ class Attempt:
         event(log, logging.INFO, "task succeeded")
         return AttemptEnd(ExitCode.OVER, "succeeded")
 
+    def _refuse_spec(self, exc: ValidationError) -> AttemptEnd:
+        """A spec this worker's models refuse (admitted before a rule that now refuses it): no
+        retry can change that. The task ends through the fenced path at its first step not done,
+        nothing run: a permanent failure, or NeedsAttention if that step was begun and never
+        recorded (its effect may have happened)."""
+        problems = "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
+                             for error in exc.errors()[:5])
+        why = f"the task's spec is refused by this worker (admitted before a rule that now refuses it): {problems}"
+        event(log, logging.ERROR, "spec refused", error=why)
+        idx = self._record.completed_steps
+        if idx == len(self._record.steps):  # every effect is done and recorded: nothing to refuse
+            self._ledger.complete_task(self._record.uid, self._epoch, actor=self._actor)
+            return AttemptEnd(ExitCode.OVER, "succeeded")
+        self._tag(self._record.steps[idx].name)
+        try:
+            prior = self._ledger.begin_step(self._record.uid, self._epoch, idx, actor=self._actor)
+        except CancelRequested:
+            self._ledger.finish_cancelled(self._record.uid, self._epoch, actor=self._actor)
+            return AttemptEnd(ExitCode.OVER, "cancelled")
+        if prior.state == StepState.STARTED:
+            return self._flag(idx, f"{why}; and the step was begun by attempt {prior.attempt} and never recorded")
+        return self._fail(idx, why, retryable=False)
+
     # -- outcomes ----------------------------------------------------------------------------
 
-    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome,
-                        run_started: float) -> _Committed | AttemptEnd:
+    def _record_outcome(self, idx: int, step: Step, call: StepCall, outcome: StepOutcome) -> _Committed | AttemptEnd:
         match outcome:
             case Succeeded(result):
                 return self._commit(idx, result, "step committed")
             case Failed(error, retryable):
                 return self._fail(idx, error, retryable=retryable)
             case Unknown(why):
-                return self._settle_unknown(idx, step, call, why, run_started)
+                return self._settle_unknown(idx, step, call, why)
             case Abandoned(why):
                 event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
                 return AttemptEnd(ExitCode.DISRUPTED, f"step abandoned, nothing recorded: {why}")
@@ -179,13 +216,12 @@ class Attempt:
         return self._flag(idx, f"step was begun by attempt {prior.attempt} and never recorded; it has no verify "
                                "and is not idempotent, so whether its effect happened is unknown")
 
-    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str,
-                        run_started: float) -> _Committed | AttemptEnd:
+    def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str) -> _Committed | AttemptEnd:
         """The run gave no answer: the same question as R6, asked now."""
         event(log, logging.WARNING, "step outcome unknown", why=why)
         if step.verify is not None:
             # The step stays `started` until its deadline: a server may still be processing it.
-            if (end := self._await_step_deadline(idx, step, run_started=run_started)) is not None:
+            if (end := self._await_step_deadline(idx, step, run_started=call.begun)) is not None:
                 return end
             match self._verify(step, call):
                 case Found(result):
@@ -203,13 +239,14 @@ class Attempt:
 
     def _await_step_deadline(self, idx: int, step: Step, *, begun_at: datetime | None = None,
                              run_started: float | None = None) -> AttemptEnd | None:
-        """Wait until the step's begin + timeoutSeconds + margin has passed: before that, a run of it
+        """Wait until the step's begin + its in-flight time (timeoutSeconds; for http the send
+        window + timeoutSeconds) + margin has passed: before that, a run of it
         may still land its effect, and a verify would find nothing and run it a second time. Another
         process's begin (`begun_at`, as begin_step returned it) is judged by the database's clock;
         this worker's own run by its own monotonic clock from `run_started` (it may have started
         long after the begin recorded in the ledger). Honours the drain and the lease meanwhile (the
         renewer goes on in the background)."""
-        after = step.timeout_seconds + DEADLINE_MARGIN_SECONDS
+        after = in_flight_seconds(step) + DEADLINE_MARGIN_SECONDS
 
         def seconds_left() -> float:
             if run_started is not None:
@@ -242,7 +279,8 @@ class Attempt:
         outcome: VerifyOutcome = VerifyFailed("not run")
         for attempt in range(1, self._verify_tries + 1):
             try:
-                outcome = run_verify(step.verify, step, call, self._sup)
+                # A verify's own time counts from its own start, not from the step's begin.
+                outcome = run_verify(step.verify, step, dataclasses.replace(call, begun=time.monotonic()), self._sup)
             except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
                 log.exception("verify runner failed")
                 outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")

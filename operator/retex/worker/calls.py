@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +29,10 @@ class StepCall:
     attempt: int
     payload: dict[str, Any]
     results: dict[str, Any]  # committed results of the earlier steps, by step name
+    # The run's begin on CLOCK_MONOTONIC (time.monotonic(), one clock for every process on the
+    # host), read just before the fenced write that recorded it: the step's deadlines count from
+    # here, so nothing after that write (spawning, interpreter start-up, imports) can stretch them.
+    begun: float = field(default_factory=time.monotonic)
 
 
 def _always_held() -> bool:

@@ -36,12 +36,23 @@ from retex.worker.outcomes import (
     VerifyOutcome,
     tail_text,
 )
-from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline_seconds, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline, supervise
 
 STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024
 ERROR_TAIL_BYTES = 1024
 VERIFY_NOT_FOUND_EXIT_CODE = 44
+
+
+def exit_outcome(step: Step, code: int, stderr_tail: str) -> Failed | Unknown:
+    """A non-zero exit. Most come after the effect may have happened (a traceback, `set -e`, a
+    `curl ... && jq` failing after the POST): for a step that is not idempotent a code is a clean
+    failure only if the step names it in retryableExitCodes or permanentExitCodes, else unknown."""
+    summary = f"exit code {code}: {stderr_tail}"
+    declared = (step.retryable_exit_codes or []) + (step.permanent_exit_codes or [])
+    if not step.idempotent and code not in declared:
+        return Unknown(f"{summary} (not idempotent, and this exit code is not declared: the effect may have happened)")
+    return Failed(summary, retryable=exit_code_retryable(step, code))
 
 
 def exit_code_retryable(step: Step, code: int) -> bool:
@@ -76,9 +87,9 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
             not_started = workdir / "not-started"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
-                 str(own_deadline_seconds(step, sup)), *action.command, *(action.args or [])],
+                 repr(own_deadline(step, call, sup)), *action.command, *(action.args or [])],
                 env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
-            end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
+            end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
                             held=sup.held)
             if not_started.exists():  # not found, not executable: no retry will change that
                 return Failed(not_started.read_text(), retryable=False)
@@ -126,7 +137,7 @@ def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> Ste
     code = ran.end.returncode
     if code == 0:
         return Succeeded(ran.output)
-    return Failed(f"exit code {code}: {ran.stderr_tail}", retryable=exit_code_retryable(step, code))
+    return exit_outcome(step, code, ran.stderr_tail)
 
 
 def verify(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> VerifyOutcome:

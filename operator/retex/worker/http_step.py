@@ -10,7 +10,8 @@ beginning as text with "bodyTruncated": true). A non-2xx status is a failure, re
 425, 429 and 5xx unless the step's status lists say otherwise — but for a step that is not
 idempotent those statuses are unknown unless a list declares them (`status_outcome`). No
 connection (refused, DNS, TLS handshake) = retryable failure: nothing was sent. A request that
-cannot be put together (a header value) = permanent failure, nothing sent. Lost after sending or
+cannot be put together (a header value http.client cannot encode; CR, LF and NUL are refused by
+the models before any step runs) = permanent failure, nothing sent. Lost after sending or
 timed out = unknown.
 Verify convention: 2xx = found (that response is the result), 404 = not found, other = error.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
+import socket
 import ssl
 import threading
 import time
@@ -49,6 +50,14 @@ ERROR_BODY_BYTES = 512
 DEFAULT_RETRYABLE_STATUSES = frozenset({408, 425, 429})
 _METHODS_WITH_BODY = frozenset({"POST", "PUT", "PATCH"})
 _POLL_SECONDS = 0.05
+# A request is sent within this long of the step's begin (or its timeout, if shorter), or not at
+# all: name resolution, connect and TLS handshake together. The server is then allowed the step's
+# timeoutSeconds to finish with it, so a verify waits begin + this + timeoutSeconds + margin.
+SEND_WITHIN_SECONDS = 10.0
+
+
+def send_within_seconds(step: Step) -> float:
+    return min(float(step.timeout_seconds), SEND_WITHIN_SECONDS)
 
 
 def status_outcome(step: Step, status: int, summary: str) -> Failed | Unknown:
@@ -105,22 +114,20 @@ class _LostAfterSending:
     error: str
 
 
-_FORBIDDEN_IN_HEADER_VALUE = re.compile("[\r\n\x00]")
-
-
-def unsendable_header(headers: dict[str, str]) -> str | None:
-    """Why a header cannot be sent as given (CR/LF would inject headers, NUL is refused), or None."""
-    for name, value in headers.items():
-        if _FORBIDDEN_IN_HEADER_VALUE.search(value):
-            return f"header {name}: its value contains CR, LF or NUL; nothing was sent"
-    return None
-
-
 class _Exchange:
-    """One request/response on a helper thread, so the caller can give up on it at a deadline."""
+    """One request/response on a helper thread, so the caller can give up on it at a deadline.
 
-    def __init__(self, action: HttpAction, call: StepCall, timeout: float, held: Callable[[], bool]):
-        self._action, self._call, self._timeout, self._held = action, call, timeout, held
+    Giving up (`abort`) is final: the thread sends nothing afterwards. Resolving a name has no
+    timeout (getaddrinfo) and connecting may be slow, so the thread checks, under the lock that
+    `abort` takes, right before it hands the request to the socket; `abort` shuts the socket down,
+    so a send that races it fails; and http.client may not reconnect on its own (auto_open)."""
+
+    def __init__(self, action: HttpAction, call: StepCall, *, send_by: float, answer_by: float,
+                 held: Callable[[], bool]):
+        self._action, self._call, self._held = action, call, held
+        self._send_by, self._answer_by = send_by, answer_by
+        self._lock = threading.Lock()
+        self._aborted = False
         self._connection: http.client.HTTPConnection | None = None
         self.answer: _Response | _NotConnected | _NotSent | _LostAfterSending | None = None
         self.done = threading.Event()
@@ -129,9 +136,14 @@ class _Exchange:
         threading.Thread(target=self._run, name="retex-http-step", daemon=True).start()
 
     def abort(self) -> None:
-        connection = self._connection
-        if connection is not None:
-            connection.close()
+        with self._lock:
+            self._aborted = True
+            sock = self._connection.sock if self._connection is not None else None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # not close(): the thread still owns the descriptor
+            except OSError:
+                pass
 
     def _run(self) -> None:
         try:
@@ -146,19 +158,22 @@ class _Exchange:
         headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
         if content_type and not any(h.lower() == "content-type" for h in headers):
             headers["Content-Type"] = content_type
-        if (why := unsendable_header(headers)) is not None:
-            return _NotSent(why)
         url = urlsplit(self._action.url)
+        connect_within = max(0.001, self._send_by - time.monotonic())
         if url.scheme == "https":
-            connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=self._timeout,
+            connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=connect_within,
                                                      context=ssl.create_default_context())
         else:
-            connection = http.client.HTTPConnection(url.hostname, url.port, timeout=self._timeout)
-        self._connection = connection
+            connection = http.client.HTTPConnection(url.hostname, url.port, timeout=connect_within)
+        connection.auto_open = 0  # a connection closed under it must fail, never be reopened and sent on
+        with self._lock:
+            if self._aborted:
+                return _NotSent(_GAVE_UP)
+            self._connection = connection
         try:
             try:
                 connection.connect()
-            except OSError as exc:  # includes TLS handshake and certificate errors
+            except OSError as exc:  # includes TLS handshake and certificate errors, and the connect timeout
                 return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
             path = url.path or "/"
             if url.query:
@@ -172,8 +187,15 @@ class _Exchange:
                     return _NotSent(f"header {name} cannot be sent: {type(exc).__name__}: {exc}; nothing was sent")
             if body is not None:
                 connection.putheader("Content-Length", str(len(body)))
-            if not self._held():  # the last moment a lost lease can still keep the request unsent
-                return _NotSent(LEASE_LOST)
+            with self._lock:  # the last moment the request can still be kept unsent
+                if self._aborted:
+                    return _NotSent(_GAVE_UP)
+                if not self._held():
+                    return _NotSent(LEASE_LOST)
+                if time.monotonic() >= self._send_by:
+                    return _NotConnected(f"not connected to {url.hostname}:{url.port or url.scheme} in time; "
+                                         "nothing was sent")
+                connection.sock.settimeout(max(0.001, self._answer_by - time.monotonic()))
             try:
                 connection.endheaders(body)
                 response = connection.getresponse()
@@ -183,6 +205,9 @@ class _Exchange:
             return _parse(response.status, data)
         finally:
             connection.close()
+
+
+_GAVE_UP = "given up before sending"
 
 
 def _retex_headers(call: StepCall) -> dict[str, str]:
@@ -218,9 +243,10 @@ def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
     it received, which is why a verify waits for the step's deadline (docs/worker.md)."""
     if not sup.held():
         return "lease-lost"
-    exchange = _Exchange(action, call, timeout=step.timeout_seconds, held=sup.held)
+    deadline = call.begun + step.timeout_seconds
+    exchange = _Exchange(action, call, send_by=call.begun + send_within_seconds(step), answer_by=deadline,
+                         held=sup.held)
     exchange.start()
-    deadline = time.monotonic() + step.timeout_seconds
     while not exchange.done.wait(_POLL_SECONDS):
         if not sup.held():
             exchange.abort()

@@ -68,7 +68,11 @@ class AttemptLease:
         # operator observed it later still, so counting from here is on the safe side.
         self._last_renewal = float("-inf")
         self._taken_from_us = False
-        self._deadline_logged = False
+        # Once still_held() has said False it never says True again: the worker acts on it at
+        # once (kills the step, stops), and a renewal sent before the deadline that succeeds after
+        # it must not revive the lease under a part of the worker that has not looked yet.
+        self._given_up = False
+        self._judging = threading.Lock()  # the caller's judgement vs the renewer's update
         self._stopping = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -122,14 +126,21 @@ class AttemptLease:
         Computed from the clock on the caller's thread, so a renewer stuck in a call cannot delay it."""
         if self._taken_from_us:
             return False
-        if self._clock() - self._last_renewal < self.timing.renew_deadline:
-            return True
-        if not self._deadline_logged:
-            self._deadline_logged = True
-            event(log, logging.WARNING, "lease lost: renew deadline passed",
-                  renew_deadline_seconds=round(self.timing.renew_deadline, 2),
-                  seconds_since_renewal=round(self._clock() - self._last_renewal, 2))
+        with self._judging:
+            if self._given_up:
+                return False
+            if self._clock() - self._last_renewal < self.timing.renew_deadline:
+                return True
+            self._given_up = True
+        event(log, logging.WARNING, "lease lost: renew deadline passed",
+              renew_deadline_seconds=round(self.timing.renew_deadline, 2),
+              seconds_since_renewal=round(self._clock() - self._last_renewal, 2))
         return False
+
+    def _renewed(self, sent: float) -> None:
+        with self._judging:
+            if not self._given_up:
+                self._last_renewal = sent
 
     def _renew_loop(self) -> None:
         # A try every retry period, counted from the start of the previous one: a failing call
@@ -152,7 +163,7 @@ class AttemptLease:
             try:
                 sent = self._clock()
                 self._body = self._replace(renewed(self._body, datetime.now(UTC)))
-                self._last_renewal = sent
+                self._renewed(sent)
                 return
             except LeaseConflict:
                 if not self._refresh_if_ours():

@@ -10,6 +10,8 @@ import logging
 import signal
 import sys
 
+from pydantic import ValidationError
+
 from retex.failpoints import failpoint
 from retex.kube.client import api_client
 from retex.api.models import TaskSpec
@@ -47,8 +49,8 @@ def main() -> int:
     try:
         end = run(config, ledger, drain, tagger)
     except Exception:
-        # A bug or an impossible state (say a spec the models refuse): a crash, counted as a
-        # failure by the operator. The Lease is left to expire.
+        # A bug or an impossible state: a crash, counted as a failure by the operator. The Lease
+        # is left to expire.
         log.exception("worker crashed")
         return CRASHED
     finally:
@@ -69,8 +71,7 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
         return AttemptEnd(ExitCode.STALE, f"task is {record.phase} at epoch {record.epoch}")
 
     # The Lease's duration is the Job's (the operator's); the renew deadline may come from the spec.
-    timing = LeaseTiming.of(config.lease_duration_seconds,
-                            TaskSpec.model_validate(record.spec).lease.renew_deadline_seconds)
+    timing = LeaseTiming.of(config.lease_duration_seconds, _renew_deadline(record.spec))
     lease = AttemptLease(single_attempt_client(api_client()), config.namespace, config.lease_name,
                          Holder(config.pod_name, config.epoch), timing)
     try:
@@ -95,6 +96,15 @@ def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFie
         if end is not None:  # a crash leaves the Lease to expire: the operator counts it as a failure
             lease.release()
     return end
+
+
+def _renew_deadline(spec: dict) -> float | None:
+    """The spec's renew deadline; None (the default) for a spec the models refuse: the attempt
+    then ends the task over it, fenced, while holding the Lease."""
+    try:
+        return TaskSpec.model_validate(spec).lease.renew_deadline_seconds
+    except ValidationError:
+        return None
 
 
 def _begin_drain(drain: Drain) -> None:

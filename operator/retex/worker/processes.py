@@ -11,18 +11,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from retex.api.models import Step
-from retex.worker.calls import Supervision
+from retex.worker.calls import StepCall, Supervision
 from retex.worker.drain import Drain
 
 _POLL_SECONDS = 0.05
 LEASE_LOST = "lease lost (renew deadline passed, or taken): the step was killed"
 
 
-def own_deadline_seconds(step: Step, sup: Supervision) -> float:
-    """When the step's group leader kills its group by its own clock, whatever the worker does (a
-    SIGSTOPped worker enforces nothing): after the timeout and the worker's own SIGTERM grace, so
-    a live worker's graceful stop comes first. Inside the margin the next attempt waits out."""
-    return step.timeout_seconds + sup.kill_grace_seconds + 1
+# After the timeout and the worker's SIGTERM grace: a live worker's graceful stop comes first.
+OWN_KILL_AFTER_GRACE_SECONDS = 1.0
+
+
+def own_deadline(step: Step, call: StepCall, sup: Supervision) -> float:
+    """When the step's group leader SIGKILLs its group by itself, whatever the worker does (a
+    SIGSTOPped worker enforces nothing): a CLOCK_MONOTONIC moment, begin + timeout + grace + 1 s,
+    inside the margin the next attempt waits out (attempt.DEADLINE_MARGIN_SECONDS)."""
+    return call.begun + step.timeout_seconds + sup.kill_grace_seconds + OWN_KILL_AFTER_GRACE_SECONDS
 
 
 @dataclass(frozen=True)
@@ -33,13 +37,13 @@ class ProcessEnd:
     lease_lost: bool = False
 
 
-def supervise(proc: subprocess.Popen, *, timeout: float, drain: Drain, kill_grace: float,
+def supervise(proc: subprocess.Popen, *, deadline: float, drain: Drain, kill_grace: float,
               held: Callable[[], bool]) -> ProcessEnd:
-    """Wait for `proc` (started with start_new_session=True) until it exits, its timeout passes,
-    the drain deadline does or the lease is lost (`held()` false); stop its whole process group in
-    those cases — at once with SIGKILL for a lost lease, the next attempt may be about to start —
-    and after an exit too, so nothing the step started outlives it."""
-    deadline = time.monotonic() + timeout
+    """Wait for `proc` (started with start_new_session=True) until it exits, its timeout passes
+    (`deadline`, on the monotonic clock: the step's begin + timeoutSeconds), the drain deadline
+    does or the lease is lost (`held()` false); stop its whole process group in those cases — at
+    once with SIGKILL for a lost lease, the next attempt may be about to start — and after an exit
+    too, so nothing the step started outlives it."""
     while True:
         try:
             returncode = proc.wait(timeout=_POLL_SECONDS)
@@ -50,25 +54,35 @@ def supervise(proc: subprocess.Popen, *, timeout: float, drain: Drain, kill_grac
                 return ProcessEnd(None, abandoned=True, lease_lost=True)
             now = time.monotonic()
             if now >= deadline:
-                stop_group(proc, kill_grace)
+                if not _stop_group(proc, kill_grace, held):
+                    return ProcessEnd(None, abandoned=True, lease_lost=True)
                 return ProcessEnd(None, timed_out=True)
             if drain.deadline is not None and now >= drain.deadline:
-                stop_group(proc, kill_grace)
+                if not _stop_group(proc, kill_grace, held):
+                    return ProcessEnd(None, abandoned=True, lease_lost=True)
                 return ProcessEnd(None, abandoned=True)
             continue
         _signal_group(proc.pid, signal.SIGKILL)
         return ProcessEnd(returncode)
 
 
-def stop_group(proc: subprocess.Popen, grace: float) -> None:
-    """SIGTERM the group (a python step sets its `cancelled` event), SIGKILL it after `grace`."""
+def _stop_group(proc: subprocess.Popen, grace: float, held: Callable[[], bool]) -> bool:
+    """SIGTERM the group (a python step sets its `cancelled` event), SIGKILL it after `grace` — at
+    once if the lease is lost meanwhile (then False): the next attempt may be about to start."""
     _signal_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        pass
+    until = time.monotonic() + grace
+    still_held = True
+    while (left := until - time.monotonic()) > 0:
+        try:
+            proc.wait(timeout=min(_POLL_SECONDS, left))
+            break
+        except subprocess.TimeoutExpired:
+            if not held():
+                still_held = False
+                break
     _signal_group(proc.pid, signal.SIGKILL)  # also reaches grandchildren that outlived the leader
     proc.wait()
+    return still_held
 
 
 def _signal_group(pgid: int, signum: int) -> None:

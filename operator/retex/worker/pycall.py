@@ -17,7 +17,7 @@ import traceback
 from typing import Any
 
 from retex.worker.context import PermanentError, RetryableError, StepContext
-from retex.worker.tether import kill_group_after, tie_to
+from retex.worker.tether import kill_group_at, tie_to
 
 ERROR_TAIL_CHARS = 2048
 
@@ -28,15 +28,16 @@ def _resolve(target: str):
 
 
 def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    context = StepContext(idempotency_key=request["idempotencyKey"], task_uid=request["taskUid"],
+                          step=request["step"], attempt=request["attempt"], payload=request["payload"],
+                          results=request["results"])
+    # Before the import: importing the user's module runs its code and may take long.
+    tie_to(request["workerPid"], on_sigterm=context.cancelled.set)
+    kill_group_at(request["deadline"])
     try:
         function = _resolve(request["callable"])
     except (ImportError, AttributeError) as exc:  # the image lacks it: no retry will change that
         return {"outcome": "permanent", "error": f"cannot import {request['callable']}: {exc}"}
-    context = StepContext(idempotency_key=request["idempotencyKey"], task_uid=request["taskUid"],
-                          step=request["step"], attempt=request["attempt"], payload=request["payload"],
-                          results=request["results"])
-    tie_to(request["workerPid"], on_sigterm=context.cancelled.set)
-    kill_group_after(request["deadlineSeconds"])
     try:
         result = function(context, **request["args"])
     except PermanentError as exc:

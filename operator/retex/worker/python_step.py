@@ -34,7 +34,7 @@ from retex.worker.outcomes import (
     VerifyFailed,
     VerifyOutcome,
 )
-from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline_seconds, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline, supervise
 
 
 def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> tuple[ProcessEnd, dict[str, Any] | None]:
@@ -44,11 +44,11 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
         request.write_text(json.dumps({
             "callable": action.callable, "args": action.args or {}, "idempotencyKey": call.idempotency_key,
             "taskUid": call.task_uid, "step": call.step, "attempt": call.attempt, "payload": call.payload,
-            "results": call.results, "workerPid": os.getpid(), "deadlineSeconds": own_deadline_seconds(step, sup),
+            "results": call.results, "workerPid": os.getpid(), "deadline": own_deadline(step, call, sup),
         }))
         proc = subprocess.Popen([sys.executable, "-m", "retex.worker.pycall", str(request), str(response)],
                                 env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True)
-        end = supervise(proc, timeout=step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
+        end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
                         held=sup.held)
         answer = json.loads(response.read_text()) if response.exists() else None
         return end, answer

@@ -8,6 +8,16 @@ from retex.worker.calls import StepCall, Supervision
 from retex.worker.outcomes import StepOutcome, VerifyOutcome
 
 
+def in_flight_seconds(step: Step) -> float:
+    """How long after its begin a run of `step` may still land its effect (before the margin): an
+    exec or python step is stopped at its timeout (its group leader's own SIGKILL, 3 s later, is
+    inside the margin); an http request is sent within `http_step.send_within_seconds` of the
+    begin or never, and the server is allowed timeoutSeconds after receiving it."""
+    if step.http is not None:
+        return http_step.send_within_seconds(step) + step.timeout_seconds
+    return float(step.timeout_seconds)
+
+
 def run_step(step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
     if step.exec is not None:
         return exec_step.run(step.exec, step, call, sup)

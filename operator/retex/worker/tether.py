@@ -5,9 +5,10 @@ test rig, which has no PID namespaces — a step in its own process group would 
 that was SIGKILLed and could still perform its effect after the next attempt has moved on. So
 every step's process group is led by a tethered process: it asks the kernel for SIGTERM when its
 parent dies (PR_SET_PDEATHSIG) and then SIGKILLs its whole group. A SIGTERM sent by a live
-worker (step timeout, drain deadline) is left to the step to handle, as before. And at DEADLINE
-seconds (the step's timeout plus grace) it SIGKILLs its group by its own clock, so the step ends
-on time even while its worker is paused (SIGSTOP) and cannot.
+worker (step timeout, drain deadline) is left to the step to handle, as before. And at DEADLINE,
+a CLOCK_MONOTONIC moment (the step's begin + timeout + grace + 1 s, `processes.own_deadline`),
+it SIGKILLs its group, so the step ends on time even while its worker is paused (SIGSTOP) and
+cannot; the clock is the host's, so this process's start-up is not added to it.
 
 If COMMAND cannot be started at all, the reason is written to NOT_STARTED_FILE: that is a
 permanent failure, and it cannot be told from an exit code the command might use itself.
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
@@ -41,10 +43,15 @@ def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None) -> Non
         os.killpg(0, signal.SIGKILL)
 
 
-def kill_group_after(seconds: float) -> None:
-    """The step's own deadline, kept by this process: a paused worker cannot stop its step, and the
-    next attempt counts on it being dead by begin + timeoutSeconds + margin."""
-    timer = threading.Timer(seconds, os.killpg, args=(0, signal.SIGKILL))
+def kill_group_at(deadline: float) -> None:
+    """The step's own deadline (on time.monotonic()), kept by this process: a paused worker cannot
+    stop its step, and the next attempt counts on it being dead by begin + timeoutSeconds + margin.
+    Already passed (the worker was slow or paused before the step started): the group dies now,
+    before any of the step's code runs."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        os.killpg(0, signal.SIGKILL)
+    timer = threading.Timer(left, os.killpg, args=(0, signal.SIGKILL))
     timer.daemon = True
     timer.start()
 
@@ -52,7 +59,7 @@ def kill_group_after(seconds: float) -> None:
 def main(argv: list[str]) -> int:
     worker_pid, not_started_file, deadline, command = int(argv[0]), argv[1], float(argv[2]), argv[3:]
     tie_to(worker_pid)
-    kill_group_after(deadline)
+    kill_group_at(deadline)
     try:
         proc = subprocess.Popen(command)  # same stdio, environment and process group
     except OSError as exc:
