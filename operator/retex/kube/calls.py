@@ -2,8 +2,9 @@
 
 Every call is idempotent the way the relay needs it: create treats AlreadyExists as success when
 the object that exists is owned by the same Task, delete treats NotFound as success. A create the
-API server refuses for good raises `Refused` (with the server's message); anything else it raises
-(429, 5xx, a dropped connection) is transient.
+API server refuses for good raises `Refused` (with the server's message), or its subclass
+`NamespaceTerminating` when the namespace is being deleted; anything else it raises (429, 5xx, a
+dropped connection, a quota that is full for now) is transient.
 """
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ from kubernetes.client.exceptions import ApiException
 from retex.api import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
-# Statuses of a create that repeating cannot fix: bad request, forbidden (quota, a terminating
-# namespace, admission policy), namespace not found, invalid (e.g. requests above limits).
+# Statuses of a create that repeating cannot fix: bad request, forbidden (admission policy, a
+# terminating namespace), namespace not found, invalid (e.g. requests above limits). A 403 from
+# ResourceQuota is the exception: quota is freed as other work ends, so it is transient.
 PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
+# The messages of the ResourceQuota admission plugin (k8s.io/apiserver's resourcequota): the
+# quota is used up, or its usage not yet computed.
+_QUOTA_MESSAGES = ("exceeded quota", "status unknown for quota")
+# The StatusCause NamespaceLifecycle adds to its 403 (its Go field Type is "reason" in JSON).
+_NAMESPACE_TERMINATING_CAUSE = "NamespaceTerminating"
 
 
 class Refused(Exception):
@@ -32,12 +39,35 @@ class Refused(Exception):
         self.message, self.status = message, status
 
 
+class NamespaceTerminating(Refused):
+    """The namespace is being deleted: nothing new may be created in it, and its Tasks go with it."""
+
+
 def api_message(exc: ApiException) -> str:
     """The message of the Status the API server answered with (falls back to the HTTP reason)."""
+    return _status_of(exc).get("message") or f"{exc.status} {exc.reason}"
+
+
+def refusal(exc: ApiException) -> Refused | None:
+    """The `Refused` a create's ApiException means, or None when it is transient (retry it)."""
+    if exc.status not in PERMANENT_STATUSES:
+        return None
+    message = api_message(exc)
+    if exc.status == 403:
+        causes = (_status_of(exc).get("details") or {}).get("causes") or ()
+        if any(isinstance(c, dict) and c.get("reason") == _NAMESPACE_TERMINATING_CAUSE for c in causes):
+            return NamespaceTerminating(message, exc.status)
+        if any(text in message for text in _QUOTA_MESSAGES):
+            return None
+    return Refused(message, exc.status)
+
+
+def _status_of(exc: ApiException) -> dict[str, Any]:
     try:
-        return json.loads(exc.body)["message"]
-    except (TypeError, ValueError, KeyError):
-        return f"{exc.status} {exc.reason}"
+        status = json.loads(exc.body)
+    except (TypeError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 class KubeCalls:
@@ -59,10 +89,8 @@ class KubeCalls:
         try:
             self._coordination.create_namespaced_lease(body["metadata"]["namespace"], body)
         except ApiException as exc:
-            if exc.status in PERMANENT_STATUSES:
-                raise Refused(api_message(exc), exc.status) from exc
             if exc.status != 409:
-                raise
+                raise refusal(exc) or exc
 
     def create_job(self, body: dict[str, Any]) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -76,11 +104,8 @@ class KubeCalls:
         try:
             self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All")
         except ApiException as exc:
-            if exc.status == 409:
-                return
-            if exc.status in PERMANENT_STATUSES:
-                raise Refused(api_message(exc), exc.status) from exc
-            raise
+            if exc.status != 409:
+                raise refusal(exc) or exc
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -174,10 +199,8 @@ def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Call
     try:
         create()
     except ApiException as exc:
-        if exc.status in PERMANENT_STATUSES:
-            raise Refused(api_message(exc), exc.status) from exc
         if exc.status != 409:
-            raise
+            raise refusal(exc) or exc
         owners = {ref["uid"] for ref in body["metadata"].get("ownerReferences", ())}
         existing = read()
         theirs = {ref.get("uid") for ref in existing["metadata"].get("ownerReferences") or ()}

@@ -8,7 +8,7 @@ import time
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls, Refused
+from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
 from retex.ledger import Dispatch, Ledger, LedgerError
 from retex.ledger.store import DispatchOutcomes
@@ -25,7 +25,7 @@ class Relay(Loop):
     Each record is settled on its own, so no record can hold up the ones behind it: sent; rejected
     when the API server refuses its Lease or Job for good (the task fails with reason JobRejected
     and the server's message); dropped when its task was cancelled or its Task object is gone or
-    terminating (the task ends Cancelled: no Job is ever created); deferred, with a backoff of its
+    terminating, or its namespace is (the task ends Cancelled: no Job is ever created); deferred, with a backoff of its
     own, on a transient error. A relay that dies mid-batch loses nothing: the claims roll back,
     and the next relay meets its Jobs as AlreadyExists (ours, so success)."""
 
@@ -65,6 +65,11 @@ class Relay(Loop):
                 event(log, logging.INFO, "dispatch dropped: cancel requested", **who)
                 return
             job_name = self._send(dispatch, task)
+        except NamespaceTerminating:
+            # Its namespace is being deleted, the Task with it (perhaps not marked yet).
+            outcomes.dropped(dispatch, reason="TaskDeleted")
+            event(log, logging.INFO, "dispatch dropped: namespace terminating", **who)
+            return
         except Refused as refused:
             outcomes.rejected(dispatch, refused.message)
             event(log, logging.WARNING, "dispatch rejected by the API server: task failed", **who,
