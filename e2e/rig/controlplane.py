@@ -543,7 +543,15 @@ class Rig:
 
     def restart_controller_manager(self) -> None:
         say("restarting kube-controller-manager")
+        self.stop_controller_manager()
+        self.start_controller_manager()
+
+    def stop_controller_manager(self) -> None:
+        """No controller runs until `start_controller_manager` (Jobs get no pods, a deleted
+        namespace stays Terminating with its contents)."""
         procs.stop(self._record("kube-controller-manager"))
+
+    def start_controller_manager(self) -> None:
         self._start_controller_manager(binaries())
         self._wait_component("kube-controller-manager", self.ports["controller-manager"])
 

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,28 @@ def test_deleting_a_namespace_with_running_tasks_finishes_without_anyone_touchin
         record = retex.ledger.get(uid)
         assert record.phase == "Cancelled", (record.phase, record.reason)
         assert record.reason == "TaskDeleted"
+
+
+def test_a_dispatch_into_a_terminating_namespace_ends_the_task_as_deleted_not_failed(retex):
+    # The race CI met: a new attempt is dispatched after the namespace is marked for deletion but
+    # before the namespace controller marks its Tasks. Without the controller manager the namespace
+    # stays in that state, so the dispatch meets it for sure.
+    retex.operator.restart(RETEX_NAMESPACES="")  # see the test above
+    not_before = (datetime.now(UTC) + timedelta(seconds=6)).isoformat().replace("+00:00", "Z")
+    apply(retex, "late", [sh("only", "echo never")], notBefore=not_before)
+    wait_for(lambda: phase_is(retex, "late", "Scheduled"), timeout=30, what="Scheduled")
+    uid = task(retex, "late")["metadata"]["uid"]
+    retex.rig.stop_controller_manager()
+    try:
+        retex.rig.kubectl("delete", "namespace", retex.namespace, "--wait=false")
+        wait_for(lambda: retex.ledger.get(uid).terminal, timeout=60, what="ended")
+        assert operator_log_has(retex, "dispatch dropped: namespace terminating")  # the path taken
+        record = retex.ledger.get(uid)
+        assert (record.phase, record.reason) == ("Cancelled", "TaskDeleted")
+    finally:
+        retex.rig.start_controller_manager()
+    wait_for(lambda: retex.rig.kubectl("get", "namespace", retex.namespace, check=False).returncode != 0,
+             timeout=150, what="namespace gone")
 
 
 def test_a_timed_out_task_keeps_its_concurrency_key_until_its_old_attempt_is_known_dead(retex):
