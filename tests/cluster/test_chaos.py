@@ -48,6 +48,19 @@ def chaos_steps(payments, notifier) -> list[dict]:
     return steps
 
 
+def print_ledger_state(system, name: str, uid: str) -> None:
+    """What a stuck task looks like from the ledger and the API server, for the failure report."""
+    record = system.ledger.get(uid)
+    print(f"--- {name}: ledger phase {record.phase} epoch {record.epoch} reason {record.reason} "
+          f"last_error {record.last_error!r}; status {status(system, name)}")
+    for attempt in system.ledger.attempts(uid):
+        print(f"  attempt {attempt}")
+    for entry in system.ledger.history(uid)[-25:]:
+        print(f"  history {entry.at:%H:%M:%S.%f} {entry.actor} {entry.event} epoch={entry.epoch} "
+              f"step={entry.step_idx} {entry.from_state}->{entry.to_state} {entry.detail}")
+    print(system.kubectl("get", "jobs,pods,leases", "-o", "wide", check=False).stdout)
+
+
 def running_pods(system) -> list[str]:
     out = json.loads(system.kubectl("get", "pods", "-l", "app.kubernetes.io/component=worker", "-o", "json").stdout)
     return [p["metadata"]["name"] for p in out["items"] if (p.get("status") or {}).get("phase") == "Running"]
@@ -109,9 +122,13 @@ def test_chaos_every_task_finishes_correctly_and_no_effect_executes_twice(retex,
         if retex.operator.exited() is not None:
             retex.operator.start()
     print(f"chaos schedule (seed {seed}): {schedule}")
-    for name in submitted:
-        wait_for(lambda n=name: status(retex, n).get("phase") in ("Succeeded", "Failed", "NeedsAttention"),
-                 timeout=SETTLE_SECONDS, what=f"{name} terminal (seed {seed})")
+    for name, task in submitted.items():
+        try:
+            wait_for(lambda n=name: status(retex, n).get("phase") in ("Succeeded", "Failed", "NeedsAttention"),
+                     timeout=SETTLE_SECONDS, what=f"{name} terminal (seed {seed})")
+        except Exception:
+            print_ledger_state(retex, name, task.uid)
+            raise
     names = [s["name"] for s in chaos_steps(payments, notifier)]
     for name, task in submitted.items():
         record = retex.ledger.get(task.uid)
