@@ -325,14 +325,19 @@ class Step(Action):
     that may still be in flight runs only after its begin + timeoutSeconds + 5 s."""
     retryable_exit_codes: Annotated[list[ExitCode], Field(max_length=256)] | None = None
     """exec only: the only exit codes that are retried; any other non-zero code fails the task. By
-    default every non-zero code is retried."""
+    default every non-zero code is retried. For a step that is not idempotent, a code named in
+    neither list is an unknown outcome (the effect may have happened): verify, else NeedsAttention."""
     permanent_exit_codes: Annotated[list[ExitCode], Field(max_length=256)] | None = None
-    """exec only: exit codes that fail the task at once; any other non-zero code is retried."""
+    """exec only: exit codes that fail the task at once; any other non-zero code is retried (for a
+    step that is not idempotent: unknown, as for retryableExitCodes)."""
     retryable_statuses: Annotated[list[HttpStatus], Field(max_length=256)] | None = None
     """http only: the only non-2xx statuses that are retried; any other fails the task. By default
-    408, 425, 429 and 5xx (and connection errors) are retried, other statuses fail the task."""
+    408, 425, 429 and 5xx are retried, other statuses fail the task. For a step that is not
+    idempotent, a 408, 425, 429 or 5xx named in neither list is an unknown outcome (a gateway may
+    answer 504 after the upstream acted): verify, else NeedsAttention."""
     permanent_statuses: Annotated[list[HttpStatus], Field(max_length=256)] | None = None
-    """http only: statuses that fail the task at once; any other non-2xx status is retried."""
+    """http only: statuses that fail the task at once; any other non-2xx status is retried (for a
+    step that is not idempotent, a 408, 425, 429 or 5xx not listed is unknown)."""
 
     @model_validator(mode="after")
     def _classification_fits_kind(self) -> Step:
