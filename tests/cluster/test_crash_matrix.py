@@ -227,6 +227,15 @@ def worker_died_at(system, spec: str, submitted: Submitted) -> PodEnd:
     return end
 
 
+def crash_worker_at(system, point: str, steps: list) -> tuple[Submitted, tuple[str, list]]:
+    """The control task with these steps, then the crash task whose attempt 1 is proved to have died
+    at `point` (SIGKILL and the failpoint's line). Returns the crash task and the control's outcome."""
+    expected = control(system, steps, lease=LEASE)
+    crash = submit(system, "crash", steps, failpoint=point, lease=LEASE)
+    worker_died_at(system, point, crash)
+    return crash, expected
+
+
 # -- operator side ------------------------------------------------------------------------------
 
 
@@ -332,9 +341,7 @@ def test_R4_a_status_written_by_a_newer_mirror_is_never_overwritten_by_an_older_
 def test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_the_lease_expires(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    expected = control(retex, steps, lease=LEASE)
-    crash = submit(retex, "crash", steps, failpoint="after-lease", lease=LEASE)
-    worker_died_at(retex, "after-lease", crash)
+    crash, expected = crash_worker_at(retex, "after-lease", steps)
     settle(retex, crash)
     assert begun_by_epoch(retex, crash.uid).get(1) is None, "attempt 1 died before beginning any step"
     assert outcome(retex, crash.uid) == expected
@@ -356,9 +363,7 @@ def test_R6_R8_worker_killed_before_its_commit_landed_the_next_attempt_resolves_
         retex, stubs, row, point):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    expected = control(retex, steps, lease=LEASE)
-    crash = submit(retex, "crash", steps, failpoint=point, lease=LEASE)
-    worker_died_at(retex, point, crash)
+    crash, expected = crash_worker_at(retex, point, steps)
     settle(retex, crash)
     died_in = 1 if row == "R6-verify" else 0
     # Where attempt 1 died: it began the step and its commit never landed (R8: rolled back with it).
@@ -384,9 +389,7 @@ def test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again(ret
     payments, notifier = stubs
     # The charge goes to the notifier, which executes every delivery: a re-run would count twice.
     steps = order_steps(payments, notifier, charge={"http": {"method": "POST", "url": f"{notifier.url}/effects/charge"}})
-    expected = control(retex, steps, lease=LEASE)
-    crash = submit(retex, "crash", steps, failpoint="after-commit:charge", lease=LEASE)
-    worker_died_at(retex, "after-commit:charge", crash)
+    crash, expected = crash_worker_at(retex, "after-commit:charge", steps)
     settle(retex, crash)
     assert begun_by_epoch(retex, crash.uid)[1] == [0] and commits_by_epoch(retex, crash.uid)[1] == [0]
     assert outcome(retex, crash.uid) == expected
@@ -401,9 +404,7 @@ def test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again(ret
 def test_R9_worker_killed_after_the_last_commit_the_next_attempt_executes_nothing(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    expected = control(retex, steps, lease=LEASE)
-    crash = submit(retex, "crash", steps, failpoint="before-complete", lease=LEASE)
-    worker_died_at(retex, "before-complete", crash)
+    crash, expected = crash_worker_at(retex, "before-complete", steps)
     settle(retex, crash)
     assert commits_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3]}, "attempt 1 committed all four, attempt 2 none"
     assert 2 not in begun_by_epoch(retex, crash.uid)
@@ -418,9 +419,7 @@ def test_R9_worker_killed_after_the_last_commit_the_next_attempt_executes_nothin
 def test_R6_a_step_neither_idempotent_nor_verifiable_stops_for_a_human_and_never_reruns(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    expected = control(retex, steps, lease=LEASE)
-    crash = submit(retex, "crash", steps, failpoint="after-effect:notify", lease=LEASE)
-    worker_died_at(retex, "after-effect:notify", crash)
+    crash, expected = crash_worker_at(retex, "after-effect:notify", steps)
     shown = settle(retex, crash, phases=("NeedsAttention",))
     assert {c["type"]: c["status"] for c in shown["conditions"]}["NeedsAttention"] == "True"
     assert notifier.for_task(crash.uid)["notify"] == {"deliveries": 1, "executions": 1}, "zero extra executions"
