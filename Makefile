@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
-        lint-docker images-lock dev down e2e-kind chaos mutants
+        lint-docker images-lock dev down e2e-kind chaos mutants bench
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -92,3 +92,8 @@ chaos: $(STAMP) rig-binaries
 # docs/testing.md. Slow (cluster tests, one pytest per mutant). MUTANTS="fence reaper" runs some.
 mutants: $(STAMP) rig-binaries
 	@$(PY) -m tests.mutants.run $(MUTANTS)
+
+# Benchmarks side by side with their baselines (bare Jobs, raw commits): bench/results.json and
+# docs/benchmarks/*.png. BENCH="latency recovery" picks measures; BENCH_ARGS=--quick runs tiny sizes.
+bench: $(STAMP) rig-binaries
+	@$(PY) -m e2e.bench $(BENCH_ARGS) $(BENCH)

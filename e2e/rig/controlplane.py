@@ -519,6 +519,10 @@ class Rig:
             if pid is not None:
                 procs.signal_group(pid, sig)
 
+    def kill_pod(self, namespace: str, name: str) -> None:
+        """SIGKILL every process group of the pod (its containers die; the pod object stays)."""
+        self._signal_pod(namespace, name, signal.SIGKILL)
+
     def pause_pod(self, namespace: str, name: str) -> None:
         """SIGSTOP every process group of the pod (a hung process: alive, but doing nothing)."""
         self._signal_pod(namespace, name, signal.SIGSTOP)

@@ -1,0 +1,385 @@
+"""`make bench`: retex measured side by side with what users would run instead, on the local rig.
+
+    python -m e2e.bench [--quick] [MEASURE ...]     measures: checkpoint latency throughput recovery
+
+Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
+it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
+ratio means much). Results go to bench/results.json, charts to docs/benchmarks/*.png; a target
+missed prints FALL SHORT but never fails: targets are for people, not CI. docs/benchmarks.md
+explains each figure. `--quick` runs tiny sizes (the smoke that `make test` runs so this does not rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from kubernetes import client
+
+from e2e.postgres import PostgresServer
+from e2e.rig.controlplane import Rig, wait_for
+from e2e.system import OperatorProcess, install_crd, prepare_namespace
+from retex.api import GROUP, PLURAL, VERSION
+from retex.ledger import Ledger
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results.json"
+CHARTS = REPO / "docs" / "benchmarks"
+LEASE_SECONDS = 10  # the recovery measure's lease duration
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class Sizes:
+    checkpoint_steps: int = 200
+    checkpoint_parallel: int = 8
+    latency_tasks: int = 50
+    throughput_tasks: int = 300
+    throughput_limit: int = 10
+    recovery_runs: int = 10
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
+                   throughput_limit=2, recovery_runs=1)
+
+
+@dataclass
+class Figure:
+    """One measure: retex's figure, the baseline's from the same run, their ratio and the target."""
+    measure: str
+    unit: str
+    retex: float
+    baseline: float
+    baseline_name: str
+    ratio: float  # as the target reads it (see `target`)
+    target: str
+    met: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
+
+
+class BenchSystem:
+    """retex on the rig for benchmarks: its own ledger database, namespace and operator. Uses a rig
+    and Postgres it is given (the smoke test's session ones) or starts its own."""
+
+    def __init__(self, rig: Rig, postgres: PostgresServer, *, markers: Path):
+        self.rig, self.postgres, self.markers = rig, postgres, markers
+        self.namespace = f"bench-{uuid.uuid4().hex[:6]}"
+        database = self.namespace.replace("-", "_")
+        with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {database}")
+        self.dsn = postgres.dsn(dbname=database)
+        install_crd(rig.kubectl)
+        prepare_namespace(rig.kubectl, self.namespace, self.dsn)
+        self.operator = OperatorProcess(rig.kubeconfig, self.dsn, markers / "operator.log",
+                                        extra_env={"RETEX_NAMESPACES": self.namespace})
+        self.operator.start()
+        self.ledger = Ledger(self.dsn).open()
+        self._api = rig.api_client()
+        self.custom, self.batch = client.CustomObjectsApi(self._api), client.BatchV1Api(self._api)
+
+    def close(self) -> None:
+        self.operator.kill()
+        self.ledger.close()
+        self._api.close()
+        self.rig.kubectl("delete", "namespace", self.namespace, "--wait=false", check=False)
+
+    # -- what both sides run -----------------------------------------------------------------
+
+    def marker_command(self, name: str, then: str = "") -> list[str]:
+        """A command that appends the moment it starts (host clock) to a marker file of its own."""
+        return ["sh", "-c", f"date +%s.%N >> {self.markers / name}{'; ' + then if then else ''}"]
+
+    def starts(self, name: str) -> list[float]:
+        path = self.markers / name
+        return [float(line) for line in path.read_text().split()] if path.exists() else []
+
+    def create_task(self, name: str, steps: list[dict[str, Any]], **spec: Any) -> str:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Task", "metadata": {"name": name},
+                "spec": {"steps": steps, **spec}}
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)["metadata"]["uid"]
+
+    def create_job(self, name: str, command: list[str], *, backoff_limit: int = 0) -> None:
+        """The bare Job a user would write instead: the same command, nothing else."""
+        container = {"name": "main", "image": "busybox", "command": command}
+        body = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+                "spec": {"backoffLimit": backoff_limit,
+                         "template": {"metadata": {"labels": {"bench": name}},
+                                      "spec": {"restartPolicy": "Never", "containers": [container]}}}}
+        self.batch.create_namespaced_job(self.namespace, body)
+
+    def jobs_finished(self, names: set[str]) -> int:
+        jobs = self.batch.list_namespaced_job(self.namespace).items
+        return sum(1 for j in jobs if j.metadata.name in names and (j.status.succeeded or j.status.failed))
+
+    def succeeded(self, uids: list[str]) -> int:
+        """How many of these tasks the ledger shows Succeeded (one not admitted yet is not)."""
+        with psycopg.connect(self.dsn) as conn:
+            return conn.execute("SELECT count(*) FROM retex.tasks WHERE uid = ANY(%s) AND phase = 'Succeeded'",
+                                (uids,)).fetchone()[0]
+
+    def running_pods(self, selector: str) -> list[str]:
+        pods = client.CoreV1Api(self._api).list_namespaced_pod(self.namespace, label_selector=selector).items
+        return [p.metadata.name for p in pods if p.status.phase == "Running"]
+
+
+# -- measures ------------------------------------------------------------------------------------
+
+
+def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """Steps/s of tasks of no-op exec steps against the physical floor: a single-row INSERT+COMMIT
+    on the same Postgres (same durability) plus spawning a no-op process."""
+    figures = []
+    for parallel in (1, sizes.checkpoint_parallel):
+        steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True}
+                 for i in range(sizes.checkpoint_steps)]
+        uids = [system.create_task(f"checkpoint-{parallel}-{i}", steps) for i in range(parallel)]
+        wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),
+                 timeout=60 + 2 * sizes.checkpoint_steps * parallel)
+        begins, commits = [], []
+        for uid in uids:
+            history = system.ledger.history(uid)
+            begins += [h.at.timestamp() for h in history if h.event == "step-begin"]
+            commits += [h.at.timestamp() for h in history if h.event == "step-commit"]
+        retex_rate = len(commits) / (max(commits) - min(begins))
+        commit_rate = _commit_loop_rate(system.postgres, sizes.checkpoint_steps, clients=parallel)
+        spawn_seconds = _spawn_seconds(sizes.checkpoint_steps)
+        step_seconds = parallel / retex_rate  # per step, per task
+        floor = 1 / (commit_rate / parallel) + spawn_seconds
+        figures.append(Figure(
+            measure=f"checkpoint, {parallel} task(s) of {sizes.checkpoint_steps} no-op steps",
+            unit="steps/s", retex=retex_rate, baseline=commit_rate, baseline_name=f"INSERT+COMMIT loop, {parallel} client(s)",
+            ratio=step_seconds / floor, target="≤ 2× (commit + spawn) per step", met=step_seconds / floor <= 2.0,
+            detail={"retex_seconds_per_step": step_seconds, "commit_seconds": parallel / commit_rate,
+                    "spawn_seconds": spawn_seconds,
+                    "commit_ratio_net_of_spawn": (parallel / commit_rate) / max(step_seconds - spawn_seconds, 1e-9)}))
+    return figures
+
+
+def _commit_loop_rate(postgres: PostgresServer, rows: int, *, clients: int) -> float:
+    """Commits/s of `clients` connections each committing `rows` single-row transactions."""
+    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_commits (id bigserial PRIMARY KEY, v text)")
+
+    def loop() -> None:
+        with psycopg.connect(postgres.dsn()) as conn:
+            for i in range(rows):
+                conn.execute("INSERT INTO bench_commits (v) VALUES (%s)", (str(i),))
+                conn.commit()
+
+    threads = [threading.Thread(target=loop) for _ in range(clients)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return rows * clients / (time.perf_counter() - started)
+
+
+def _spawn_seconds(count: int) -> float:
+    started = time.perf_counter()
+    for _ in range(count):
+        subprocess.run(["true"], check=True)
+    return (time.perf_counter() - started) / count
+
+
+def measure_latency(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """Create → the command starts, for single-step tasks and for bare Jobs created one by one,
+    alternating so both see the same load."""
+    retex, jobs = [], []
+    for i in range(sizes.latency_tasks):
+        for kind, samples in (("task", retex), ("job", jobs)):
+            name = f"latency-{kind}-{i}"
+            created = time.time()
+            if kind == "task":
+                system.create_task(name, [{"name": "only", "exec": {"command": system.marker_command(name)}}])
+            else:
+                system.create_job(name, system.marker_command(name))
+            wait_for(f"{name} started", lambda n=name: system.starts(n), timeout=60, interval=0.02)
+            samples.append(system.starts(name)[0] - created)
+    figures = []
+    for q in (50, 95):
+        r, b = percentile(retex, q), percentile(jobs, q)
+        figures.append(Figure(measure=f"create → first step started, p{q}", unit="s", retex=r, baseline=b,
+                              baseline_name="bare Job: create → container command started", ratio=r / b,
+                              target="ratio ≤ 1.3", met=r / b <= 1.3, detail={"samples": len(retex)}))
+    return figures
+
+
+def measure_throughput(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """Tasks/min of many 3-step no-op tasks created at once under a run limit, against as many bare
+    Jobs running the same three commands with at most as many at once."""
+    count, limit = sizes.throughput_tasks, sizes.throughput_limit
+    system.operator.restart(RETEX_MAX_RUNNING=str(limit))
+    steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True} for i in range(3)]
+    started = time.monotonic()
+    uids = [system.create_task(f"throughput-{i}", steps) for i in range(count)]
+    wait_for(f"{count} tasks Succeeded", lambda: system.succeeded(uids) == count, timeout=60 + 5 * count, interval=0.5)
+    retex_rate = count / (time.monotonic() - started) * 60
+
+    names = [f"throughput-job-{i}" for i in range(count)]
+    started, created = time.monotonic(), 0
+    while True:  # the limit a user would have to enforce themselves: at most `limit` unfinished
+        finished = system.jobs_finished(set(names[:created]))
+        if finished == count:
+            break
+        while created < count and created - finished < limit:
+            system.create_job(names[created], ["sh", "-c", "true; true; true"])
+            created += 1
+        time.sleep(0.1)
+    job_rate = count / (time.monotonic() - started) * 60
+    return [Figure(measure=f"throughput, {count} 3-step tasks, at most {limit} at once", unit="tasks/min",
+                   retex=retex_rate, baseline=job_rate, baseline_name="bare Jobs, same commands, same limit",
+                   ratio=retex_rate / job_rate, target="≥ 0.8× bare Jobs", met=retex_rate / job_rate >= 0.8)]
+
+
+def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """The worker's processes SIGKILLed mid-step → the next attempt's step starts; against a bare
+    Job (backoffLimit 1) whose pod is killed the same way → its replacement's command starts."""
+    retex, jobs = [], []
+    for i in range(sizes.recovery_runs):
+        name = f"recovery-task-{i}"
+        system.create_task(name, [{"name": "only", "idempotent": True,
+                                   "exec": {"command": system.marker_command(name, "sleep 30")}}],
+                           lease={"durationSeconds": LEASE_SECONDS})
+        retex.append(_kill_and_time_restart(system, name, f"retex.dev/task-uid={_uid(system, name)}"))
+        system.custom.delete_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)
+        name = f"recovery-job-{i}"
+        system.create_job(name, system.marker_command(name, "sleep 30"), backoff_limit=1)
+        jobs.append(_kill_and_time_restart(system, name, f"bench={name}"))
+        system.batch.delete_namespaced_job(name, system.namespace, propagation_policy="Background")
+    r, b = percentile(retex, 95), percentile(jobs, 95)
+    bound = LEASE_SECONDS + 5
+    return [Figure(measure="recovery from a worker SIGKILLed mid-step, p95", unit="s", retex=r, baseline=b,
+                   baseline_name="bare Job, backoffLimit 1: pod killed → replacement started", ratio=r / b,
+                   target=f"≤ lease duration + 5 s ({bound} s)", met=r <= bound,
+                   detail={"lease_seconds": LEASE_SECONDS, "retex_p50": percentile(retex, 50),
+                           "job_p50": percentile(jobs, 50), "samples": len(retex)})]
+
+
+def _uid(system: BenchSystem, name: str) -> str:
+    return system.custom.get_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)["metadata"]["uid"]
+
+
+def _kill_and_time_restart(system: BenchSystem, name: str, selector: str) -> float:
+    wait_for(f"{name} started", lambda: system.starts(name), timeout=60, interval=0.05)
+    pods = wait_for(f"{name}'s pod running", lambda: system.running_pods(selector), timeout=30)
+    killed = time.time()
+    system.rig.kill_pod(system.namespace, pods[0])
+    wait_for(f"{name} started again", lambda: len(system.starts(name)) > 1, timeout=120, interval=0.05)
+    return system.starts(name)[1] - killed
+
+
+MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
+    "checkpoint": measure_checkpoint,
+    "latency": measure_latency,
+    "throughput": measure_throughput,
+    "recovery": measure_recovery,
+}
+
+
+def run(rig: Rig, postgres: PostgresServer, measures: list[str], sizes: Sizes) -> dict[str, Any]:
+    markers = Path(tempfile.mkdtemp(prefix="retex-bench-"))
+    markers.chmod(0o777)  # pods run as other users and write their markers here
+    figures: list[Figure] = []
+    system = BenchSystem(rig, postgres, markers=markers)
+    try:
+        for name in measures:
+            say(f"measuring {name}")
+            for figure in MEASURES[name](system, sizes):
+                verdict = "PASS" if figure.met else "FALL SHORT"
+                say(f"  {figure.measure}: retex {figure.retex:.3g} {figure.unit}, {figure.baseline_name} "
+                    f"{figure.baseline:.3g}; ratio {figure.ratio:.2f} (target {figure.target}): {verdict}")
+                figures.append(figure)
+    finally:
+        system.close()
+    return {"machine": {"cores": os.cpu_count(), "memory_gib": _memory_gib(), "platform": platform.platform()},
+            "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS},
+            "figures": [asdict(f) for f in figures]}
+
+
+def _memory_gib() -> float:
+    return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+
+
+def charts(results: dict[str, Any], directory: Path) -> list[Path]:
+    """One bar chart per measure: retex beside its baseline, the ratio and verdict in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for i, figure in enumerate(results["figures"]):
+        fig, axes = pyplot.subplots(figsize=(6, 3.2))
+        bars = axes.barh(["retex", figure["baseline_name"][:40]], [figure["retex"], figure["baseline"]],
+                         color=["#3b6ea5", "#999999"])
+        axes.bar_label(bars, fmt="%.3g")
+        axes.set_xlabel(figure["unit"])
+        verdict = "meets" if figure["met"] else "falls short of"
+        axes.set_title(f"{figure['measure']}\nratio {figure['ratio']:.2f}, {verdict} {figure['target']}", fontsize=9)
+        fig.tight_layout()
+        path = directory / f"{i:02d}-{figure['measure'].split(',')[0].split(' ')[0]}.png"
+        fig.savefig(path, dpi=100)
+        pyplot.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m e2e.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("measures", nargs="*", metavar="MEASURE", help=f"one of {', '.join(MEASURES)} (default: all)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every measure")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--charts", type=Path, default=CHARTS)
+    args = parser.parse_args(argv)
+    unknown = set(args.measures) - set(MEASURES)
+    if unknown:
+        parser.error(f"unknown measure(s) {', '.join(sorted(unknown))}: choose from {', '.join(MEASURES)}")
+    sizes = Sizes.quick() if args.quick else Sizes()
+    state = Path(tempfile.mkdtemp(prefix="retex-bench-rig-"))
+    say(f"starting the local rig and Postgres (state in {state})")
+    rig, postgres = Rig(state / "rig"), PostgresServer()
+    rig.up(owner_pid=os.getpid())
+    postgres.start()
+    try:
+        results = run(rig, postgres, args.measures or list(MEASURES), sizes)
+    finally:
+        postgres.destroy()
+        rig.down()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    for path in charts(results, args.charts):
+        say(f"chart {path}")
+    say(f"results {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    raise SystemExit(main())
