@@ -94,7 +94,7 @@ class BenchSystem:
             conn.execute(f"CREATE DATABASE {database}")
         self.dsn = postgres.dsn(dbname=database)
         install_crd(rig.kubectl)
-        prepare_namespace(rig.kubectl, self.namespace, self.dsn)
+        prepare_namespace(rig.kubectl, self.namespace)
         self.operator = OperatorProcess(rig.kubeconfig, self.dsn, markers / "operator.log",
                                         extra_env={"RETEX_NAMESPACES": self.namespace})
         self.operator.start()

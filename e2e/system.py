@@ -1,5 +1,5 @@
-"""retex itself on a cluster, for scenarios: the CRD, a tenant namespace with the worker's RBAC
-and DSN Secret, and the operator as a local process that tests can kill and restart.
+"""retex itself on a cluster, for scenarios: the CRD, a tenant namespace with the worker's RBAC,
+and the operator as a local process that tests can kill and restart.
 
 Used by the cluster tests, the crash-matrix suite and `make dev`; the same calls work against the
 local rig or (through RETEX_KUBECONFIG) an external cluster.
@@ -23,7 +23,6 @@ from e2e.rig.controlplane import wait_for as rig_wait_for
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
 WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
-WORKER_DB_SECRET = "retex-worker-db"
 
 
 def install_crd(kubectl) -> None:
@@ -31,14 +30,12 @@ def install_crd(kubectl) -> None:
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
 
 
-def prepare_namespace(kubectl, namespace: str, dsn: str) -> None:
-    """A namespace where Tasks may run: the worker ServiceAccount, its Role, and the DSN Secret."""
+def prepare_namespace(kubectl, namespace: str) -> None:
+    """A namespace where Tasks may run: the worker ServiceAccount and its Role. No credentials:
+    workers reach the ledger through the operator's endpoint with their own pod's token."""
     manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
     kubectl("apply", "-f", "-", input=json.dumps(manifest))
     kubectl("apply", "-n", namespace, "-f", str(WORKER_RBAC))
-    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": WORKER_DB_SECRET},
-              "stringData": {"dsn": dsn}}
-    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(secret))
 
 
 class OperatorProcess:
@@ -49,6 +46,7 @@ class OperatorProcess:
         self.extra_env = extra_env or {}
         self.proc: subprocess.Popen | None = None
         self.metrics_port = free_port()
+        self.ledger_port = free_port()
 
     def start(self, **env: str) -> None:
         environment = {
@@ -56,7 +54,9 @@ class OperatorProcess:
             "KUBECONFIG": str(self.kubeconfig),
             "RETEX_DATABASE_URL": self.dsn,
             "RETEX_WORKER_IMAGE": "retex-worker:local",
-            "RETEX_WORKER_DATABASE_SECRET": WORKER_DB_SECRET,
+            # Pods on the rig are processes on this host; on kind, the operator's Service name.
+            "RETEX_LEDGER_PORT": str(self.ledger_port),
+            "RETEX_LEDGER_URL": f"http://127.0.0.1:{self.ledger_port}",
             "RETEX_WORKER_GRACE_SECONDS": "10",
             "RETEX_RESYNC_SECONDS": "5",
             "RETEX_METRICS_PORT": str(self.metrics_port),

@@ -187,6 +187,17 @@ def container_env(pod: client.V1Pod, container: client.V1Container,
     return env
 
 
+def mount_paths(env: dict[str, str], container: client.V1Container, dirs: dict[str, Path]) -> dict[str, str]:
+    """Env values naming a path under a volume the rig wrote to a directory, pointed there."""
+    mounts = [(m.mount_path.rstrip("/") + "/", dirs[m.name]) for m in container.volume_mounts or []
+              if m.name in dirs]
+    for name, value in env.items():
+        for prefix, directory in mounts:
+            if value.startswith(prefix):
+                env[name] = str(directory / value[len(prefix):])
+    return env
+
+
 def run_as(pod: client.V1Pod, container: client.V1Container) -> tuple[int, int, list[int]] | None:
     """(uid, gid, supplementary groups) the container must run as, or None for "as the agent".
 
@@ -438,9 +449,10 @@ class PodWorker:
         }
         if self._has_token_volume():
             base["KUBECONFIG"] = str(self._write_kubeconfig())
+        audience_mounts = self._write_audience_tokens()
         plan = {}
         for c in (pod.spec.init_containers or []) + pod.spec.containers:
-            env = base | container_env(pod, c, resolver)
+            env = mount_paths(base | container_env(pod, c, resolver), c, audience_mounts)
             user = run_as(pod, c)
             if os.geteuid() != 0:  # only root can switch users: run as the agent's user
                 user = None
@@ -462,19 +474,40 @@ class PodWorker:
         return any(v.projected and any(s.service_account_token for s in v.projected.sources or [])
                    for v in self.pod.spec.volumes or [])
 
-    def _write_kubeconfig(self) -> Path:
+    def _write_audience_tokens(self) -> dict[str, Path]:
+        """Projected volumes of ServiceAccount tokens for an audience (not the API server's): each
+        token becomes a file under the pod's directory, bound to the pod as the kubelet binds it.
+        Returns volume name → that directory; the rig has no mounts, so `mount_paths` points env
+        values naming a file under the volume's mountPath there instead."""
+        dirs: dict[str, Path] = {}
+        for volume in self.pod.spec.volumes or []:
+            sources = [s.service_account_token for s in (volume.projected.sources or [])
+                       if s.service_account_token and s.service_account_token.audience] if volume.projected else []
+            for source in sources:
+                directory = self.dir / "volumes" / volume.name
+                directory.mkdir(parents=True, exist_ok=True)
+                token = self._token_request([source.audience], source.expiration_seconds or 3600)
+                (directory / source.path).write_text(token)
+                dirs[volume.name] = directory
+        return dirs
+
+    def _token_request(self, audiences: list[str], seconds: int) -> str:
         sa = self.pod.spec.service_account_name or "default"
         request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {
-            "audiences": [], "expirationSeconds": TOKEN_SECONDS,
+            "audiences": audiences, "expirationSeconds": seconds,
             "boundObjectRef": {"kind": "Pod", "apiVersion": "v1", "name": self.name, "uid": self.uid}}}
         try:
             result = retrying(f"token for {self.namespace}/{sa}", lambda: self.agent.core.create_namespaced_service_account_token(
                 sa, self.namespace, request, _request_timeout=REQUEST_TIMEOUT))
         except client.ApiException as e:
             raise ConfigError(f"TokenRequest for service account {sa} failed: {e.reason}") from e
+        return result.status.token
+
+    def _write_kubeconfig(self) -> Path:
+        sa = self.pod.spec.service_account_name or "default"
         return pkilib.write_kubeconfig(self.dir / "kubeconfig", self.agent.server,
                                        self.agent.ca_crt, user=f"{self.namespace}:{sa}",
-                                       token=result.status.token)
+                                       token=self._token_request([], TOKEN_SECONDS))
 
     def _start(self, c: Container, plan: dict) -> None:
         argv, env, user = plan[c.name]

@@ -32,7 +32,7 @@ POINTS = frozenset({
     "before-admit", "after-admit", "after-job-create", "in-status-mirror",
     # worker
     "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",
-    # ledger, inside the commit transaction (the worker's)
+    # ledger, inside a worker's commit transaction: it runs in the operator's ledger endpoint
     "in-commit",
 })
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}

@@ -51,7 +51,7 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
         conn.execute(f"CREATE DATABASE {database}")
     dsn = postgres.dsn(dbname=database)
     install_crd(rig.kubectl)
-    prepare_namespace(rig.kubectl, namespace, dsn)
+    prepare_namespace(rig.kubectl, namespace)
     operator = OperatorProcess(rig.kubeconfig, dsn, Path(tmp_path) / "operator.log",
                                extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
     operator.start()

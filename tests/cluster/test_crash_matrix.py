@@ -357,16 +357,15 @@ def test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_th
 @pytest.mark.parametrize(("row", "point"), [
     ("R6-idempotent", "after-effect:charge"),
     ("R6-verify", "after-effect:ship"),
-    ("R8", "in-commit:charge"),
 ])
-def test_R6_R8_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step(
+def test_R6_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step(
         retex, stubs, row, point):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
     crash, expected = crash_worker_at(retex, point, steps)
     settle(retex, crash)
     died_in = 1 if row == "R6-verify" else 0
-    # Where attempt 1 died: it began the step and its commit never landed (R8: rolled back with it).
+    # Where attempt 1 died: it began the step and its commit never landed.
     assert begun_by_epoch(retex, crash.uid)[1] == list(range(died_in + 1))
     assert commits_by_epoch(retex, crash.uid).get(1, []) == list(range(died_in))
     assert outcome(retex, crash.uid) == expected
@@ -375,14 +374,37 @@ def test_R6_R8_worker_killed_before_its_commit_landed_the_next_attempt_resolves_
     record = retex.ledger.get(crash.uid)
     assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1)
     assert sorted(commits_by_epoch(retex, crash.uid)[2]) == list(range(died_in, 4))
-    if row in ("R6-idempotent", "R8"):
-        # R8 took the R6 branch (not committed): the step ran again with the same key, and the
-        # provider replayed it.
+    if row == "R6-idempotent":
+        # Not committed: the step ran again with the same key, and the provider replayed it.
         assert begun_by_epoch(retex, crash.uid)[2][0] == 0
         assert counts["charge"] == {"deliveries": 2, "executions": 1}
     else:
         assert counts["ship"] == {"deliveries": 1, "executions": 1}, "verify found it: the step was not sent again"
         assert record.steps[1].result.get("verified") is True
+
+
+def test_R8_the_commit_transaction_dies_with_the_operator_and_the_worker_sends_its_commit_again(retex, stubs):
+    """The commit transaction runs in the operator's ledger endpoint (workers hold no DSN): the
+    process that dies inside it is the operator. The transaction rolls back; the worker, alive and
+    holding its Lease, retries the same fenced commit once the operator is back."""
+    payments, notifier = stubs
+    steps = order_steps(payments, notifier)
+    expected = control(retex, steps, lease=LEASE)
+    spec = "in-commit:charge@crash"
+    retex.operator.restart(RETEX_FAILPOINT=spec)
+    crash = submit(retex, "crash", steps, lease=LEASE)
+    operator_died_at(retex, spec, crash)
+    # At death: attempt 1 began charge, and its commit was rolled back with the transaction.
+    assert begun_by_epoch(retex, crash.uid) == {1: [0]}
+    assert commits_by_epoch(retex, crash.uid) == {}
+    retex.operator.start()
+    settle(retex, crash)
+    assert outcome(retex, crash.uid) == expected
+    counts = effects_of(payments, notifier, crash.uid)
+    assert_exactly_once(counts)
+    assert counts["charge"] == {"deliveries": 1, "executions": 1}, "only the commit was sent again, not the step"
+    assert [a.epoch for a in retex.ledger.attempts(crash.uid)] == [1], "the worker rode out the operator's death"
+    assert commits_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3]}
 
 
 def test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again(retex, stubs):

@@ -100,6 +100,7 @@ def test_operator_deployment_is_hardened_and_probed_on_kopf_health(rig):
     assert env["RETEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "dsn"
     assert env["RETEX_LIVENESS"]["value"] == "http://0.0.0.0:8080/healthz"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["ledger"] == 8081 and env["RETEX_LEDGER_URL"]["value"] == "http://retex-ledger.retex-system.svc:8081"
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz"
         assert ports[container[probe]["httpGet"]["port"]] == 8080
@@ -115,8 +116,10 @@ def test_dev_overlay_wires_generated_secrets_and_local_images(rig):
     secrets = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
     assert env["RETEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["name"] in secrets
     assert container["image"] == "retex-operator:dev" and env["RETEX_WORKER_IMAGE"]["value"] == "retex-worker:dev"
-    worker_secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["namespace"] == "retex-examples")
-    assert worker_secret["metadata"]["name"] == "retex-worker-db"  # the name the operator's Jobs use
+    # Tenant namespaces hold no ledger credentials: workers use the ledger endpoint.
+    assert not [o for o in objects if o["kind"] == "Secret" and o["metadata"]["namespace"] == "retex-examples"]
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "retex-ledger")
+    assert service["metadata"]["namespace"] == "retex-system" and service["spec"]["ports"][0]["port"] == 8081
 
 
 def test_worker_rbac_applies_to_a_tenant_namespace(rig, namespaces):
@@ -141,6 +144,6 @@ def test_worker_jobs_meet_the_restricted_pod_security_standard_of_the_examples_n
     spec = TaskSpec.model_validate(yaml.safe_load((EXAMPLES / "exec-pipeline.yaml").read_text())["spec"])
     job = build_job(task_name="psa-check", task_uid="0b7c5f0e-8a1d-4e52-9d3c-1f2e3d4c5b6a", namespace=namespace,
                     epoch=1, spec=spec, defaults=WorkerDefaults(image="retex-worker:dev", service_account="retex-worker",
-                                                                database_secret="retex-worker-db"))
+                                                                ledger_url="http://retex-ledger:8081"))
     job["metadata"].pop("ownerReferences")  # no such Task exists; the pod template is what is checked
     assert "Warning" not in dry_run(rig, [job])

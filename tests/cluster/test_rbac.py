@@ -57,7 +57,7 @@ def tenants(rig, postgres, tmp_path):
     install_crd(rig.kubectl)
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_OVERLAY))
     for namespace in (mine, other):
-        prepare_namespace(rig.kubectl, namespace, dsn)
+        prepare_namespace(rig.kubectl, namespace)
     yield dsn, mine, other
     for namespace in (mine, other):
         rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.system import WORKER_DB_SECRET, wait_for
+from e2e.system import wait_for
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
 START_DEADLINE = 8  # RETEX_WORKER_START_DEADLINE_SECONDS for these tests
@@ -42,8 +42,8 @@ def test_a_task_purged_by_history_retention_is_not_run_again_after_an_operator_r
     assert notifier.for_task(uid)["notify"]["executions"] == 1
 
 
-def _missing_secret(retex):
-    retex.kubectl("delete", "secret", WORKER_DB_SECRET)
+def _missing_service_account(retex):
+    retex.kubectl("delete", "serviceaccount", "retex-worker")
     return {}
 
 
@@ -66,7 +66,7 @@ def _pod_quota(retex):
 
 
 @pytest.mark.parametrize("cause, make, expected", [
-    ("missing DSN Secret", _missing_secret, "CreateContainerConfigError"),
+    ("missing worker ServiceAccount", _missing_service_account, 'serviceaccount "retex-worker" not found'),
     ("image pull", _unpullable_image, "ImagePullBackOff"),
     ("unschedulable", _unschedulable, "Unschedulable"),
     ("pod quota", _pod_quota, "FailedCreate"),

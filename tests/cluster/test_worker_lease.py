@@ -2,8 +2,10 @@
 (acquire, contention, renewal, release), graceful drain, zombie fencing, stale pods, failpoints.
 
 The workers run directly on the host with the rig's admin kubeconfig; the Lease is created the
-way the operator creates it (retex.kube.objects.build_lease). One test runs the worker as a real
-pod with the worker's own ServiceAccount and RBAC. The external system is a counting stub: each
+way the operator creates it (retex.kube.objects.build_lease). They reach the ledger through the
+operator's ledger endpoint, served here by the test, with the token of a real (never running) pod
+of their attempt's Job (e2e.attempt_identity). One test runs the worker as a real pod with the
+worker's own ServiceAccount and RBAC. The external system is a counting stub: each
 delivery of an exec step appends its idempotency key to a file; a deduping system executes once
 per key, so "real executions" are distinct keys, "deliveries" are lines.
 """
@@ -29,10 +31,11 @@ from kubernetes import client
 from kubernetes.client import BatchV1Api, CoreV1Api
 
 from e2e.rig.waits import job_pods, wait_job_finished
-from e2e.system import WORKER_DB_SECRET, prepare_namespace
+from e2e.attempt_identity import LocalLedgerEndpoint, pending_attempt_pods, pod_token
+from e2e.system import prepare_namespace
 from retex.api.models import TaskSpec
 from retex.kube.leases import LeaseTiming, read_lease, released_by
-from retex.kube.objects import WorkerDefaults, build_job, build_lease, lease_name
+from retex.kube.objects import WorkerDefaults, build_job, build_lease, job_name, lease_name
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import Backoff, StepState, TaskPhase
 
@@ -54,7 +57,7 @@ def slow_effect(seconds: float) -> list[str]:
 
 @pytest.fixture(scope="module")
 def api(rig):
-    rig.create_namespace(NAMESPACE)
+    prepare_namespace(rig.kubectl, NAMESPACE)  # the retex-worker ServiceAccount and Role
     with rig.api_client() as api_client:
         yield api_client
     rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
@@ -89,6 +92,7 @@ class Task:
                                    step_names=[s["name"] for s in steps],
                                    backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
         self.lease_name = lease_name(self.name, self.uid)
+        self._identities: dict[int, list[tuple[str, Path]]] = {}
         client.CoordinationV1Api(api).create_namespaced_lease(
             NAMESPACE, without_owner(build_lease(task_name=self.name, task_uid=self.uid, namespace=NAMESPACE,
                                                  duration_seconds=duration)))
@@ -108,21 +112,43 @@ class Task:
     def key(self, idx: int) -> str:
         return self.record().steps[idx].idempotency_key
 
-    def worker(self, pod: str, epoch: int, dsn: str, kubeconfig: Path, **env: str) -> Worker:
-        return Worker(self, pod, epoch, dsn, kubeconfig, env)
+    def job(self, epoch: int, ledger_url: str = "") -> dict:
+        """Attempt `epoch`'s Job exactly as the operator builds it (without the Task owner)."""
+        return without_owner(build_job(
+            task_name=self.name, task_uid=self.uid, namespace=NAMESPACE, epoch=epoch,
+            spec=TaskSpec.model_validate(self.record().spec),
+            defaults=WorkerDefaults(image="retex-worker:local", service_account="retex-worker",
+                                    ledger_url=ledger_url, termination_grace_seconds=10)))
+
+    def identity(self, epoch: int, slot: int) -> tuple[str, Path]:
+        """(pod name, token file) of pod `slot` of attempt `epoch`'s Job, which has two pods: the
+        ledger knows a worker by this pod, whatever name the worker process gives itself."""
+        if epoch not in self._identities:
+            pods = pending_attempt_pods(self.api, self.job(epoch), 2)
+            self._identities[epoch] = [
+                (pod.metadata.name, pod_token(self.api, pod, self.tmp_path / f"token-{pod.metadata.name}"))
+                for pod in pods]
+        return self._identities[epoch][slot]
+
+    def worker(self, pod: str, epoch: int, endpoint: LocalLedgerEndpoint, kubeconfig: Path, slot: int = 0,
+               **env: str) -> Worker:
+        return Worker(self, pod, epoch, endpoint, kubeconfig, slot, env)
 
 
 class Worker:
     """One `retex-worker` process, in its own process group (so it can be paused like a pod)."""
 
-    def __init__(self, task: Task, pod: str, epoch: int, dsn: str, kubeconfig: Path, extra_env: dict[str, str]):
+    def __init__(self, task: Task, pod: str, epoch: int, endpoint: LocalLedgerEndpoint, kubeconfig: Path,
+                 slot: int, extra_env: dict[str, str]):
         self.pod = pod
+        self.identity, token = task.identity(epoch, slot)
         self.log_path = task.tmp_path / f"{pod}.log"
         environment = {
             **os.environ, "KUBECONFIG": str(kubeconfig), "RETEX_TASK_UID": task.uid,
             "RETEX_TASK_NAMESPACE": NAMESPACE, "RETEX_TASK_NAME": task.name, "RETEX_EPOCH": str(epoch),
             "RETEX_LEASE_NAME": task.lease_name, "RETEX_LEASE_DURATION_SECONDS": str(task.duration),
-            "RETEX_DATABASE_URL": dsn, "POD_NAME": pod, "NODE_NAME": "host", **extra_env,
+            "RETEX_LEDGER_URL": endpoint.url, "RETEX_LEDGER_TOKEN_FILE": str(token),
+            "POD_NAME": pod, "NODE_NAME": "host", **extra_env,
         }
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([WORKER], env=environment, stdout=log, stderr=subprocess.STDOUT,
@@ -157,9 +183,16 @@ def new_task(ledger, api, tmp_path):
     return lambda steps, **kwargs: Task(ledger, api, tmp_path, steps, **kwargs)
 
 
-def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task, dsn, rig):
+@pytest.fixture
+def endpoint(ledger, api):
+    served = LocalLedgerEndpoint(ledger, api)
+    yield served
+    served.close()
+
+
+def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(2.5)}}])
-    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig)
     wait_until("the lease to be taken", lambda: task.holder() == "pod-a:1")
     first = task.lease()["spec"]
     assert first["leaseDurationSeconds"] == DURATION and first["leaseTransitions"] == 1
@@ -172,27 +205,29 @@ def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task
     assert lease["spec"].get("holderIdentity") is None and released_by(lease).identity == "pod-a:1"
     assert lease["spec"]["acquireTime"] == first["acquireTime"]  # history kept, lease not deleted
     assert task.deliveries() == [task.key(0)]
-    assert task.ledger.attempts(task.uid)[0].pod == "pod-a"
+    assert task.ledger.attempts(task.uid)[0].pod == worker.identity  # the pod its token is bound to
 
 
-def test_two_pods_for_one_attempt_exactly_one_runs_the_other_exits_3_without_a_trace(new_task, dsn, rig):
+def test_two_pods_for_one_attempt_exactly_one_runs_the_other_exits_3_without_a_trace(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(2)}}])
-    a, b = task.worker("pod-a", 1, dsn, rig.kubeconfig), task.worker("pod-b", 1, dsn, rig.kubeconfig)
-    codes = {"pod-a": a.wait(), "pod-b": b.wait()}
+    a = task.worker("pod-a", 1, endpoint, rig.kubeconfig, slot=0)
+    b = task.worker("pod-b", 1, endpoint, rig.kubeconfig, slot=1)
+    codes = {a: a.wait(), b: b.wait()}
     assert sorted(codes.values()) == [0, 3], (a.log(), b.log())
-    winner = next(pod for pod, code in codes.items() if code == 0)
-    loser = next(pod for pod, code in codes.items() if code == 3)
+    winner = next(w for w, code in codes.items() if code == 0)
+    loser = next(w for w, code in codes.items() if code == 3)
     assert task.record().phase == TaskPhase.SUCCEEDED
     assert task.deliveries() == [task.key(0)]  # one execution
-    assert task.ledger.attempts(task.uid)[0].pod == winner
-    assert not [h for h in task.ledger.history(task.uid) if h.actor == f"worker:{loser}"]
-    assert released_by(task.lease()).pod == winner
+    assert task.ledger.attempts(task.uid)[0].pod == winner.identity
+    assert not [h for h in task.ledger.history(task.uid) if h.actor == f"worker:{loser.identity}"]
+    assert [h for h in task.ledger.history(task.uid) if h.actor == f"worker:{winner.identity}"]
+    assert released_by(task.lease()).pod == winner.pod
 
 
-def test_sigterm_drains_the_current_step_commits_it_releases_the_lease_and_exits_75(new_task, dsn, rig):
+def test_sigterm_drains_the_current_step_commits_it_releases_the_lease_and_exits_75(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(1.5)}},
                      {"name": "ship", "exec": {"command": EFFECT}}])
-    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig)
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
     worker.proc.send_signal(signal.SIGTERM)  # to the worker only, as the kubelet signals PID 1
     assert worker.wait() == 75, worker.log()
@@ -203,16 +238,20 @@ def test_sigterm_drains_the_current_step_commits_it_releases_the_lease_and_exits
     assert task.deliveries() == [task.key(0)]
 
 
-def test_paused_zombie_is_fenced_after_a_new_attempt_every_write_rejected(new_task, dsn, rig):
-    task = new_task([{"name": "charge", "exec": {"command": slow_effect(1)}, "verify": {"exec": {"command": VERIFY}}},
+def test_paused_zombie_is_fenced_after_a_new_attempt_every_write_rejected(new_task, endpoint, rig, tmp_path):
+    running = tmp_path / "running"
+    marked = [PY, "-c", f"import os, time; open({str(running)!r}, 'w').close(); time.sleep(1); "
+                        "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
+    task = new_task([{"name": "charge", "exec": {"command": marked}, "verify": {"exec": {"command": VERIFY}}},
                      {"name": "ship", "exec": {"command": EFFECT}}])
-    zombie = task.worker("pod-old", 1, dsn, rig.kubeconfig)
-    wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
+    zombie = task.worker("pod-old", 1, endpoint, rig.kubeconfig)
+    # Paused inside the step (its process has started), not between the begin and the run.
+    wait_until("step 1 to run", running.exists)
     zombie.signal_group(signal.SIGSTOP)  # the worker and its step: alive, doing nothing
     # The operator sees no renewal for the lease duration and starts attempt 2.
     time.sleep(DURATION + 0.5)
     epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
-    successor = task.worker("pod-new", epoch, dsn, rig.kubeconfig)
+    successor = task.worker("pod-new", epoch, endpoint, rig.kubeconfig)
     assert successor.wait() == 0, successor.log()
     assert task.record().phase == TaskPhase.SUCCEEDED
     lease_before = task.lease()
@@ -228,59 +267,60 @@ def test_paused_zombie_is_fenced_after_a_new_attempt_every_write_rejected(new_ta
     assert "fenced" in zombie.log()
 
 
-def test_a_stale_pod_after_the_task_is_terminal_exits_3_touching_nothing(new_task, dsn, rig):
+def test_a_stale_pod_after_the_task_is_terminal_exits_3_touching_nothing(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": EFFECT}}])
-    assert task.worker("pod-a", 1, dsn, rig.kubeconfig).wait() == 0
+    assert task.worker("pod-a", 1, endpoint, rig.kubeconfig).wait() == 0
     lease, version = task.lease(), task.record().version
-    stale = task.worker("pod-a-again", 1, dsn, rig.kubeconfig)
+    stale = task.worker("pod-a-again", 1, endpoint, rig.kubeconfig)
     assert stale.wait() == 3, stale.log()
     assert task.lease()["metadata"]["resourceVersion"] == lease["metadata"]["resourceVersion"]
     assert task.record().version == version and task.deliveries() == [task.key(0)]
 
 
-def test_a_pod_of_an_older_epoch_refuses_a_lease_held_by_a_newer_one(new_task, dsn, rig):
+def test_a_pod_of_an_older_epoch_refuses_a_lease_held_by_a_newer_one(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(2)}}])
     task.ledger.replace_attempt(task.uid, 1, cause="lease-expired")
-    current = task.worker("pod-new", 2, dsn, rig.kubeconfig)
+    current = task.worker("pod-new", 2, endpoint, rig.kubeconfig)
     wait_until("the lease to be taken", lambda: task.holder() == "pod-new:2")
-    old = task.worker("pod-old", 1, dsn, rig.kubeconfig)
+    old = task.worker("pod-old", 1, endpoint, rig.kubeconfig)
     assert old.wait() == 3
     assert current.wait() == 0
     assert task.deliveries() == [task.key(0)]
 
 
-def test_a_missing_lease_means_disrupted(new_task, dsn, rig, api):
+def test_a_missing_lease_means_disrupted(new_task, endpoint, rig, api):
     task = new_task([{"name": "charge", "exec": {"command": EFFECT}}])
     client.CoordinationV1Api(api).delete_namespaced_lease(task.lease_name, NAMESPACE)
-    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig)
     assert worker.wait() == 75, worker.log()
     assert task.deliveries() == [] and task.record().steps[0].state == StepState.PENDING
 
 
-def test_killed_after_the_effect_the_next_attempt_verifies_and_commits_without_rerunning(new_task, dsn, rig):
+def test_killed_after_the_effect_the_next_attempt_verifies_and_commits_without_rerunning(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}}])
-    crashed = task.worker("pod-a", 1, dsn, rig.kubeconfig, RETEX_FAILPOINT="after-effect:charge")
+    crashed = task.worker("pod-a", 1, endpoint, rig.kubeconfig, RETEX_FAILPOINT="after-effect:charge")
     assert crashed.wait() == -signal.SIGKILL
     assert task.holder() == "pod-a:1"  # a crash does not release: the lease expires
     epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
-    assert task.worker("pod-b", epoch, dsn, rig.kubeconfig).wait() == 0
+    assert task.worker("pod-b", epoch, endpoint, rig.kubeconfig).wait() == 0
     record = task.record()
     assert record.phase == TaskPhase.SUCCEEDED and record.steps[0].result["verified"] is True
     assert task.deliveries() == [task.key(0)]  # one real execution, one delivery
 
 
-@pytest.mark.parametrize("point", ["after-lease", "before-step", "after-begin", "after-effect", "in-commit",
+# (in-commit is no worker point: the commit transaction runs in the operator's ledger endpoint.)
+@pytest.mark.parametrize("point", ["after-lease", "before-step", "after-begin", "after-effect",
                                    "after-commit", "before-complete"])
 def test_a_worker_killed_at_any_failpoint_is_recovered_by_the_next_attempt_with_one_execution_per_step(
-        new_task, dsn, rig, point):
+        new_task, endpoint, rig, point):
     task = new_task([{"name": "charge", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}},
                      {"name": "ship", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}}])
     # Step-level points are armed for the second step, so the first is committed before the crash.
     armed = point if point in ("after-lease", "before-complete") else f"{point}:ship"
-    crashed = task.worker("pod-a", 1, dsn, rig.kubeconfig, RETEX_FAILPOINT=armed)
+    crashed = task.worker("pod-a", 1, endpoint, rig.kubeconfig, RETEX_FAILPOINT=armed)
     assert crashed.wait() == -signal.SIGKILL, crashed.log()
     epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
-    successor = task.worker("pod-b", epoch, dsn, rig.kubeconfig)
+    successor = task.worker("pod-b", epoch, endpoint, rig.kubeconfig)
     assert successor.wait() == 0, successor.log()
     assert task.record().phase == TaskPhase.SUCCEEDED
     assert sorted(task.deliveries()) == sorted([task.key(0), task.key(1)])  # each step really ran once
@@ -293,20 +333,16 @@ def shared_stub_file() -> Path:
     return shared / "deliveries"
 
 
-def start_job(task: Task, dsn: str, rig, api) -> str:
+def start_job(task: Task, endpoint: LocalLedgerEndpoint, api) -> str:
     """The attempt-1 Job exactly as the operator builds it, in a namespace prepared as it would be."""
-    prepare_namespace(rig.kubectl, NAMESPACE, dsn)  # the retex-worker ServiceAccount, Role and DSN Secret
-    job = build_job(task_name=task.name, task_uid=task.uid, namespace=NAMESPACE, epoch=1,
-                    spec=TaskSpec.model_validate(task.record().spec),
-                    defaults=WorkerDefaults(image="retex-worker:local", service_account="retex-worker",
-                                            database_secret=WORKER_DB_SECRET, termination_grace_seconds=10))
-    BatchV1Api(api).create_namespaced_job(NAMESPACE, without_owner(job))
+    job = task.job(1, endpoint.url)
+    BatchV1Api(api).create_namespaced_job(NAMESPACE, job)
     return job["metadata"]["name"]
 
 
-def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, dsn, rig, api):
+def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, endpoint, rig, api):
     task = new_task([{"name": "charge", "exec": {"command": EFFECT}}], counts=shared_stub_file())
-    job_name = start_job(task, dsn, rig, api)
+    job_name = start_job(task, endpoint, api)
     assert wait_job_finished(BatchV1Api(api), NAMESPACE, job_name, timeout=60) == "Complete"
     [pod] = job_pods(CoreV1Api(api), NAMESPACE, job_name)
     assert task.record().phase == TaskPhase.SUCCEEDED
@@ -315,10 +351,10 @@ def test_the_worker_runs_as_a_job_pod_with_only_its_own_rbac(new_task, dsn, rig,
     assert task.deliveries() == [task.key(0)]
 
 
-def test_an_evicted_worker_pod_commits_its_running_step_and_releases_the_lease(new_task, dsn, rig, api):
+def test_an_evicted_worker_pod_commits_its_running_step_and_releases_the_lease(new_task, endpoint, rig, api):
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(2)}},
                      {"name": "ship", "exec": {"command": EFFECT}}], counts=shared_stub_file())
-    job_name = start_job(task, dsn, rig, api)
+    job_name = start_job(task, endpoint, api)
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED, timeout=60)
     [pod] = job_pods(CoreV1Api(api), NAMESPACE, job_name)
     CoreV1Api(api).create_namespaced_pod_eviction(pod.metadata.name, NAMESPACE, client.V1Eviction(
@@ -331,12 +367,12 @@ def test_an_evicted_worker_pod_commits_its_running_step_and_releases_the_lease(n
 
 
 def test_a_worker_that_loses_its_lease_kills_the_running_step_records_nothing_and_starts_no_other(
-        new_task, dsn, rig, api):
+        new_task, endpoint, rig, api):
     # Its successor may start as soon as the operator judges the lease gone: the step must not
     # finish its effect behind the successor's back.
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(DURATION + 1)}},
                      {"name": "ship", "exec": {"command": EFFECT}}])
-    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig)
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
     client.CoordinationV1Api(api).delete_namespaced_lease(task.lease_name, NAMESPACE)
     assert worker.wait() == 75, worker.log()
@@ -425,11 +461,11 @@ def proxy(rig, tmp_path):
     forwarder.close()
 
 
-def test_renewal_rides_out_an_api_outage_shorter_than_the_lease_duration(new_task, dsn, rig, proxy, tmp_path):
+def test_renewal_rides_out_an_api_outage_shorter_than_the_lease_duration(new_task, endpoint, rig, proxy, tmp_path):
     go = tmp_path / "go"
     task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
                      {"name": "ship", "exec": {"command": EFFECT}}], duration=6)
-    worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
+    worker = task.worker("pod-a", 1, endpoint, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
     proxy.cut_for(2)  # renewals every 0.8 s: some fail; 2 s + 0.8 s < the 4 s renew deadline
     cut_over = task.lease()["spec"]["renewTime"]
@@ -450,7 +486,7 @@ def process_gone(pid: int) -> bool:
 
 
 def test_a_worker_whose_renewals_fail_kills_its_running_step_before_the_lease_duration_passes(
-        new_task, dsn, rig, proxy, tmp_path):
+        new_task, endpoint, rig, proxy, tmp_path):
     # The operator may replace the attempt once it has seen no renewal for the duration; by then
     # the old step must be dead: the worker gives up R after *sending* its last successful
     # renewal and kills the step within K (R + K < D). The Lease's renewTime is the worker's wall
@@ -461,7 +497,7 @@ def test_a_worker_whose_renewals_fail_kills_its_running_step_before_the_lease_du
     hang = [PY, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600); "
                       "open(os.environ['COUNTS'], 'a').write(os.environ['RETEX_IDEMPOTENCY_KEY'] + '\\n')"]
     task = new_task([{"name": "charge", "exec": {"command": hang}}, {"name": "ship", "exec": {"command": EFFECT}}])
-    worker = task.worker("pod-a", 1, dsn, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
+    worker = task.worker("pod-a", 1, endpoint, proxy.kubeconfig(Path(rig.kubeconfig), tmp_path / "kubeconfig"))
     pid = int(wait_until("the step to start", lambda: pid_file.exists() and pid_file.read_text()))
     threading.Thread(target=proxy.cut_for, args=(DURATION + 5,), daemon=True).start()
     wait_until("the step to be killed", lambda: process_gone(pid), timeout=3 * DURATION)
@@ -476,12 +512,12 @@ def test_a_worker_whose_renewals_fail_kills_its_running_step_before_the_lease_du
     assert task.deliveries() == []
 
 
-def test_the_attempt_survives_a_real_api_server_restart(new_task, dsn, rig, tmp_path):
+def test_the_attempt_survives_a_real_api_server_restart(new_task, endpoint, rig, tmp_path):
     go = tmp_path / "go"
     # The renew deadline (two thirds of the duration) must outlast the restart.
     task = new_task([{"name": "charge", "exec": {"command": wait_for_file(go)}},
                      {"name": "ship", "exec": {"command": EFFECT}}], duration=30)
-    worker = task.worker("pod-a", 1, dsn, rig.kubeconfig)
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig)
     wait_until("step 1 to start", lambda: task.record().steps[0].state == StepState.STARTED)
     rig.restart_apiserver(hard=True)
     go.touch()

@@ -46,7 +46,7 @@ MUTANTS = (
     Mutant("lease-reaper", "the lease reaper (expired lease → next attempt)",
            (f"{MATRIX}::test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_the_lease_expires",)),
     Mutant("verify-before-rerun", "verify before re-running an interrupted step",
-           (f"{MATRIX}::test_R6_R8_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step[R6-verify-after-effect:ship]",)),
+           (f"{MATRIX}::test_R6_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step[R6-verify-after-effect:ship]",)),
     Mutant("disruption-count", "the disruption count (a replaced attempt is a disruption)",
            (f"{MATRIX}::test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again",)),
     Mutant("concurrency-key", "the concurrency-key check",

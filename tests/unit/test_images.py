@@ -48,7 +48,7 @@ def test_dockerfiles_pass_hadolint(dockerfile):
 def test_operator_and_worker_targets_run_as_the_jobs_non_root_user():
     stages = _stages(DOCKERFILE.read_text())
     assert {"build", "runtime", "operator", "worker"} <= stages.keys()
-    uid = WorkerDefaults(image="", service_account="", database_secret="").run_as_user
+    uid = WorkerDefaults(image="", service_account="", ledger_url="").run_as_user
     assert f"USER {uid}:{uid}" in stages["runtime"]
     assert 'ENTRYPOINT ["retex-worker"]' in stages["worker"]
     assert 'ENTRYPOINT ["retex-operator"]' in stages["operator"]

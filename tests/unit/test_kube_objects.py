@@ -9,7 +9,8 @@ from retex.api import TaskSpec
 from retex.kube.objects import LABEL_EPOCH, LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, job_name, lease_name
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-DEFAULTS = WorkerDefaults(image="retex-worker:test", service_account="retex-worker", database_secret="retex-db")
+DEFAULTS = WorkerDefaults(image="retex-worker:test", service_account="retex-worker",
+                          ledger_url="http://retex-ledger.retex-system.svc:8081")
 UID = "0b7c5f0e-8a1d-4e52-9d3c-1f2e3d4c5b6a"
 
 
@@ -47,13 +48,23 @@ def test_the_job_never_retries_by_itself_and_belongs_to_the_task():
     assert (labels[LABEL_TASK_UID], labels[LABEL_EPOCH]) == (UID, "3")
 
 
-def test_the_worker_gets_its_epoch_and_lease_and_the_dsn_only_from_a_secret():
-    container = job()["spec"]["template"]["spec"]["containers"][0]
+def test_the_worker_gets_its_epoch_and_lease_and_no_database_credentials():
+    pod = job()["spec"]["template"]["spec"]
+    container = pod["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["RETEX_EPOCH"]["value"] == "3"
     assert env["RETEX_LEASE_NAME"]["value"] == lease_name("order-1", UID)
     assert env["RETEX_LEASE_DURATION_SECONDS"]["value"] == "15"
-    assert env["RETEX_DATABASE_URL"]["valueFrom"] == {"secretKeyRef": {"name": "retex-db", "key": "dsn"}}
+    assert not [e for e in container["env"] if "secretKeyRef" in (e.get("valueFrom") or {})]
+    assert "RETEX_DATABASE_URL" not in env
+    assert env["RETEX_LEDGER_URL"]["value"] == "http://retex-ledger.retex-system.svc:8081"
+    # The ledger endpoint's credential: a projected token bound to the pod, for its audience only.
+    token_file = env["RETEX_LEDGER_TOKEN_FILE"]["value"]
+    [mount] = [m for m in container["volumeMounts"] if token_file.startswith(m["mountPath"] + "/")]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    [source] = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == "retex-ledger"
+    assert token_file == f"{mount['mountPath']}/{source['serviceAccountToken']['path']}" and mount["readOnly"]
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["RETEX_DRAIN_SECONDS"]["value"] == "25"  # 30 s grace, 5 s to commit and release
 

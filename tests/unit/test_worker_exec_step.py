@@ -53,12 +53,13 @@ def test_step_gets_key_task_step_attempt_payload_and_earlier_results():
                     "payload": {"amount": 42}, "results": {"reserve": {"id": "r-1"}}}
 
 
-def test_the_ledger_dsn_and_failpoint_never_reach_step_code():
-    env = step_environment({"PATH": os.environ["PATH"], "RETEX_DATABASE_URL": "host=db password=s3cret",
+def test_the_worker_plumbing_and_failpoint_never_reach_step_code():
+    env = step_environment({"PATH": os.environ["PATH"], "RETEX_LEDGER_URL": "http://retex-ledger:8081",
+                            "RETEX_LEDGER_TOKEN_FILE": "/var/run/secrets/retex/ledger-token",
                             "RETEX_FAILPOINT": "after-effect", "KEEP": "1"})
     outcome = run("import os, json; print(json.dumps(sorted(os.environ)))", sup=supervision(env=env))
     names = json.loads(outcome.result["stdout"])
-    assert "RETEX_DATABASE_URL" not in names and "RETEX_FAILPOINT" not in names and "KEEP" in names
+    assert not {"RETEX_LEDGER_URL", "RETEX_LEDGER_TOKEN_FILE", "RETEX_FAILPOINT"} & set(names) and "KEEP" in names
 
 
 def test_output_is_bounded_to_its_last_kibibytes():

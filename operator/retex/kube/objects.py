@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from retex.api import API_VERSION, KIND, TaskSpec
+from retex.ledger.wire import TOKEN_AUDIENCE
 
 LABEL_TASK_UID = "retex.dev/task-uid"
 LABEL_EPOCH = "retex.dev/epoch"
@@ -23,6 +24,11 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "retex"}
 # The Job controller copies the Job's name into a pod label (job-name), and label values are at
 # most 63 characters, so Job names must fit 63 even though a Task name may have 253.
 _NAME_LIMIT = 63
+# The worker's token for the ledger endpoint: projected, bound to the pod, for one audience only,
+# rotated by the kubelet. The worker reads it at every call (retex.worker.ledger_client).
+LEDGER_TOKEN_DIR = "/var/run/secrets/retex"
+LEDGER_TOKEN_PATH = "ledger-token"
+LEDGER_TOKEN_SECONDS = 3600
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,7 @@ class WorkerDefaults:
 
     image: str
     service_account: str
-    database_secret: str  # Secret in the task's namespace with key `dsn`
+    ledger_url: str  # the operator's ledger endpoint, as worker pods reach it
     termination_grace_seconds: int = 30
     ttl_after_finished_seconds: int = 600
     # How long a worker pod stays bound to a NotReady/unreachable node before it is evicted. The
@@ -100,8 +106,8 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         {"name": "RETEX_EPOCH", "value": str(epoch)},
         {"name": "RETEX_LEASE_NAME", "value": lease_name(task_name, task_uid)},
         {"name": "RETEX_LEASE_DURATION_SECONDS", "value": str(spec.lease.duration_seconds)},
-        {"name": "RETEX_DATABASE_URL",
-         "valueFrom": {"secretKeyRef": {"name": defaults.database_secret, "key": "dsn"}}},
+        {"name": "RETEX_LEDGER_URL", "value": defaults.ledger_url},
+        {"name": "RETEX_LEDGER_TOKEN_FILE", "value": f"{LEDGER_TOKEN_DIR}/{LEDGER_TOKEN_PATH}"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         {"name": "TMPDIR", "value": "/tmp"},
@@ -115,7 +121,8 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         "image": (worker and worker.image) or defaults.image,
         "command": ["retex-worker"],
         "env": env,
-        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"}],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/tmp"},
+                         {"name": "ledger-token", "mountPath": LEDGER_TOKEN_DIR, "readOnly": True}],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
@@ -141,7 +148,11 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "volumes": [
+            {"name": "scratch", "emptyDir": {}},
+            {"name": "ledger-token", "projected": {"sources": [{"serviceAccountToken": {
+                "audience": TOKEN_AUDIENCE, "expirationSeconds": LEDGER_TOKEN_SECONDS, "path": LEDGER_TOKEN_PATH}}]}},
+        ],
         "tolerations": lost_node + [
             t.model_dump(by_alias=True, exclude_none=True) for t in ((worker and worker.tolerations) or [])
         ],

@@ -21,6 +21,7 @@ from retex.api import GROUP, PLURAL, VERSION, TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls, Refused
 from retex.kube.client import api_client
+from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
 from retex.ledger import Ledger, TaskNotFound
@@ -28,6 +29,7 @@ from retex.logs import event
 from retex.machine import IllegalTransition
 from retex.operator.admission import admission_for, annotations_refusal
 from retex.operator.dispatch import Promoter, Relay
+from retex.operator import ledger_endpoint
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
 from retex.operator.settings import OperatorSettings
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
 REQUEUE_ANNOTATION = "retex.dev/requeue"
 KOPF_PREFIX = "kopf.retex.dev"
+ENDPOINT_RETRY_SECONDS = 10.0  # below the worker's read timeout (retex.worker.ledger_client)
 
 
 class Runtime:
@@ -58,6 +61,11 @@ class Runtime:
                              start_deadline_seconds=settings.worker_start_deadline_seconds,
                              on_replaced=self.relay.wake.set)
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
+        # Workers' calls get a ledger of their own: a short Postgres retry window, so an outage is
+        # answered 503 (the worker retries) before the worker's request times out.
+        self.worker_ledger = Ledger(settings.database_url, max_connections=4,
+                                    retry_for_seconds=ENDPOINT_RETRY_SECONDS).open(migrate_schema=False)
+        self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
         self._loops = [self.leases, self.relay, self.promoter, self.reaper, self.mirror]
         self._threads = [
             threading.Thread(target=fn, name=name, daemon=True)
@@ -75,9 +83,10 @@ class Runtime:
         self.relay.wake.set()
         self.promoter.wake.set()  # a worker may have scheduled a retry due sooner than its sleep
 
-    def start(self, metrics_port: int | None) -> None:
+    def start(self, metrics_port: int | None, ledger_port: int) -> None:
         if metrics_port:
             serve_metrics(self.ledger, metrics_port)
+        self._endpoint_server = ledger_endpoint.serve(self.endpoint, ledger_port)
         for thread in self._threads:
             thread.start()
 
@@ -86,6 +95,8 @@ class Runtime:
             loop.stop()
         for thread in self._threads:
             thread.join(timeout=5)
+        self._endpoint_server.shutdown()
+        self.worker_ledger.close()
         self.ledger.close()
 
 
@@ -123,7 +134,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.networking.request_timeout = 30
     operator_settings = OperatorSettings.from_env()
     memo.runtime = Runtime(operator_settings)
-    memo.runtime.start(operator_settings.metrics_port)
+    memo.runtime.start(operator_settings.metrics_port, operator_settings.ledger_port)
 
 
 @kopf.on.cleanup()

@@ -21,6 +21,7 @@ class OperatorSettings:
     history_retention_days: float | None = None  # purge terminal tasks this long after they end
     worker_start_deadline_seconds: float = 120.0  # dispatch → lease taken, else a failed attempt
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
+    ledger_port: int = 8081  # RETEX_LEDGER_PORT: the workers' ledger endpoint (RETEX_LEDGER_URL reaches it)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -29,12 +30,14 @@ class OperatorSettings:
             database_url = env["RETEX_DATABASE_URL"]
         except KeyError:
             raise SystemExit("RETEX_DATABASE_URL is not set (the ledger's Postgres DSN)") from None
+        ledger_port = int(env.get("RETEX_LEDGER_PORT", "8081"))
         return cls(
             database_url=database_url,
+            ledger_port=ledger_port,
             worker=WorkerDefaults(
                 image=env.get("RETEX_WORKER_IMAGE", "retex-worker:latest"),
                 service_account=env.get("RETEX_WORKER_SERVICE_ACCOUNT", "retex-worker"),
-                database_secret=env.get("RETEX_WORKER_DATABASE_SECRET", "retex-worker-db"),
+                ledger_url=env.get("RETEX_LEDGER_URL", f"http://retex-ledger.retex-system.svc:{ledger_port}"),
                 termination_grace_seconds=int(env.get("RETEX_WORKER_GRACE_SECONDS", "30")),
             ),
             resync_seconds=float(env.get("RETEX_RESYNC_SECONDS", "30")),

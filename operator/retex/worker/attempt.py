@@ -35,6 +35,7 @@ from retex.ledger import (
 )
 from retex.machine import StepState
 from retex.worker.calls import StepCall, Supervision
+from retex.worker.ledger_client import LedgerClient
 from retex.logs import event
 from retex.worker.logs import TaskFields
 from retex.worker.outcomes import (
@@ -87,7 +88,7 @@ _RUN_IT = None  # an interrupted step that must simply run
 
 
 class Attempt:
-    def __init__(self, ledger: Ledger, record: TaskRecord, *, epoch: int, actor: str, lease: HeldLease,
+    def __init__(self, ledger: Ledger | LedgerClient, record: TaskRecord, *, epoch: int, actor: str, lease: HeldLease,
                  supervision: Supervision, tagger: TaskFields | None = None, verify_tries: int = 3,
                  verify_retry_seconds: float = 1.0):
         self._ledger, self._record, self._epoch, self._actor = ledger, record, epoch, actor

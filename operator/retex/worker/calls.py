@@ -10,9 +10,10 @@ from typing import Any
 
 from retex.worker.drain import Drain
 
-# Never handed to step code: the ledger DSN is the worker's credential, not the step's; a
-# failpoint is meant for the worker process only.
-WORKER_ONLY_ENV = ("RETEX_DATABASE_URL", "RETEX_FAILPOINT")
+# Never handed to step code: the worker's plumbing, not the step's business (the token file stays
+# readable by the step, which runs for the same attempt: docs/security.md); a failpoint is meant
+# for the worker process only.
+WORKER_ONLY_ENV = ("RETEX_LEDGER_URL", "RETEX_LEDGER_TOKEN_FILE", "RETEX_FAILPOINT")
 
 
 def step_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:

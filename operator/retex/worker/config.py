@@ -8,7 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 DEFAULT_DRAIN_SECONDS = 25.0  # inside Kubernetes' default 30 s termination grace period
-LEDGER_RETRY_SECONDS = 60.0  # how long Postgres may be unreachable before the attempt is given up
+LEDGER_RETRY_SECONDS = 60.0  # how long the ledger may be unreachable before the attempt is given up
+# Where the Job's projected volume puts the pod's token for the ledger endpoint (retex.kube.objects).
+DEFAULT_LEDGER_TOKEN_FILE = "/var/run/secrets/retex/ledger-token"
 
 
 class ConfigError(Exception):
@@ -23,7 +25,8 @@ class WorkerConfig:
     epoch: int
     lease_name: str
     lease_duration_seconds: int
-    database_url: str
+    ledger_url: str  # the operator's ledger endpoint; workers hold no database credentials
+    ledger_token_file: str
     pod_name: str
     node_name: str | None
     drain_seconds: float
@@ -49,7 +52,8 @@ class WorkerConfig:
             epoch=integer("RETEX_EPOCH"),
             lease_name=required("RETEX_LEASE_NAME"),
             lease_duration_seconds=integer("RETEX_LEASE_DURATION_SECONDS"),
-            database_url=required("RETEX_DATABASE_URL"),
+            ledger_url=required("RETEX_LEDGER_URL"),
+            ledger_token_file=environ.get("RETEX_LEDGER_TOKEN_FILE") or DEFAULT_LEDGER_TOKEN_FILE,
             # A pod's hostname is its name; POD_NAME (downward API) is the explicit form.
             pod_name=environ.get("POD_NAME") or socket.gethostname(),
             node_name=environ.get("NODE_NAME") or None,

@@ -16,7 +16,8 @@ from retex.failpoints import failpoint
 from retex.kube.client import api_client
 from retex.api.models import TaskSpec
 from retex.kube.leases import Holder, LeaseTiming, single_attempt_client
-from retex.ledger import FenceRejected, Ledger, LedgerUnavailable, TaskNotFound
+from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound
+from retex.ledger.wire import RequestRefused
 from retex.machine import TaskPhase
 from retex.worker import logs
 from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
@@ -24,6 +25,7 @@ from retex.worker.calls import Supervision
 from retex.worker.config import LEDGER_RETRY_SECONDS, ConfigError, WorkerConfig
 from retex.worker.drain import Drain
 from retex.worker.hardening import refuse_same_user_inspection
+from retex.worker.ledger_client import LedgerClient
 from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
 from retex.logs import event
 
@@ -44,10 +46,14 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: _begin_drain(drain))
     refuse_same_user_inspection()
-    ledger = Ledger(config.database_url, max_connections=2, retry_for_seconds=LEDGER_RETRY_SECONDS)
-    ledger.open(migrate_schema=False)  # workers never run DDL
+    ledger = LedgerClient(config.ledger_url, config.ledger_token_file, retry_for_seconds=LEDGER_RETRY_SECONDS)
     try:
         end = run(config, ledger, drain, tagger)
+    except RequestRefused as exc:
+        # The endpoint does not take this pod for a worker of this attempt: a set-up fault (token
+        # audience, RBAC) or a forged pod. Nothing was written; the Lease is left to expire.
+        event(log, logging.ERROR, "the ledger endpoint refused this worker", why=str(exc))
+        return BAD_ENVIRONMENT
     except Exception:
         # A bug or an impossible state: a crash, counted as a failure by the operator. The Lease
         # is left to expire.
@@ -59,7 +65,7 @@ def main() -> int:
     return int(end.code)
 
 
-def run(config: WorkerConfig, ledger: Ledger, drain: Drain, tagger: logs.TaskFields) -> AttemptEnd:
+def run(config: WorkerConfig, ledger: LedgerClient, drain: Drain, tagger: logs.TaskFields) -> AttemptEnd:
     # Read before touching the Lease: a stale pod (old epoch, terminal task) must leave no trace.
     try:
         record = ledger.get(config.task_uid)

@@ -1,0 +1,118 @@
+"""Who is calling the ledger endpoint: a bearer token → the worker pod it was minted for.
+
+A worker proves itself with its projected ServiceAccount token, bound to its pod and minted for
+the `retex-ledger` audience. The API server's TokenReview says whether the token is valid, for
+that audience, and which pod it is bound to (a bound token stops validating when its pod is
+deleted). The pod's labels and controlling Job then say which task and epoch it claims; the
+endpoint checks that claim against the ledger (retex.operator.ledger_endpoint).
+
+Reviews are cached briefly by the token's hash: a step makes several ledger calls, and the epoch
+fence, not the token's freshness, is what refuses a stale worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+
+from kubernetes import client
+
+from retex.kube.objects import LABEL_EPOCH, LABEL_TASK_UID
+from retex.ledger.wire import TOKEN_AUDIENCE
+
+_POD_NAME = "authentication.kubernetes.io/pod-name"
+_POD_UID = "authentication.kubernetes.io/pod-uid"
+_SA_PREFIX = "system:serviceaccount:"
+REQUEST_TIMEOUT = 10
+CACHE_SECONDS = 60.0
+_CACHE_LIMIT = 4096
+
+
+class NotAWorker(Exception):
+    """The token does not identify a worker pod of some attempt; the message says why."""
+
+
+class IdentityUnavailable(Exception):
+    """The API server could not be asked: the caller should retry."""
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    namespace: str
+    pod: str
+    service_account: str
+    job_name: str  # the pod's controlling Job
+    task_uid: str  # from the pod's labels, which the Job's template set
+    epoch: int
+
+
+def identity_of(namespace: str, service_account: str, pod: client.V1Pod) -> WorkerIdentity:
+    """The attempt a pod says it runs, from its labels and controlling Job. Pure."""
+    labels = pod.metadata.labels or {}
+    owner = next((o for o in pod.metadata.owner_references or [] if o.controller), None)
+    if owner is None or owner.kind != "Job":
+        raise NotAWorker(f"pod {namespace}/{pod.metadata.name} is not controlled by a Job")
+    try:
+        epoch = int(labels[LABEL_EPOCH])
+        uid = labels[LABEL_TASK_UID]
+    except (KeyError, ValueError):
+        raise NotAWorker(f"pod {namespace}/{pod.metadata.name} has no retex task and epoch labels") from None
+    return WorkerIdentity(namespace=namespace, pod=pod.metadata.name, service_account=service_account,
+                          job_name=owner.name, task_uid=uid, epoch=epoch)
+
+
+class WorkerIdentities:
+    """Token → WorkerIdentity, through TokenReview and one pod read."""
+
+    def __init__(self, api: client.ApiClient, *, cache_seconds: float = CACHE_SECONDS):
+        self._auth = client.AuthenticationV1Api(api)
+        self._core = client.CoreV1Api(api)
+        self._cache_seconds = cache_seconds
+        self._cache: dict[str, tuple[float, WorkerIdentity]] = {}
+        self._lock = threading.Lock()
+
+    def resolve(self, token: str) -> WorkerIdentity:
+        key = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit and hit[0] > now:
+                return hit[1]
+        identity = self._review(token)
+        with self._lock:
+            if len(self._cache) >= _CACHE_LIMIT:
+                self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+            self._cache[key] = (now + self._cache_seconds, identity)
+        return identity
+
+    def _review(self, token: str) -> WorkerIdentity:
+        review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[TOKEN_AUDIENCE]))
+        try:
+            status = self._auth.create_token_review(review, _request_timeout=REQUEST_TIMEOUT).status
+        except client.ApiException as exc:
+            raise IdentityUnavailable(f"TokenReview failed: {exc.status} {exc.reason}") from exc
+        except Exception as exc:  # transport errors: urllib3's, OSError
+            raise IdentityUnavailable(f"TokenReview failed: {exc}") from exc
+        if not status.authenticated:
+            raise NotAWorker(f"token not accepted for audience {TOKEN_AUDIENCE}: {status.error or 'unauthenticated'}")
+        if TOKEN_AUDIENCE not in (status.audiences or []):
+            raise NotAWorker(f"token is not for audience {TOKEN_AUDIENCE}")
+        username = status.user.username or ""
+        extra = status.user.extra or {}
+        if not username.startswith(_SA_PREFIX) or not extra.get(_POD_NAME) or not extra.get(_POD_UID):
+            raise NotAWorker(f"{username or 'the caller'} is not a pod-bound ServiceAccount token")
+        namespace, _, service_account = username[len(_SA_PREFIX):].partition(":")
+        pod_name, pod_uid = extra[_POD_NAME][0], extra[_POD_UID][0]
+        try:
+            pods = self._core.list_namespaced_pod(namespace, field_selector=f"metadata.name={pod_name}",
+                                                  _request_timeout=REQUEST_TIMEOUT).items
+        except client.ApiException as exc:
+            raise IdentityUnavailable(f"reading pod {namespace}/{pod_name} failed: {exc.status} {exc.reason}") from exc
+        except Exception as exc:
+            raise IdentityUnavailable(f"reading pod {namespace}/{pod_name} failed: {exc}") from exc
+        pod = next((p for p in pods if p.metadata.uid == pod_uid), None)
+        if pod is None:
+            raise NotAWorker(f"pod {namespace}/{pod_name} (uid {pod_uid}) no longer exists")
+        return identity_of(namespace, service_account, pod)

@@ -1,0 +1,118 @@
+"""The worker's ledger: the operations of retex.ledger.Ledger that a worker needs, sent to the
+operator's ledger endpoint with the pod's projected ServiceAccount token. Workers hold no database
+credentials (docs/security.md).
+
+Same contract as the Ledger methods: the same records, the same typed errors, and an outage
+(the operator restarting, Postgres down behind it) retried for `retry_for_seconds`, then
+`LedgerUnavailable`. Every operation is idempotent when repeated by the same attempt (the Ledger's
+"a repeated call" rules), so a request whose reply was lost is simply sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import urllib3
+
+from retex.ledger import LedgerUnavailable, StepRecord, TaskRecord, UnstorableValue
+from retex.ledger.wire import PATH_PREFIX, RequestRefused, error_from_json, step_from_json, task_from_json, to_json
+
+log = logging.getLogger(__name__)
+# Longer than the endpoint's own Postgres retry window (retex.operator.ledger_endpoint), so a slow
+# answer is waited for rather than sent again while it is still being worked on.
+REQUEST_TIMEOUT = urllib3.Timeout(connect=5.0, read=30.0)
+_TRANSIENT_STATUSES = frozenset({500, 502, 503, 504})
+
+
+class LedgerClient:
+    def __init__(self, url: str, token_file: str, *, retry_for_seconds: float):
+        self._url = url.rstrip("/") + PATH_PREFIX
+        self._token_file = Path(token_file)
+        self._retry_for = retry_for_seconds
+        self._http = urllib3.PoolManager(maxsize=2, retries=False, timeout=REQUEST_TIMEOUT)
+
+    def close(self) -> None:
+        self._http.clear()
+
+    # -- the worker's operations (retex.ledger.Ledger's signatures) -------------------------
+
+    def get(self, uid: str) -> TaskRecord:
+        return task_from_json(self._call("get", uid=uid))
+
+    def claim_attempt(self, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
+        # `pod` is the endpoint's to know (the token's pod); it is not sent.
+        return task_from_json(self._call("claim_attempt", uid=uid, epoch=epoch, node=node))
+
+    def begin_step(self, uid: str, epoch: int, idx: int, *, actor: str) -> StepRecord:
+        return step_from_json(self._call("begin_step", uid=uid, epoch=epoch, idx=idx))
+
+    def start_run(self, uid: str, epoch: int, idx: int, *, actor: str) -> None:
+        self._call("start_run", uid=uid, epoch=epoch, idx=idx)
+
+    def seconds_until_step_deadline(self, uid: str, idx: int, *, begun_at: datetime | None,
+                                    after_seconds: float) -> float:
+        return float(self._call("seconds_until_step_deadline", uid=uid, idx=idx, begun_at=to_json(begun_at),
+                                after_seconds=after_seconds))
+
+    def commit_step(self, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
+        self._call("commit_step", uid=uid, epoch=epoch, idx=idx, result=result)
+
+    def fail_step(self, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str) -> TaskRecord:
+        return task_from_json(self._call("fail_step", uid=uid, epoch=epoch, idx=idx, error=error, retryable=retryable))
+
+    def flag_step(self, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
+        return task_from_json(self._call("flag_step", uid=uid, epoch=epoch, idx=idx, why=why))
+
+    def complete_task(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+        return task_from_json(self._call("complete_task", uid=uid, epoch=epoch))
+
+    def finish_cancelled(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+        return task_from_json(self._call("finish_cancelled", uid=uid, epoch=epoch))
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _call(self, operation: str, **body: Any) -> Any:
+        # allow_nan=False: NaN is not JSON; the endpoint would refuse it, and the ledger too.
+        try:
+            data = json.dumps(body, allow_nan=False).encode()
+        except ValueError as exc:
+            raise UnstorableValue(f"the ledger refused the value: {exc}") from exc
+        deadline = time.monotonic() + self._retry_for
+        delay = 0.1
+        while True:
+            try:
+                reply = self._http.request("POST", self._url + operation, body=data, headers={
+                    "Content-Type": "application/json", "Authorization": f"Bearer {self._token()}"})
+                status, payload = reply.status, _payload(reply.data)
+                why = f"{status} {payload.get('message', '')}"
+            except (urllib3.exceptions.HTTPError, OSError) as exc:
+                status, payload, why = 0, {}, str(exc)
+            if status == 200:
+                return payload["result"]
+            if status == 409:
+                raise error_from_json(payload)
+            if status and status not in _TRANSIENT_STATUSES:
+                raise RequestRefused(status, str(payload.get("message", payload)))
+            if time.monotonic() + delay > deadline:
+                raise LedgerUnavailable(f"{operation}: ledger endpoint unavailable for {self._retry_for:.0f}s: {why}")
+            log.warning("ledger %s: endpoint unavailable, retrying in %.2fs: %s", operation, delay, why)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 2.0)
+
+    def _token(self) -> str:
+        # Read at every call: the kubelet rotates projected tokens in place.
+        return self._token_file.read_text().strip()
+
+
+def _payload(data: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(data or b"{}")
+    except ValueError:
+        return {"message": data[:200].decode(errors="replace")}
+    return payload if isinstance(payload, dict) else {"message": str(payload)}
