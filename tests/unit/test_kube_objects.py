@@ -98,7 +98,17 @@ def test_spec_worker_overrides_image_account_resources_and_placement():
     assert pod["containers"][0]["image"] == "acme/steps:1"
     assert pod["serviceAccountName"] == "payments"
     assert pod["nodeSelector"] == {"pool": "a"}
-    assert pod["containers"][0]["resources"] == {"limits": {"memory": "256Mi"}}
+    assert pod["containers"][0]["resources"] == {"limits": {"memory": "256Mi", "ephemeral-storage": "2Gi"}}
+
+
+def test_a_worker_cannot_fill_its_node_disk_unless_the_task_asks_for_more():
+    pod = job()["spec"]["template"]["spec"]
+    [scratch] = [v for v in pod["volumes"] if v["name"] == "scratch"]
+    assert scratch["emptyDir"] == {"sizeLimit": "1Gi"}
+    assert pod["containers"][0]["resources"] == {"limits": {"ephemeral-storage": "2Gi"}}
+    asked = job(worker={"resources": {"requests": {"ephemeral-storage": "5Gi"}, "limits": {"ephemeral-storage": "8Gi"}}})
+    assert asked["spec"]["template"]["spec"]["containers"][0]["resources"] == {
+        "requests": {"ephemeral-storage": "5Gi"}, "limits": {"ephemeral-storage": "8Gi"}}
 
 
 def test_the_lease_is_created_free_with_the_spec_duration():

@@ -182,3 +182,12 @@ def test_a_crashing_verify_is_never_read_as_not_found():
     assert isinstance(verify("import os; os.environ['NO_SUCH_VARIABLE']"), VerifyFailed)
     assert isinstance(verify("raise SystemExit(1)"), VerifyFailed)
     assert isinstance(verify("raise SystemExit(2)"), VerifyFailed)
+
+
+def test_a_package_left_in_the_working_directory_cannot_shadow_the_worker_side_of_an_exec_step(tmp_path, monkeypatch):
+    # The step's tether is a `python -m` of the worker's own: with -P a `retex/` that an earlier
+    # step wrote into the working directory is not imported in its place.
+    (tmp_path / "retex").mkdir()
+    (tmp_path / "retex" / "__init__.py").write_text("raise SystemExit(97)\n")
+    monkeypatch.chdir(tmp_path)
+    assert run("print('charged')") == Succeeded({"exitCode": 0, "stdout": "charged\n", "stderr": ""})

@@ -86,3 +86,14 @@ def test_verify_returning_a_value_is_found_and_none_is_not_found():
     assert verify("found") == Found({"found": "uid-1:charge:abcd1234"})
     assert verify("not_found") == NotFound()
     assert isinstance(verify("busy"), VerifyFailed)
+
+
+def test_a_package_left_in_the_working_directory_cannot_shadow_the_step_interpreter(tmp_path, monkeypatch):
+    # An earlier step may write files where the worker runs: a `retex/` there must not be imported
+    # in place of the worker's own package (python -P, and the child runs in /).
+    (tmp_path / "retex").mkdir()
+    (tmp_path / "retex" / "__init__.py").write_text("raise SystemExit(97)\n")
+    monkeypatch.chdir(tmp_path)
+    assert run("charge", {"amount": 1}) == Succeeded({
+        "key": "uid-1:charge:abcd1234", "task": "uid-1", "step": "charge", "attempt": 2, "amount": 1,
+        "payload": {"amount": 42}, "results": {"reserve": {"id": "r-1"}}})

@@ -44,6 +44,10 @@ class WorkerDefaults:
     # next attempt does not wait for this (the lease does that); it only tidies the old pod.
     lost_node_toleration_seconds: int = 10
     run_as_user: int = 65532
+    # A step that writes without bound must not fill its node's disk: the scratch volume and the
+    # container's writable layer are capped unless the Task's resources name ephemeral-storage.
+    scratch_size_limit: str = "1Gi"
+    ephemeral_storage_limit: str = "2Gi"
 
 
 def _short(uid: str) -> str:
@@ -130,8 +134,10 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
             "runAsNonRoot": True,
         },
     }
-    if worker and worker.resources:
-        container["resources"] = worker.resources.model_dump(by_alias=True, exclude_none=True)
+    resources = worker.resources.model_dump(by_alias=True, exclude_none=True) if worker and worker.resources else {}
+    if not any("ephemeral-storage" in (resources.get(kind) or {}) for kind in ("requests", "limits")):
+        resources["limits"] = {**(resources.get("limits") or {}), "ephemeral-storage": defaults.ephemeral_storage_limit}
+    container["resources"] = resources
     lost_node = [
         {"key": f"node.kubernetes.io/{taint}", "operator": "Exists", "effect": "NoExecute",
          "tolerationSeconds": defaults.lost_node_toleration_seconds}
@@ -149,7 +155,7 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         },
         "containers": [container],
         "volumes": [
-            {"name": "scratch", "emptyDir": {}},
+            {"name": "scratch", "emptyDir": {"sizeLimit": defaults.scratch_size_limit}},
             {"name": "ledger-token", "projected": {"sources": [{"serviceAccountToken": {
                 "audience": TOKEN_AUDIENCE, "expirationSeconds": LEDGER_TOKEN_SECONDS, "path": LEDGER_TOKEN_PATH}}]}},
         ],

@@ -86,7 +86,8 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
         with open(workdir / "stdout", "w+b") as stdout, open(workdir / "stderr", "w+b") as stderr:
             not_started = workdir / "not-started"
             proc = subprocess.Popen(
-                [sys.executable, "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
+                # -P: a module an earlier step wrote into the working directory is never imported.
+                [sys.executable, "-P", "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
                  repr(own_deadline(step, call, sup)), *action.command, *(action.args or [])],
                 env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
             end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,

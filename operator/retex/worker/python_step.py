@@ -46,8 +46,9 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
             "taskUid": call.task_uid, "step": call.step, "attempt": call.attempt, "payload": call.payload,
             "results": call.results, "workerPid": os.getpid(), "deadline": own_deadline(step, call, sup),
         }))
-        proc = subprocess.Popen([sys.executable, "-m", "retex.worker.pycall", str(request), str(response)],
-                                env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True)
+        # -P and cwd /: nothing an earlier step wrote where the worker runs can shadow a module.
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "retex.worker.pycall", str(request), str(response)],
+                                env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True, cwd="/")
         end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
                         held=sup.held)
         answer = json.loads(response.read_text()) if response.exists() else None
