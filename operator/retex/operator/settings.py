@@ -30,7 +30,7 @@ class OperatorSettings:
             database_url = env["RETEX_DATABASE_URL"]
         except KeyError:
             raise SystemExit("RETEX_DATABASE_URL is not set (the ledger's Postgres DSN)") from None
-        ledger_port = int(env.get("RETEX_LEDGER_PORT", "8081"))
+        ledger_port = _number(env, "RETEX_LEDGER_PORT", int) or 8081
         return cls(
             database_url=database_url,
             ledger_port=ledger_port,
@@ -38,19 +38,27 @@ class OperatorSettings:
                 image=env.get("RETEX_WORKER_IMAGE", "retex-worker:latest"),
                 service_account=env.get("RETEX_WORKER_SERVICE_ACCOUNT", "retex-worker"),
                 ledger_url=env.get("RETEX_LEDGER_URL", f"http://retex-ledger.retex-system.svc:{ledger_port}"),
-                termination_grace_seconds=int(env.get("RETEX_WORKER_GRACE_SECONDS", "30")),
+                termination_grace_seconds=_number(env, "RETEX_WORKER_GRACE_SECONDS", int) or 30,
             ),
-            resync_seconds=float(env.get("RETEX_RESYNC_SECONDS", "30")),
+            resync_seconds=_number(env, "RETEX_RESYNC_SECONDS", float) or 30.0,
             failpoints_from_annotations=env.get("RETEX_FAILPOINTS_FROM_ANNOTATIONS") == "1",
-            max_running=_optional(env, "RETEX_MAX_RUNNING", int),
-            max_running_per_namespace=_optional(env, "RETEX_MAX_RUNNING_PER_NAMESPACE", int),
-            history_retention_days=_optional(env, "RETEX_HISTORY_RETENTION_DAYS", float),
-            worker_start_deadline_seconds=_optional(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
-            metrics_port=int(env.get("RETEX_METRICS_PORT", "9090") or 0) or None,
+            max_running=_number(env, "RETEX_MAX_RUNNING", int),
+            max_running_per_namespace=_number(env, "RETEX_MAX_RUNNING_PER_NAMESPACE", int),
+            history_retention_days=_number(env, "RETEX_HISTORY_RETENTION_DAYS", float),
+            worker_start_deadline_seconds=_number(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
+            metrics_port=_metrics_port(env),
         )
 
 
-def _optional(env: dict[str, str], name: str, kind: type):
+def _metrics_port(env: dict[str, str]) -> int | None:
+    """9090 when unset; empty or 0 turns the endpoint off."""
+    if env.get("RETEX_METRICS_PORT", "9090").strip() in ("", "0"):
+        return None
+    return _number(env, "RETEX_METRICS_PORT", int) or 9090
+
+
+def _number(env: dict[str, str], name: str, kind: type):
+    """The variable as a positive number; None when unset or empty (the caller's default)."""
     value = env.get(name, "").strip()
     if not value:
         return None
@@ -59,5 +67,5 @@ def _optional(env: dict[str, str], name: str, kind: type):
     except ValueError:
         raise SystemExit(f"{name}={value!r} is not a number") from None
     if parsed <= 0:
-        raise SystemExit(f"{name} must be positive (unset it for no limit)")
+        raise SystemExit(f"{name} must be positive (unset it for the default)")
     return parsed

@@ -1,0 +1,53 @@
+"""The operator's settings from its environment: documented defaults, and a clear refusal (exit
+with the variable's name) for a value that cannot work, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from retex.operator.settings import OperatorSettings
+
+DSN = {"RETEX_DATABASE_URL": "host=db dbname=retex"}
+
+
+def refusal(env: dict[str, str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        OperatorSettings.from_env(env)
+    return str(exited.value)
+
+
+def test_only_the_dsn_is_required_and_the_rest_are_the_documented_defaults():
+    settings = OperatorSettings.from_env(DSN)
+    assert settings.database_url == "host=db dbname=retex"
+    assert (settings.max_running, settings.max_running_per_namespace, settings.history_retention_days) == (None,) * 3
+    assert (settings.worker_start_deadline_seconds, settings.resync_seconds, settings.metrics_port) == (120.0, 30.0, 9090)
+    assert settings.ledger_port == 8081
+    assert settings.worker.ledger_url == "http://retex-ledger.retex-system.svc:8081"
+    assert (settings.worker.image, settings.worker.service_account) == ("retex-worker:latest", "retex-worker")
+    assert settings.worker.termination_grace_seconds == 30 and not settings.failpoints_from_annotations
+
+
+def test_without_a_dsn_the_operator_refuses_to_start_and_says_which_variable():
+    assert "RETEX_DATABASE_URL is not set" in refusal({})
+
+
+@pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_MAX_RUNNING_PER_NAMESPACE", "RETEX_HISTORY_RETENTION_DAYS",
+                                  "RETEX_WORKER_START_DEADLINE_SECONDS", "RETEX_LEDGER_PORT", "RETEX_METRICS_PORT",
+                                  "RETEX_WORKER_GRACE_SECONDS", "RETEX_RESYNC_SECONDS"])
+def test_a_value_that_is_not_a_number_is_refused_by_name(name):
+    assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"
+
+
+@pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_HISTORY_RETENTION_DAYS", "RETEX_LEDGER_PORT",
+                                  "RETEX_WORKER_GRACE_SECONDS", "RETEX_RESYNC_SECONDS"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_zero_or_a_negative_value_is_refused(name, value):
+    assert refusal(DSN | {name: value}).startswith(f"{name} must be positive")
+
+
+def test_limits_and_the_workers_ledger_url_are_taken_as_given():
+    settings = OperatorSettings.from_env(DSN | {"RETEX_MAX_RUNNING": "7", "RETEX_LEDGER_PORT": "9443",
+                                                "RETEX_LEDGER_URL": "http://retex-ledger.ops.svc:9443",
+                                                "RETEX_METRICS_PORT": ""})
+    assert settings.max_running == 7 and settings.ledger_port == 9443 and settings.metrics_port is None
+    assert settings.worker.ledger_url == "http://retex-ledger.ops.svc:9443"
