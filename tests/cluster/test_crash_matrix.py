@@ -432,6 +432,7 @@ def test_R9_worker_killed_after_the_last_commit_the_next_attempt_executes_nothin
     assert 2 not in begun_by_epoch(retex, crash.uid)
     assert outcome(retex, crash.uid) == expected
     counts = effects_of(payments, notifier, crash.uid)
+    assert_exactly_once(counts)
     assert all(c == {"deliveries": 1, "executions": 1} for c in counts.values()), counts
     record = retex.ledger.get(crash.uid)
     assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1)
@@ -479,18 +480,38 @@ def pod_exit_code(system, job_name):
     return int(wait_for(terminated, timeout=60, what=f"{job_name} pod to exit"))
 
 
-def test_R10_two_pods_for_one_attempt_only_the_lease_holder_executes(retex, stubs):
+def pod_log(system, job_name: str) -> str:
+    """What the pods of `job_name` printed, read from the node agents' pod directories."""
+    prefix = f"{system.namespace}_{job_name}-"
+    return "".join(log.read_text(errors="replace") for node in system.rig.nodes
+                   for pod_dir in (system.rig.node_dir(node) / "pods").glob(f"{prefix}*")
+                   for log in sorted(pod_dir.glob("*.log")))
+
+
+def test_R10_a_second_pod_for_the_attempt_never_executes_and_the_first_goes_on(retex, stubs, gates):
+    """A duplicate Job's pod (same template, another name) is no worker of the attempt: the ledger
+    endpoint refuses it before it touches the Lease. Two pods of the operator's own Job are decided
+    by the Lease (test_worker_lease.py::test_two_pods_for_one_attempt_…)."""
     payments, notifier = stubs
     steps = order_steps(payments, notifier, charge={"http": {"method": "POST", "url": f"{notifier.url}/effects/charge"},
                                                     "idempotent": False})
-    steps.insert(0, exec_step("warmup", 3))
+    gate = gates(opened=False)
+    steps.insert(0, gate_step(gate))
     crash = submit(retex, "crash", steps, lease=LEASE)
-    wait_for(lambda: (status(retex, "crash").get("lease") or {}).get("holder"), timeout=60, what="lease taken")
+    holder = wait_for(lambda: (status(retex, "crash").get("lease") or {}).get("holder"), timeout=60, what="lease taken")
     duplicate_job(retex, crash.uid, 1, "crash-duplicate")
+    # The gate holds the task Running until the duplicate has ended: it met a live attempt.
+    assert pod_exit_code(retex, "crash-duplicate") == 2, pod_log(retex, "crash-duplicate")[-2000:]
+    log = pod_log(retex, "crash-duplicate")
+    assert "the ledger endpoint refused this worker" in log and "is not a worker of task" in log, log[-2000:]
+    assert "lease acquired" not in log
+    assert status(retex, "crash")["phase"] == "Running" and status(retex, "crash")["lease"]["holder"] == holder
+    gate.touch()
     settle(retex, crash, phases=("Succeeded",))
-    assert pod_exit_code(retex, "crash-duplicate") == 3, "the duplicate exits as stale, touching nothing"
     assert_exactly_once(effects_of(payments, notifier, crash.uid))
+    assert effects_of(payments, notifier, crash.uid)["charge"] == {"deliveries": 1, "executions": 1}
     assert retex.ledger.get(crash.uid).epoch == 1
+    assert len(retex.ledger.attempts(crash.uid)) == 1
 
 
 def test_R11_a_zombie_frozen_after_its_effect_is_fenced_when_it_resumes_after_the_next_epoch_committed(
@@ -621,11 +642,13 @@ def test_R15_a_postgres_restart_mid_run_loses_and_duplicates_nothing(retex, stub
 def test_R16_an_api_server_restart_within_the_lease_ttl_does_not_replace_the_attempt(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    steps.insert(2, exec_step("pack", 6))
+    steps.insert(2, exec_step("pack", 12))  # outlasts the restart on a loaded 2-core machine
     crash = submit(retex, "crash", steps, lease={"durationSeconds": 20})
     wait_for(lambda: [s.get("state") for s in status(retex, "crash").get("steps") or []][2:3] == ["started"],
              timeout=60, what="pack running")
     retex.rig.restart_apiserver()
+    # The outage overlapped the run: the API server came back while pack was still running.
+    assert [s.state for s in retex.ledger.get(crash.uid).steps][2] == "started", "pack ended before the restart"
     settle(retex, crash, phases=("Succeeded",), lease_seconds=20)
     assert retex.ledger.get(crash.uid).epoch == 1, "renewals retried; the attempt went on"
     assert_exactly_once(effects_of(payments, notifier, crash.uid))

@@ -326,6 +326,32 @@ def test_a_worker_killed_at_any_failpoint_is_recovered_by_the_next_attempt_with_
     assert sorted(task.deliveries()) == sorted([task.key(0), task.key(1)])  # each step really ran once
 
 
+@pytest.mark.parametrize("point, ship", [
+    # begun, never run: attempt 3's verify finds nothing and runs it once
+    ("after-begin", {"exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}}),
+    # run, never committed, idempotent: each attempt re-sends it with the same key
+    ("after-effect", {"exec": {"command": EFFECT}, "idempotent": True}),
+])
+def test_a_second_attempt_killed_at_the_same_point_is_recovered_by_a_third_with_one_execution_per_step(
+        new_task, endpoint, rig, point, ship):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}},
+                     {"name": "ship", **ship}])
+    epoch = 1
+    for pod in ("pod-a", "pod-b"):  # attempts 1 and 2 die at the same point of `ship`
+        crashed = task.worker(pod, epoch, endpoint, rig.kubeconfig, RETEX_FAILPOINT=f"{point}:ship")
+        assert crashed.wait() == -signal.SIGKILL, crashed.log()
+        assert f"retex failpoint {point}:ship fired" in crashed.log()
+        epoch = task.ledger.replace_attempt(task.uid, epoch, cause="lease-expired").epoch
+    begun = sorted({h.epoch for h in task.ledger.history(task.uid) if h.event == "step-begin" and h.step_idx == 1})
+    assert (epoch, begun) == (3, [1, 2]), "ship was begun by attempts 1 and 2, both killed"
+    third = task.worker("pod-c", epoch, endpoint, rig.kubeconfig)
+    assert third.wait() == 0, third.log()
+    assert task.record().phase == TaskPhase.SUCCEEDED
+    assert set(task.deliveries()) == {task.key(0), task.key(1)}  # each step executed once (one key each)
+    assert task.deliveries().count(task.key(0)) == 1  # charge, committed by attempt 1, never sent again
+    assert task.deliveries().count(task.key(1)) == (3 if point == "after-effect" else 1)
+
+
 def shared_stub_file() -> Path:
     """A delivery file a pod (running as a non-root user) can write."""
     shared = Path(tempfile.mkdtemp(prefix="retex-stub-"))
