@@ -246,3 +246,78 @@ def test_a_job_name_held_by_a_job_not_of_this_task_is_a_refusal_not_success(rete
     assert f'Job "{name}" already exists and is not owned by this Task' in failed["message"], failed
     job = json.loads(retex.kubectl("get", "job", name, "-o", "json").stdout)
     assert not job["metadata"].get("ownerReferences") and job["spec"]["suspend"] is True  # left alone
+
+
+def admissions_in_log(system) -> int:
+    return system.operator.log_tail(10**7).count("Handler 'admit' succeeded")
+
+
+def restart_and_resume(system, tasks: int) -> None:
+    """Restart the operator and wait until kopf's resume handler has run for `tasks` Tasks."""
+    seen = admissions_in_log(system)
+    system.operator.restart()
+    wait_for(lambda: admissions_in_log(system) >= seen + tasks, timeout=60, what=f"{tasks} Tasks resumed")
+
+
+def refused_and_never_admitted(system, name, reason):
+    uid = task(system, name)["metadata"]["uid"]
+    assert status(system, name)["phase"] == "Refused" and condition(system, name, "Accepted")["reason"] == reason
+    assert jobs_of(system, uid) == []
+    try:
+        system.ledger.get(uid)
+        raise AssertionError(f"{name} was admitted into the ledger")
+    except TaskNotFound:
+        pass
+
+
+def test_a_task_refused_as_job_rejected_stays_refused_after_the_cause_is_gone_and_the_operator_restarts(retex):
+    # A policy that denies every Job in the namespace: the dry run at admission refuses the Task.
+    policy_name = f"no-jobs-{retex.namespace}"
+    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+              "metadata": {"name": policy_name},
+              "spec": {"failurePolicy": "Fail",
+                       "matchConstraints": {"resourceRules": [{"apiGroups": ["batch"], "apiVersions": ["v1"],
+                                                               "operations": ["CREATE"], "resources": ["jobs"]}]},
+                       "validations": [{"expression": "false", "message": "no Jobs here today"}]}}
+    binding = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+               "metadata": {"name": policy_name},
+               "spec": {"policyName": policy_name, "validationActions": ["Deny"],
+                        "matchResources": {"namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": retex.namespace}}}}}
+    probe = json.dumps({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "probe"},
+                        "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [
+                            {"name": "c", "image": "busybox", "command": ["true"]}]}}}})
+
+    def jobs_denied() -> bool:
+        out = retex.kubectl("create", "--dry-run=server", "-f", "-", input=probe, check=False)
+        return out.returncode != 0 and "no Jobs here today" in out.stderr
+
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(policy))
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(binding))
+    try:
+        wait_for(jobs_denied, timeout=30, what="the policy in force")
+        retex.kubectl("apply", "-f", "-", input=task_manifest("denied", echo("no")))
+        retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/denied")
+        assert "no Jobs here today" in condition(retex, "denied", "Accepted")["message"]
+    finally:
+        for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
+            retex.rig.kubectl("delete", kind, policy_name, check=False)
+    wait_for(lambda: not jobs_denied(), timeout=30, what="the policy gone")
+    restart_and_resume(retex, 1)  # admission asked again: its dry run would pass now
+    refused_and_never_admitted(retex, "denied", "JobRejected")
+    retex.kubectl("delete", "task", "denied", "--timeout=30s")
+
+
+def test_a_duplicate_stays_refused_after_the_first_is_purged_and_the_purge_frees_no_idempotency_key(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("first", echo("once"), idempotencyKey="order-7"))
+    succeeded(retex, "first", timeout=90)
+    retex.kubectl("apply", "-f", "-", input=task_manifest("second", echo("twice"), idempotencyKey="order-7"))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/second")
+    assert retex.ledger.purge_finished(older_than_seconds=0) == 1
+    restart_and_resume(retex, 2)
+    refused_and_never_admitted(retex, "second", "DuplicateIdempotencyKey")
+    retex.kubectl("apply", "-f", "-", input=task_manifest("third", echo("thrice"), idempotencyKey="order-7"))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/third")
+    refused_and_never_admitted(retex, "third", "DuplicateIdempotencyKey")
+    assert f"{retex.namespace}/first" in condition(retex, "third", "Accepted")["message"]
+

@@ -43,9 +43,11 @@ from retex.ledger.records import (
     AttemptRecord,
     Dispatch,
     HistoryEntry,
+    Refusal,
     StepRecord,
     TaskAdmission,
     TaskRecord,
+    TaskRef,
     WatchedAttempt,
 )
 from retex.machine import (
@@ -345,10 +347,11 @@ class Ledger:
             ).fetchone()
             # Checked after the insert, in its own statement: a purge that committed while the insert
             # waited on the row is seen here (a check before it could miss it).
-            if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (admission.uid,)).fetchone():
-                raise _Purged
+            verdict = _prior_verdict(cur, admission)
+            if verdict is not None:
+                raise _NotAdmitted(verdict)
             if inserted is None:
-                return _existing_admission(cur, admission)
+                return AdmitResult(uid=admission.uid, created=False)  # admitted before
             step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
             for idx, (name, step_spec) in enumerate(zip(admission.step_names, step_specs, strict=True)):
                 cur.execute(
@@ -361,9 +364,33 @@ class Ledger:
 
         try:
             return self._tx(op, op="admit")
-        except _Purged:
-            # It ran to its end and its history was purged (retention): never run it again.
-            return AdmitResult(uid=admission.uid, created=False, purged=True)
+        except _NotAdmitted as not_admitted:
+            return not_admitted.verdict
+
+    def prior_verdict(self, admission: TaskAdmission) -> AdmitResult | None:
+        """What `admit` answers for a Task it will never admit, without writing: refused before,
+        purged, or a duplicate of the task (live or purged) that used its idempotencyKey first.
+        None: `admit` would admit it (or has). The operator asks before its Job dry run, so that a
+        decision made once is not made again differently."""
+        return self._tx(lambda cur: _prior_verdict(cur, admission), op="prior_verdict")
+
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """Record that a Task is not admitted. Final for its uid: the first refusal stored stands
+        (and is returned), and `admit` never admits the uid."""
+
+        def op(cur: psycopg.Cursor) -> Refusal:
+            cur.execute(
+                """INSERT INTO retex.refusals (uid, namespace, name, reason, message, generation)
+                   VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (uid) DO NOTHING""",
+                (refusal.uid, refusal.namespace, refusal.name, refusal.reason, refusal.message[:4096],
+                 refusal.generation),
+            )
+            return _refusal(cur, refusal.uid)
+
+        return self._tx(op, op="refuse")
+
+    def refusal(self, uid: str) -> Refusal | None:
+        return self._tx(lambda cur: _refusal(cur, uid), op="refusal")
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
         """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
@@ -890,18 +917,19 @@ class Ledger:
 
     def purge_finished(self, *, older_than_seconds: float) -> int:
         """Delete tasks (with their steps, attempts and history) that ended that long ago: the
-        history-retention setting. Each leaves a tombstone (uid, name, final phase) that is kept
-        forever. Returns how many went."""
+        history-retention setting. Each leaves a tombstone (uid, name, final phase, idempotencyKey)
+        that is kept forever. Returns how many went."""
 
         def op(cur: psycopg.Cursor) -> int:
-            # The Task object may outlive its row; the tombstone keeps `admit` from running it again.
+            # The Task object may outlive its row; the tombstone keeps `admit` from running it again,
+            # and keeps its idempotencyKey taken.
             return cur.execute(
                 """WITH gone AS (
                        DELETE FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
                        AND finished_at < now() - make_interval(secs => %s)
-                       RETURNING uid, namespace, name, phase)
-                   INSERT INTO retex.tombstones (uid, namespace, name, phase)
-                   SELECT uid, namespace, name, phase FROM gone ON CONFLICT DO NOTHING""",
+                       RETURNING uid, namespace, name, phase, idempotency_key)
+                   INSERT INTO retex.tombstones (uid, namespace, name, phase, idempotency_key)
+                   SELECT uid, namespace, name, phase, idempotency_key FROM gone ON CONFLICT DO NOTHING""",
                 (older_than_seconds,),
             ).rowcount
 
@@ -1103,18 +1131,42 @@ def _check_result_size(result: Any) -> None:
         raise ResultTooLarge(f"step result is {size} bytes; the limit is {RESULT_LIMIT_BYTES} (store large data by reference)")
 
 
-class _Purged(Exception):
-    """Inside `admit`: the uid has a tombstone; rolls the transaction back."""
+class _NotAdmitted(Exception):
+    """Inside `admit`: the task must not be admitted; rolls the transaction back."""
+
+    def __init__(self, verdict: AdmitResult):
+        super().__init__(verdict)
+        self.verdict = verdict
 
 
-def _existing_admission(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult:
-    if cur.execute("SELECT 1 FROM retex.tasks WHERE uid = %s", (admission.uid,)).fetchone():
-        return AdmitResult(uid=admission.uid, created=False)
+def _prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult | None:
+    uid = admission.uid
+    refusal = _refusal(cur, uid)
+    if refusal is not None:
+        return AdmitResult(uid=uid, created=False, refusal=refusal)
+    if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (uid,)).fetchone():
+        # It ran to its end and its history was purged (retention): never run it again.
+        return AdmitResult(uid=uid, created=False, purged=True)
+    if admission.idempotency_key is None:
+        return None
     first = cur.execute(
-        "SELECT uid FROM retex.tasks WHERE namespace = %s AND idempotency_key = %s",
-        (admission.namespace, admission.idempotency_key),
+        """SELECT uid, namespace, name FROM retex.tasks
+           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
+           UNION ALL
+           SELECT uid, namespace, name FROM retex.tombstones
+           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
+           LIMIT 1""",
+        {"ns": admission.namespace, "key": admission.idempotency_key, "uid": uid},
     ).fetchone()
-    return AdmitResult(uid=first["uid"], created=False, duplicate_of=first["uid"])
+    if first is None:
+        return None
+    return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
+
+
+def _refusal(cur: psycopg.Cursor, uid: str) -> Refusal | None:
+    row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
+                      (uid,)).fetchone()
+    return Refusal(**row) if row else None
 
 
 def _step_record(row: dict[str, Any]) -> StepRecord:

@@ -197,7 +197,7 @@ class StatusMirror(Loop):
         """A Task the operator does not admit (an invalid spec, a Job the API server would refuse,
         a duplicate idempotencyKey ...): never run. Phase Refused and Accepted=False say why.
         Written and announced (a Warning Event) once per generation: admission runs again on
-        every operator restart and kopf retry, the refusal does not."""
+        every operator restart and kopf retry, and shows the refusal the ledger stored again."""
         meta = task["metadata"]
         generation = meta.get("generation")
         shown = TaskStatus.model_validate(task["status"]) if task.get("status") else None
