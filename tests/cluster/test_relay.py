@@ -321,3 +321,49 @@ def test_a_duplicate_stays_refused_after_the_first_is_purged_and_the_purge_frees
     refused_and_never_admitted(retex, "third", "DuplicateIdempotencyKey")
     assert f"{retex.namespace}/first" in condition(retex, "third", "Accepted")["message"]
 
+
+def unreachable_webhook_for(system, uid) -> dict:
+    """A fail-closed admission webhook that cannot be reached: the API server answers 500 for the
+    Jobs of one task only (selected by its uid label), a transient error for as long as it stays."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"unreachable-{system.namespace}"},
+        "webhooks": [{
+            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
+            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["jobs"]}],
+            "objectSelector": {"matchLabels": {LABEL_TASK_UID: uid}},
+            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
+        }],
+    }
+
+
+def test_a_dispatch_deferred_past_the_limit_fails_its_task_as_dispatch_failed_with_the_last_error(retex):
+    retex.operator.kill()
+    stuck = admitted_while_the_operator_is_down(retex, "stuck", echo("never"))
+    webhook = unreachable_webhook_for(retex, stuck)
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
+    try:
+        retex.operator.start(RETEX_DISPATCH_DEFER_LIMIT_SECONDS="5")
+        wait_for(lambda: status(retex, "stuck").get("phase") == "Failed", timeout=60, what="stuck Failed")
+    finally:
+        retex.rig.kubectl("delete", "validatingwebhookconfiguration", webhook["metadata"]["name"], check=False)
+    failed = condition(retex, "stuck", "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "DispatchFailed", failed
+    assert "failed calling webhook" in failed["message"], failed
+    assert jobs_of(retex, stuck) == [] and retex.ledger.get(stuck).failures == 0
+
+
+def test_a_dispatch_failing_for_a_reason_other_than_the_api_fails_its_task_at_once(retex):
+    # A spec the models refuse in the ledger (written by an older operator, say): building the Job
+    # raises a ValidationError, which repeating cannot cure.
+    retex.operator.kill()
+    broken = admitted_while_the_operator_is_down(retex, "broken", echo("never"))
+    with psycopg.connect(retex.dsn) as conn:
+        conn.execute("""UPDATE retex.tasks SET spec = '{"steps": "not a list"}' WHERE uid = %s""", (broken,))
+    retex.operator.start()
+    wait_for(lambda: status(retex, "broken").get("phase") == "Failed", timeout=30, what="broken Failed")
+    failed = condition(retex, "broken", "Failed")
+    assert failed["reason"] == "DispatchFailed" and "ValidationError" in failed["message"], failed
+    assert jobs_of(retex, broken) == []
+

@@ -60,3 +60,31 @@ def test_a_dispatch_of_a_task_cancelled_before_its_job_existed_is_dropped_and_th
         assert [a.outcome for a in ledger.attempts(uid)] == ["cancelled"]
         assert outbox(dsn, uid)[0][0] == "dropped"
     assert claim(ledger) == []
+
+
+def deferred_since(dsn, uid):
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT deferred_since FROM retex.outbox WHERE task_uid = %s", (uid,)).fetchone()[0]
+
+
+def test_a_dispatch_deferred_again_keeps_the_time_of_its_first_deferral_and_can_fail_as_dispatch_failed(ledger, dsn):
+    busy = admitted(ledger)
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert batch[0].deferred_seconds is None  # never deferred
+        outcomes.deferred(batch[0], "ApiException: (500) failed calling webhook")
+    first = deferred_since(dsn, busy)
+    assert first is not None
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.outbox SET not_before = now() WHERE task_uid = %s", (busy,))
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert batch[0].deferred_seconds >= 0
+        outcomes.deferred(batch[0], "ApiException: (500) failed calling webhook, again")
+    assert deferred_since(dsn, busy) == first  # the cap counts from the first deferral
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.outbox SET not_before = now() WHERE task_uid = %s", (busy,))
+    with ledger.dispatch_batch() as (batch, outcomes):
+        outcomes.rejected(batch[0], "not dispatched for 600s; last error: ApiException: (500)", reason="DispatchFailed")
+    failed = ledger.get(busy)
+    assert (failed.phase, failed.reason, failed.dead_lettered) == (TaskPhase.FAILED, "DispatchFailed", False)
+    assert failed.last_error == "not dispatched for 600s; last error: ApiException: (500)"
+    assert outbox(dsn, busy)[0][0] == "rejected"

@@ -3,8 +3,8 @@
 Every call is idempotent the way the relay needs it: create treats AlreadyExists as success when
 the object that exists is owned by the same Task, delete treats NotFound as success. A create the
 API server refuses for good raises `Refused` (with the server's message), or its subclass
-`NamespaceTerminating` when the namespace is being deleted; anything else it raises (429, 5xx, a
-dropped connection, a quota that is full for now) is transient.
+`NamespaceTerminating` when the namespace is being deleted; any other API status or transport
+error (429, 5xx, a dropped connection, a quota that is full for now) is transient (`transient`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -60,6 +61,13 @@ def refusal(exc: ApiException) -> Refused | None:
         if any(text in message for text in _QUOTA_MESSAGES):
             return None
     return Refused(message, exc.status)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a call's exception may clear by itself: an API status that is not a refusal (429,
+    5xx, a quota full for now) or a transport error (urllib3's, OSError). Anything else (a body the
+    models refuse, a bug) fails the same way every time."""
+    return isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError)
 
 
 def _status_of(exc: ApiException) -> dict[str, Any]:

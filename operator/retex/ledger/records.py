@@ -161,6 +161,7 @@ class Dispatch:
     name: str
     spec: dict[str, Any]
     deadline_at: datetime | None = None  # the task's timeout, if any: the Job gets the time left
+    deferred_seconds: float | None = None  # since its first deferral (database clock); None: never deferred
 
 
 @dataclass(frozen=True)

@@ -677,6 +677,7 @@ class Ledger:
         with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
             rows = cur.execute(
                 """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
+                          extract(epoch FROM now() - o.deferred_since)::float8 AS deferred_seconds,
                           t.cancel_requested, (o.epoch = t.epoch AND t.phase = 'Running') AS current
                    FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
                    WHERE o.sent_at IS NULL AND (o.not_before IS NULL OR o.not_before <= now())
@@ -692,7 +693,8 @@ class Ledger:
                 if not r["current"]:
                     continue
                 dispatch = Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                                    name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"])
+                                    name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
+                                    deferred_seconds=r["deferred_seconds"])
                 if r["cancel_requested"]:
                     # Cancelled (or deleted) before its Job existed: no worker will ever look.
                     outcomes.dropped(dispatch, reason="Cancelled")
@@ -1060,15 +1062,17 @@ class DispatchOutcomes:
             self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
                               (job_name, dispatch.task_uid, dispatch.epoch))
 
-    def rejected(self, dispatch: Dispatch, message: str, *, actor: str = "operator") -> None:
-        """The API server refused the attempt's Job for good (invalid, forbidden, namespace gone):
-        the task fails with reason JobRejected and the server's message. Not dead-lettered: no
-        budget was spent; fix the cause, then requeue."""
+    def rejected(self, dispatch: Dispatch, message: str, *, reason: str = "JobRejected",
+                 actor: str = "operator") -> None:
+        """The attempt's Job cannot be created: the API server refused it for good (JobRejected:
+        invalid, forbidden, namespace gone), or it could not be dispatched at all (DispatchFailed:
+        deferred past the cap, or a failure repeating cannot cure). The task fails with `reason`
+        and `message`. Not dead-lettered: no budget was spent; fix the cause, then requeue."""
         with self._cur.connection.transaction():
             task = self._current_task(dispatch)
             if task is not None:
                 self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "failed")
-                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason="JobRejected",
+                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason=reason,
                                          last_error=message[:4096])
             self._settle(dispatch, "rejected")
             self._cur.execute("UPDATE retex.outbox SET last_error = %s WHERE id = %s", (message[:4096], dispatch.id))
@@ -1086,13 +1090,14 @@ class DispatchOutcomes:
 
     def deferred(self, dispatch: Dispatch, error: str) -> float:
         """A transient failure (API server busy or unreachable): this record waits out its own
-        backoff; the records behind it go on. Returns the delay in seconds."""
+        backoff; the records behind it go on. Returns the delay in seconds. The first deferral's
+        time is kept (`deferred_since`): the relay gives the record up past its cap."""
         tries = self._attempts.get(dispatch.id, 0) + 1
         delay = min(DISPATCH_RETRY_CAP_SECONDS, DISPATCH_RETRY_BASE_SECONDS * 2 ** (tries - 1))
         with self._cur.connection.transaction():
             self._cur.execute(
                 "UPDATE retex.outbox SET attempts = %s, not_before = now() + make_interval(secs => %s), "
-                "last_error = %s WHERE id = %s",
+                "last_error = %s, deferred_since = coalesce(deferred_since, now()) WHERE id = %s",
                 (tries, delay, error[:4096], dispatch.id),
             )
         return delay

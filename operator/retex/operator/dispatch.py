@@ -8,7 +8,7 @@ import time
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused
+from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused, transient
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
 from retex.ledger import Dispatch, Ledger, LedgerError
 from retex.ledger.store import DispatchOutcomes
@@ -26,15 +26,18 @@ class Relay(Loop):
     when the API server refuses its Lease or Job for good (the task fails with reason JobRejected
     and the server's message); dropped when its task was cancelled or its Task object is gone or
     terminating, or its namespace is (the task ends Cancelled: no Job is ever created); deferred, with a backoff of its
-    own, on a transient error. A relay that dies mid-batch loses nothing: the claims roll back,
-    and the next relay meets its Jobs as AlreadyExists (ours, so success)."""
+    own, on a transient error, for at most `defer_limit_seconds` since the first deferral; past
+    that, or on an error repeating cannot cure, the task fails with reason DispatchFailed. A relay
+    that dies mid-batch loses nothing: the claims roll back, and the next relay meets its Jobs as
+    AlreadyExists (ours, so success)."""
 
     name = "relay"
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float,
-                 failpoints_from_annotations: bool = False):
+                 defer_limit_seconds: float, failpoints_from_annotations: bool = False):
         super().__init__()
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
+        self._defer_limit = defer_limit_seconds
         self._failpoints = failpoints_from_annotations
 
     def round(self) -> float:
@@ -77,11 +80,20 @@ class Relay(Loop):
             return
         except LedgerError:
             raise  # the ledger is away: the whole batch waits (its claims roll back)
-        except Exception as exc:  # 429, 5xx, a dropped connection: this record alone waits
-            delay = outcomes.deferred(dispatch, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
             count_failure(self.name, exc)
-            event(log, logging.WARNING, "dispatch deferred after a transient error", **who,
-                  retry_in_seconds=delay, why=f"{type(exc).__name__}: {str(exc)[:300]}")
+            why = f"{type(exc).__name__}: {exc}"
+            if not transient(exc):  # a spec the models refuse, a bug: it fails the same way every time
+                outcomes.rejected(dispatch, f"the attempt could not be dispatched: {why}", reason="DispatchFailed")
+                event(log, logging.WARNING, "dispatch failed: task failed", **who, why=why[:300])
+            elif (dispatch.deferred_seconds or 0.0) >= self._defer_limit:
+                outcomes.rejected(dispatch, f"not dispatched for {dispatch.deferred_seconds:.0f}s; last error: {why}",
+                                  reason="DispatchFailed")
+                event(log, logging.WARNING, "dispatch deferred past the limit: task failed", **who, why=why[:300])
+            else:  # 429, 5xx, a dropped connection: this record alone waits
+                delay = outcomes.deferred(dispatch, why)
+                event(log, logging.WARNING, "dispatch deferred after a transient error", **who,
+                      retry_in_seconds=delay, why=why[:300])
             return
         outcomes.sent(dispatch, job_name)
 

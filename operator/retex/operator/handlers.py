@@ -51,6 +51,7 @@ class Runtime:
         self.kube = KubeCalls(api)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
+                           defer_limit_seconds=settings.dispatch_defer_limit_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
         retention = settings.history_retention_days
         self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)

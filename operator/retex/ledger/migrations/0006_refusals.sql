@@ -1,5 +1,5 @@
 -- Admission decisions that are final, so kopf's resume handler (run at every operator start)
--- cannot decide again and run what was refused.
+-- cannot decide again and run what was refused; and a cap on how long a dispatch is deferred.
 
 -- A Task the operator refused (invalid spec, annotations too large, a Job the API server would
 -- refuse, a duplicate idempotencyKey): the first refusal stands for its uid, whatever a later
@@ -18,3 +18,7 @@ CREATE TABLE retex.refusals (
 ALTER TABLE retex.tombstones ADD COLUMN idempotency_key text;
 CREATE INDEX tombstones_idempotency_key ON retex.tombstones (namespace, idempotency_key)
     WHERE idempotency_key IS NOT NULL;
+
+-- The first time a dispatch was deferred (a transient error): past the operator's cap, counted
+-- from here on the database clock, the dispatch is given up and its task fails (DispatchFailed).
+ALTER TABLE retex.outbox ADD COLUMN deferred_since timestamptz;
