@@ -9,6 +9,7 @@ import json
 from datetime import datetime
 
 import psycopg
+import pytest
 import yaml
 
 from e2e.system import task_manifest, wait_for
@@ -366,4 +367,49 @@ def test_a_dispatch_failing_for_a_reason_other_than_the_api_fails_its_task_at_on
     failed = condition(retex, "broken", "Failed")
     assert failed["reason"] == "DispatchFailed" and "ValidationError" in failed["message"], failed
     assert jobs_of(retex, broken) == []
+
+def attempt_row(system, uid) -> dict:
+    with psycopg.connect(system.dsn) as conn:
+        row = conn.execute("SELECT job_name, outcome, settled_at IS NOT NULL FROM retex.attempts "
+                           "WHERE task_uid = %s AND epoch = 1", (uid,)).fetchone()
+    return {"job_name": row[0], "outcome": row[1], "settled": row[2]}
+
+
+@pytest.mark.parametrize(("then", "phase", "reason"), [("cancel", "Cancelled", "Cancelled"),
+                                                      ("break-spec", "Failed", "DispatchFailed")])
+def test_a_job_created_by_a_relay_that_died_before_its_commit_is_deleted_when_the_dispatch_ends_otherwise(
+        retex, then, phase, reason):
+    # Crash-matrix R3: the relay created the Job and died before marking the record sent; its
+    # worker took the lease and runs a step. The restarted relay does not send the record again:
+    # the task was cancelled, or its spec cannot be dispatched any more. It must not assume that no
+    # Job exists: the Job is deleted, and the attempt keeps its slot until its worker is known dead.
+    retex.operator.restart(RETEX_FAILPOINT="after-job-create@orphan")
+    retex.kubectl("apply", "-f", "-", input=task_manifest(
+        "orphan", [{"name": "long", "exec": {"command": ["sh", "-c", "sleep 120"]}}]))
+    wait_for(lambda: retex.operator.exited() is not None, timeout=60, what="the relay to die after the Job create")
+    uid = task(retex, "orphan")["metadata"]["uid"]
+    wait_for(lambda: retex.ledger.get(uid).steps[0].state == "started", timeout=60, what="the orphan's step running")
+    if then == "cancel":
+        retex.kubectl("patch", "task", "orphan", "--type=merge", "-p", '{"spec": {"cancel": true}}')
+    else:
+        with psycopg.connect(retex.dsn) as conn:
+            conn.execute("""UPDATE retex.tasks SET spec = '{"steps": "not a list"}' WHERE uid = %s""", (uid,))
+    retex.operator.start()
+    wait_for(lambda: retex.ledger.get(uid).phase == phase, timeout=60, what=f"orphan {phase}")
+    assert retex.ledger.get(uid).reason == reason
+    wait_for(lambda: jobs_of(retex, uid) == [], timeout=30, what="the orphaned Job deleted")
+    assert attempt_row(retex, uid)["job_name"] == job_name("orphan", uid, 1)
+    wait_for(lambda: attempt_row(retex, uid)["settled"], timeout=60, what="the attempt settled once its worker is gone")
+
+
+def test_a_dispatch_of_a_task_deleted_before_its_job_existed_ends_it_as_task_deleted_not_cancelled(retex):
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "deleted", echo("never"), finalizer=True)
+    retex.kubectl("delete", "task", "deleted", "--wait=false")
+    retex.ledger.request_cancel(uid, reason="TaskDeleted")  # what the delete handler records first
+    retex.operator.start()
+    wait_for(lambda: task(retex, "deleted") is None, timeout=60, what="the deleted Task gone")
+    record = retex.ledger.get(uid)
+    assert (record.phase, record.reason) == ("Cancelled", "TaskDeleted")
+    assert jobs_of(retex, uid) == []
 

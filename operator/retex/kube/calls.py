@@ -123,6 +123,14 @@ class KubeCalls:
                 return None
             raise
 
+    def delete_job_of(self, namespace: str, name: str, task_uid: str) -> bool:
+        """Delete the Job `name` if it exists and is owned by the Task `task_uid`; True if it was."""
+        job = self.get_job(namespace, name)
+        if job is None or not _owned_by(job, {task_uid}):
+            return False
+        self.delete_job(namespace, name)
+        return True
+
     def delete_job(self, namespace: str, name: str) -> None:
         """Background propagation: the Job goes now, its pods after; a pod stuck Terminating on a
         lost node is never waited for."""
@@ -201,6 +209,10 @@ class KubeCalls:
         return self._plain(listed).get("items") or []
 
 
+def _owned_by(obj: dict[str, Any], owner_uids: set[str]) -> bool:
+    return any(ref.get("uid") in owner_uids for ref in obj["metadata"].get("ownerReferences") or ())
+
+
 def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Callable[[], dict[str, Any]]) -> None:
     """Create; AlreadyExists is success only if the object there is owned by the same Task (a
     repeated dispatch), otherwise the name is someone else's: a permanent refusal."""
@@ -210,8 +222,6 @@ def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Call
         if exc.status != 409:
             raise refusal(exc) or exc
         owners = {ref["uid"] for ref in body["metadata"].get("ownerReferences", ())}
-        existing = read()
-        theirs = {ref.get("uid") for ref in existing["metadata"].get("ownerReferences") or ()}
-        if not owners & theirs:
+        if not _owned_by(read(), owners):
             raise Refused(f'{body["kind"]} "{body["metadata"]["name"]}" already exists and is not owned by this '
                           "Task", 409) from exc

@@ -162,6 +162,7 @@ class Dispatch:
     spec: dict[str, Any]
     deadline_at: datetime | None = None  # the task's timeout, if any: the Job gets the time left
     deferred_seconds: float | None = None  # since its first deferral (database clock); None: never deferred
+    cancel_reason: str | None = None  # cancel requested: what the task ends with (Cancelled, TaskDeleted)
 
 
 @dataclass(frozen=True)

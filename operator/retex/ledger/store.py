@@ -668,8 +668,9 @@ class Ledger:
         Yields the records that are still current and a `DispatchOutcomes` on which the caller
         settles each record on its own: sent, rejected (the task fails), dropped (the task is
         cancelled) or deferred (that record alone is retried later). A record left unsettled
-        stays unsent and is claimed again. Records whose epoch was superseded are marked stale,
-        and records of a task whose cancel was requested are dropped here; neither is yielded.
+        stays unsent and is claimed again. Records whose epoch was superseded are marked stale
+        and not yielded; a record of a task whose cancel was requested carries its cancel reason
+        (the relay drops it, after looking for a Job a dead relay may have created).
         If the caller dies before the transaction commits, the claims vanish with it and another
         relay sends them again; the deterministic Job name turns that into AlreadyExists, which
         is success.
@@ -678,7 +679,7 @@ class Ledger:
             rows = cur.execute(
                 """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
                           extract(epoch FROM now() - o.deferred_since)::float8 AS deferred_seconds,
-                          t.cancel_requested, (o.epoch = t.epoch AND t.phase = 'Running') AS current
+                          t.cancel_requested, t.cancel_reason, (o.epoch = t.epoch AND t.phase = 'Running') AS current
                    FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
                    WHERE o.sent_at IS NULL AND (o.not_before IS NULL OR o.not_before <= now())
                    ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
@@ -688,19 +689,11 @@ class Ledger:
             if stale:
                 cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
             outcomes = DispatchOutcomes(self, cur, {row["id"]: row["attempts"] for row in rows})
-            dispatches = []
-            for r in rows:
-                if not r["current"]:
-                    continue
-                dispatch = Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                                    name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
-                                    deferred_seconds=r["deferred_seconds"])
-                if r["cancel_requested"]:
-                    # Cancelled (or deleted) before its Job existed: no worker will ever look.
-                    outcomes.dropped(dispatch, reason="Cancelled")
-                else:
-                    dispatches.append(dispatch)
-            yield dispatches, outcomes
+            yield [Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
+                            name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
+                            deferred_seconds=r["deferred_seconds"],
+                            cancel_reason=(r["cancel_reason"] or "Cancelled") if r["cancel_requested"] else None)
+                   for r in rows if r["current"]], outcomes
 
     # -- fenced operations (worker) ----------------------------------------------------------
 
@@ -1056,6 +1049,15 @@ class DispatchOutcomes:
             return None  # moved on since the claim (replaced, timed out): nothing to end
         return task
 
+    def _end_attempt(self, dispatch: Dispatch, outcome: str, job_name: str | None) -> None:
+        """End the attempt of a record that was not sent. `job_name`: a Job was found for it after
+        all (a relay died between creating it and its commit, crash-matrix R3) and deleted; its
+        worker may be inside a step, so the attempt holds its slot and key until known dead."""
+        self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, outcome, settled=job_name is None)
+        if job_name is not None:
+            self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
+                              (job_name, dispatch.task_uid, dispatch.epoch))
+
     def sent(self, dispatch: Dispatch, job_name: str) -> None:
         with self._cur.connection.transaction():
             self._settle(dispatch, "sent")
@@ -1063,7 +1065,7 @@ class DispatchOutcomes:
                               (job_name, dispatch.task_uid, dispatch.epoch))
 
     def rejected(self, dispatch: Dispatch, message: str, *, reason: str = "JobRejected",
-                 actor: str = "operator") -> None:
+                 job_name: str | None = None, actor: str = "operator") -> None:
         """The attempt's Job cannot be created: the API server refused it for good (JobRejected:
         invalid, forbidden, namespace gone), or it could not be dispatched at all (DispatchFailed:
         deferred past the cap, or a failure repeating cannot cure). The task fails with `reason`
@@ -1071,19 +1073,21 @@ class DispatchOutcomes:
         with self._cur.connection.transaction():
             task = self._current_task(dispatch)
             if task is not None:
-                self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "failed")
+                self._end_attempt(dispatch, "failed", job_name)
                 self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason=reason,
                                          last_error=message[:4096])
             self._settle(dispatch, "rejected")
             self._cur.execute("UPDATE retex.outbox SET last_error = %s WHERE id = %s", (message[:4096], dispatch.id))
 
-    def dropped(self, dispatch: Dispatch, *, reason: str, actor: str = "operator") -> None:
-        """Not sent: the task was cancelled or its Task object is gone before a Job existed. It
-        ends Cancelled now (no worker exists to stop at a step boundary)."""
+    def dropped(self, dispatch: Dispatch, *, reason: str, job_name: str | None = None,
+                actor: str = "operator") -> None:
+        """Not sent: the task was cancelled or deleted (`reason` Cancelled or TaskDeleted) or its
+        Task object is gone. It ends Cancelled now: no Job of its remains, so no worker will
+        reach a step boundary."""
         with self._cur.connection.transaction():
             task = self._current_task(dispatch)
             if task is not None:
-                self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "cancelled")
+                self._end_attempt(dispatch, "cancelled", job_name)
                 self._ledger._transition(self._cur, task, TaskEvent.CANCEL, actor, reason=reason,
                                          cancel_requested=True)
             self._settle(dispatch, "dropped")
