@@ -50,6 +50,14 @@ def jobs_of(system, uid) -> list[str]:
     return out.stdout.split()
 
 
+def handled(system, name, handler: str, shown) -> bool:
+    """kopf handled a change: its diff base shows it (`shown(base)`) and no progress record of
+    `handler` is left (kopf keeps one while a handler keeps failing)."""
+    annotations = task(system, name)["metadata"].get("annotations") or {}
+    base = json.loads(annotations.get("kopf.retex.dev/last-handled-configuration", "{}"))
+    return shown(base) and not [k for k in annotations if k.startswith("kopf.retex.dev/") and handler in k]
+
+
 def admitted_while_the_operator_is_down(system, name, steps, *, finalizer=False, **spec):
     """A Task in the ledger with its first dispatch waiting, as an operator that admitted it (an
     older one, without the Job dry run) and died before relaying left it."""
@@ -142,14 +150,8 @@ def test_a_duplicate_idempotency_key_is_refused_naming_the_first_and_its_cancel_
     assert status(retex, "second")["phase"] == "Refused"
 
     retex.kubectl("patch", "task", "second", "--type=merge", "-p", '{"spec": {"cancel": true}}')
-
-    def cancel_handled():  # kopf keeps a progress annotation while a handler keeps failing
-        meta = task(retex, "second")["metadata"]
-        base = json.loads((meta.get("annotations") or {}).get("kopf.retex.dev/last-handled-configuration", "{}"))
-        progress = [k for k in meta.get("annotations") or {} if k.startswith("kopf.retex.dev/") and "cancel" in k]
-        return base.get("spec", {}).get("cancel") is True and not progress
-
-    wait_for(cancel_handled, timeout=30, what="the cancel of the duplicate handled")
+    wait_for(lambda: handled(retex, "second", "cancel", lambda base: base.get("spec", {}).get("cancel") is True),
+             timeout=30, what="the cancel of the duplicate handled")
     succeeded(retex, "first", timeout=90)  # not cancelled
     second = task(retex, "second")["metadata"]["uid"]
     assert jobs_of(retex, second) == []
@@ -368,6 +370,7 @@ def test_a_dispatch_failing_for_a_reason_other_than_the_api_fails_its_task_at_on
     assert failed["reason"] == "DispatchFailed" and "ValidationError" in failed["message"], failed
     assert jobs_of(retex, broken) == []
 
+
 def attempt_row(system, uid) -> dict:
     with psycopg.connect(system.dsn) as conn:
         row = conn.execute("SELECT job_name, outcome, settled_at IS NOT NULL FROM retex.attempts "
@@ -412,4 +415,18 @@ def test_a_dispatch_of_a_task_deleted_before_its_job_existed_ends_it_as_task_del
     record = retex.ledger.get(uid)
     assert (record.phase, record.reason) == ("Cancelled", "TaskDeleted")
     assert jobs_of(retex, uid) == []
+
+
+def test_a_requeue_of_a_refused_task_is_ignored_once_and_says_why(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("refused", echo("no"), worker=REQUESTS_ABOVE_LIMITS))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/refused")
+    retex.kubectl("annotate", "task", "refused", "retex.dev/requeue=1")
+    wait_for(lambda: handled(retex, "refused", "requeue",
+                             lambda base: base.get("metadata", {}).get("annotations", {}).get("retex.dev/requeue") == "1"),
+             timeout=30, what="the requeue handled")
+    events = json.loads(retex.kubectl("get", "events", "--field-selector",
+                                      "involvedObject.name=refused,reason=RequeueIgnored", "-o", "json").stdout)
+    assert [e["message"] for e in events["items"]] == [
+        "requeue ignored: the Task was refused at admission (JobRejected), it never runs; create a new Task"]
+    assert status(retex, "refused")["phase"] == "Refused"
 

@@ -223,15 +223,23 @@ def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
-def requeue(uid: str, new: str | None, memo: kopf.Memo, **_: Any) -> None:
+def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Setting (or changing) the annotation gives a Failed or NeedsAttention task a fresh attempt
     and budget; the ledger records it in history."""
+    runtime: Runtime = memo.runtime
     if new:
         try:
-            memo.runtime.ledger.requeue(uid, actor=f"annotation:{new}")
+            runtime.ledger.requeue(uid, actor=f"annotation:{new}")
         except IllegalTransition as refused:
             event(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
-        memo.runtime.relay.wake.set()
+        except TaskNotFound:  # not in the ledger: retrying (kopf's default) would loop for ever
+            refusal = runtime.ledger.refusal(uid)
+            why = (f"the Task was refused at admission ({refusal.reason}), it never runs" if refusal else
+                   "the Task's history was purged (history retention), it never runs again")
+            event(log, logging.WARNING, "requeue ignored", uid=uid, why=why)
+            runtime.mirror.warn(dict(body), "RequeueIgnored", f"requeue ignored: {why}; create a new Task")
+            return
+        runtime.relay.wake.set()
 
 
 @kopf.on.delete(*TASKS)

@@ -209,7 +209,12 @@ class StatusMirror(Loop):
                                    observed_generation=generation, now=datetime.now(UTC))
         status = TaskStatus(phase=REFUSED, conditions=conditions, observed_generation=generation)
         self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"], as_merge_patch(status))
-        if self._limiter.allow(meta["uid"], time.monotonic()):
+        self.warn(task, reason, message)
+
+    def warn(self, task: dict[str, Any], reason: str, message: str) -> None:
+        """A Warning Event about the Task that its status does not carry (a refusal, a requeue
+        that cannot apply), within the Event limiter."""
+        if self._limiter.allow(task["metadata"]["uid"], time.monotonic()):
             self._kube.post_event(task, reason=reason, message=message, warning=True)
 
     def _mark_behind(self) -> None:
