@@ -430,3 +430,23 @@ def test_a_requeue_of_a_refused_task_is_ignored_once_and_says_why(retex):
         "requeue ignored: the Task was refused at admission (JobRejected), it never runs; create a new Task"]
     assert status(retex, "refused")["phase"] == "Refused"
 
+
+def test_the_final_event_of_a_task_is_posted_even_after_a_burst_of_attempt_events(retex):
+    # Eleven attempts, all lost before the mirror ever showed the task: Accepted and the
+    # AttemptStarted catch-up fill the per-task Event budget (10 a minute); Failed must still show.
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "lost", echo("never"))
+    for epoch in range(1, 12):
+        retex.ledger.replace_attempt(uid, epoch, cause="disruption")
+    assert retex.ledger.get(uid).reason == "DisruptionBudgetExhausted"
+    retex.operator.start()
+
+    def events(reason):
+        listed = json.loads(retex.kubectl("get", "events", "--field-selector",
+                                          f"involvedObject.name=lost,reason={reason}", "-o", "json").stdout)
+        return listed["items"]
+
+    wait_for(lambda: status(retex, "lost").get("phase") == "Failed", timeout=60, what="lost shown Failed")
+    wait_for(lambda: events("Failed"), timeout=20, what="the Failed Event")
+    assert "disruption cap reached" in events("Failed")[0]["message"]
+    assert len(events("AttemptStarted")) < 11  # the limiter still holds back the catch-up

@@ -43,6 +43,11 @@ _PHASE_EVENTS = {
     TaskPhase.CANCELLED: ("Cancelled", False),
     TaskPhase.NEEDS_ATTENTION: ("NeedsAttention", True),
 }
+# Posted whatever the Event limiter says: the Event of a task's end, or of its wait for a human,
+# must not be crowded out by the AttemptStarted catch-up before it. A task enters these phases a
+# bounded number of times (once more only after a human action), so they cannot flood anything.
+_FINAL_EVENTS = frozenset(_PHASE_EVENTS[phase][0] for phase in (
+    TaskPhase.SUCCEEDED, TaskPhase.FAILED, TaskPhase.CANCELLED, TaskPhase.NEEDS_ATTENTION))
 
 
 def _summary(value: Any) -> str | None:
@@ -255,7 +260,7 @@ class StatusMirror(Loop):
             self._kube.patch_task_labels(record.namespace, record.name, uid,
                                          {DEAD_LETTER_LABEL: "true" if record.dead_lettered else None})
         for reason, message, warning in _events_between(previous, status):
-            if self._limiter.allow(uid, time.monotonic()):
+            if reason in _FINAL_EVENTS or self._limiter.allow(uid, time.monotonic()):
                 try:
                     self._kube.post_event(task, reason=reason, message=message, warning=warning)
                 except ApiException as exc:
