@@ -73,6 +73,22 @@ def admitted_while_the_operator_is_down(system, name, steps, *, finalizer=False,
     return meta["uid"]
 
 
+def unreachable_webhook_for(system, uid) -> dict:
+    """A fail-closed admission webhook that cannot be reached: the API server answers 500 for the
+    Jobs of one task only (selected by its uid label), a transient error for as long as it stays."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"unreachable-{system.namespace}"},
+        "webhooks": [{
+            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
+            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["jobs"]}],
+            "objectSelector": {"matchLabels": {LABEL_TASK_UID: uid}},
+            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
+        }],
+    }
+
+
 def test_one_task_whose_job_the_api_server_refuses_fails_alone_and_thirty_behind_it_finish(retex):
     retex.operator.kill()
     poisoned = admitted_while_the_operator_is_down(retex, "poisoned", echo("never"), worker=REQUESTS_ABOVE_LIMITS)
@@ -197,21 +213,10 @@ def test_a_task_whose_annotations_leave_no_room_for_the_operators_is_refused_and
 
 
 def test_a_job_create_failing_transiently_backs_off_that_task_alone_and_it_runs_once_the_api_recovers(retex):
-    # A fail-closed admission webhook that cannot be reached makes the API server answer 500 for
-    # the Jobs of one task only (selected by its uid label): a transient error, not the Task's fault.
+    # A fail-closed admission webhook that cannot be reached: a transient error, not the Task's fault.
     retex.operator.kill()
     busy = admitted_while_the_operator_is_down(retex, "busy", echo("at-last"))
-    webhook = {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": f"unreachable-{retex.namespace}"},
-        "webhooks": [{
-            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
-            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
-                       "resources": ["jobs"]}],
-            "objectSelector": {"matchLabels": {LABEL_TASK_UID: busy}},
-            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
-        }],
-    }
+    webhook = unreachable_webhook_for(retex, busy)
     retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
     try:
         retex.kubectl("create", "-f", "-", input="---\n".join(task_manifest(f"fine-{i}", echo(i)) for i in range(5)))
@@ -323,22 +328,6 @@ def test_a_duplicate_stays_refused_after_the_first_is_purged_and_the_purge_frees
     retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/third")
     refused_and_never_admitted(retex, "third", "DuplicateIdempotencyKey")
     assert f"{retex.namespace}/first" in condition(retex, "third", "Accepted")["message"]
-
-
-def unreachable_webhook_for(system, uid) -> dict:
-    """A fail-closed admission webhook that cannot be reached: the API server answers 500 for the
-    Jobs of one task only (selected by its uid label), a transient error for as long as it stays."""
-    return {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": f"unreachable-{system.namespace}"},
-        "webhooks": [{
-            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
-            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
-                       "resources": ["jobs"]}],
-            "objectSelector": {"matchLabels": {LABEL_TASK_UID: uid}},
-            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
-        }],
-    }
 
 
 def test_a_dispatch_deferred_past_the_limit_fails_its_task_as_dispatch_failed_with_the_last_error(retex):

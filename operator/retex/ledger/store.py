@@ -390,6 +390,7 @@ class Ledger:
         return self._tx(op, op="refuse")
 
     def refusal(self, uid: str) -> Refusal | None:
+        """The refusal stored for `uid`, or None."""
         return self._tx(lambda cur: _refusal(cur, uid), op="refusal")
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
