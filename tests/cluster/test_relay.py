@@ -9,6 +9,7 @@ import json
 from datetime import datetime
 
 import psycopg
+import pytest
 import yaml
 
 from e2e.system import task_manifest, wait_for
@@ -49,6 +50,14 @@ def jobs_of(system, uid) -> list[str]:
     return out.stdout.split()
 
 
+def handled(system, name, handler: str, shown) -> bool:
+    """kopf handled a change: its diff base shows it (`shown(base)`) and no progress record of
+    `handler` is left (kopf keeps one while a handler keeps failing)."""
+    annotations = task(system, name)["metadata"].get("annotations") or {}
+    base = json.loads(annotations.get("kopf.retex.dev/last-handled-configuration", "{}"))
+    return shown(base) and not [k for k in annotations if k.startswith("kopf.retex.dev/") and handler in k]
+
+
 def admitted_while_the_operator_is_down(system, name, steps, *, finalizer=False, **spec):
     """A Task in the ledger with its first dispatch waiting, as an operator that admitted it (an
     older one, without the Job dry run) and died before relaying left it."""
@@ -62,6 +71,22 @@ def admitted_while_the_operator_is_down(system, name, steps, *, finalizer=False,
         uid=meta["uid"], namespace=meta["namespace"], name=name, spec=body["spec"],
         submitted_at=datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))))
     return meta["uid"]
+
+
+def unreachable_webhook_for(system, uid) -> dict:
+    """A fail-closed admission webhook that cannot be reached: the API server answers 500 for the
+    Jobs of one task only (selected by its uid label), a transient error for as long as it stays."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"unreachable-{system.namespace}"},
+        "webhooks": [{
+            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
+            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["jobs"]}],
+            "objectSelector": {"matchLabels": {LABEL_TASK_UID: uid}},
+            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
+        }],
+    }
 
 
 def test_one_task_whose_job_the_api_server_refuses_fails_alone_and_thirty_behind_it_finish(retex):
@@ -141,14 +166,8 @@ def test_a_duplicate_idempotency_key_is_refused_naming_the_first_and_its_cancel_
     assert status(retex, "second")["phase"] == "Refused"
 
     retex.kubectl("patch", "task", "second", "--type=merge", "-p", '{"spec": {"cancel": true}}')
-
-    def cancel_handled():  # kopf keeps a progress annotation while a handler keeps failing
-        meta = task(retex, "second")["metadata"]
-        base = json.loads((meta.get("annotations") or {}).get("kopf.retex.dev/last-handled-configuration", "{}"))
-        progress = [k for k in meta.get("annotations") or {} if k.startswith("kopf.retex.dev/") and "cancel" in k]
-        return base.get("spec", {}).get("cancel") is True and not progress
-
-    wait_for(cancel_handled, timeout=30, what="the cancel of the duplicate handled")
+    wait_for(lambda: handled(retex, "second", "cancel", lambda base: base.get("spec", {}).get("cancel") is True),
+             timeout=30, what="the cancel of the duplicate handled")
     succeeded(retex, "first", timeout=90)  # not cancelled
     second = task(retex, "second")["metadata"]["uid"]
     assert jobs_of(retex, second) == []
@@ -194,21 +213,10 @@ def test_a_task_whose_annotations_leave_no_room_for_the_operators_is_refused_and
 
 
 def test_a_job_create_failing_transiently_backs_off_that_task_alone_and_it_runs_once_the_api_recovers(retex):
-    # A fail-closed admission webhook that cannot be reached makes the API server answer 500 for
-    # the Jobs of one task only (selected by its uid label): a transient error, not the Task's fault.
+    # A fail-closed admission webhook that cannot be reached: a transient error, not the Task's fault.
     retex.operator.kill()
     busy = admitted_while_the_operator_is_down(retex, "busy", echo("at-last"))
-    webhook = {
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
-        "metadata": {"name": f"unreachable-{retex.namespace}"},
-        "webhooks": [{
-            "name": "unreachable.retex.dev", "clientConfig": {"url": "https://127.0.0.1:9/"},
-            "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
-                       "resources": ["jobs"]}],
-            "objectSelector": {"matchLabels": {LABEL_TASK_UID: busy}},
-            "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"], "timeoutSeconds": 2,
-        }],
-    }
+    webhook = unreachable_webhook_for(retex, busy)
     retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
     try:
         retex.kubectl("create", "-f", "-", input="---\n".join(task_manifest(f"fine-{i}", echo(i)) for i in range(5)))
@@ -246,3 +254,188 @@ def test_a_job_name_held_by_a_job_not_of_this_task_is_a_refusal_not_success(rete
     assert f'Job "{name}" already exists and is not owned by this Task' in failed["message"], failed
     job = json.loads(retex.kubectl("get", "job", name, "-o", "json").stdout)
     assert not job["metadata"].get("ownerReferences") and job["spec"]["suspend"] is True  # left alone
+
+
+def admissions_in_log(system) -> int:
+    return system.operator.log_tail(10**7).count("Handler 'admit' succeeded")
+
+
+def restart_and_resume(system, tasks: int) -> None:
+    """Restart the operator and wait until kopf's resume handler has run for `tasks` Tasks."""
+    seen = admissions_in_log(system)
+    system.operator.restart()
+    wait_for(lambda: admissions_in_log(system) >= seen + tasks, timeout=60, what=f"{tasks} Tasks resumed")
+
+
+def refused_and_never_admitted(system, name, reason):
+    uid = task(system, name)["metadata"]["uid"]
+    assert status(system, name)["phase"] == "Refused" and condition(system, name, "Accepted")["reason"] == reason
+    assert jobs_of(system, uid) == []
+    try:
+        system.ledger.get(uid)
+        raise AssertionError(f"{name} was admitted into the ledger")
+    except TaskNotFound:
+        pass
+
+
+def test_a_task_refused_as_job_rejected_stays_refused_after_the_cause_is_gone_and_the_operator_restarts(retex):
+    # A policy that denies every Job in the namespace: the dry run at admission refuses the Task.
+    policy_name = f"no-jobs-{retex.namespace}"
+    policy = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+              "metadata": {"name": policy_name},
+              "spec": {"failurePolicy": "Fail",
+                       "matchConstraints": {"resourceRules": [{"apiGroups": ["batch"], "apiVersions": ["v1"],
+                                                               "operations": ["CREATE"], "resources": ["jobs"]}]},
+                       "validations": [{"expression": "false", "message": "no Jobs here today"}]}}
+    binding = {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+               "metadata": {"name": policy_name},
+               "spec": {"policyName": policy_name, "validationActions": ["Deny"],
+                        "matchResources": {"namespaceSelector": {
+                            "matchLabels": {"kubernetes.io/metadata.name": retex.namespace}}}}}
+    probe = json.dumps({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "probe"},
+                        "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [
+                            {"name": "c", "image": "busybox", "command": ["true"]}]}}}})
+
+    def jobs_denied() -> bool:
+        out = retex.kubectl("create", "--dry-run=server", "-f", "-", input=probe, check=False)
+        return out.returncode != 0 and "no Jobs here today" in out.stderr
+
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(policy))
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(binding))
+    try:
+        wait_for(jobs_denied, timeout=30, what="the policy in force")
+        retex.kubectl("apply", "-f", "-", input=task_manifest("denied", echo("no")))
+        retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/denied")
+        assert "no Jobs here today" in condition(retex, "denied", "Accepted")["message"]
+    finally:
+        for kind in ("validatingadmissionpolicybinding", "validatingadmissionpolicy"):
+            retex.rig.kubectl("delete", kind, policy_name, check=False)
+    wait_for(lambda: not jobs_denied(), timeout=30, what="the policy gone")
+    restart_and_resume(retex, 1)  # admission asked again: its dry run would pass now
+    refused_and_never_admitted(retex, "denied", "JobRejected")
+    retex.kubectl("delete", "task", "denied", "--timeout=30s")
+
+
+def test_a_duplicate_stays_refused_after_the_first_is_purged_and_the_purge_frees_no_idempotency_key(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("first", echo("once"), idempotencyKey="order-7"))
+    succeeded(retex, "first", timeout=90)
+    retex.kubectl("apply", "-f", "-", input=task_manifest("second", echo("twice"), idempotencyKey="order-7"))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/second")
+    assert retex.ledger.purge_finished(older_than_seconds=0) == 1
+    restart_and_resume(retex, 2)
+    refused_and_never_admitted(retex, "second", "DuplicateIdempotencyKey")
+    retex.kubectl("apply", "-f", "-", input=task_manifest("third", echo("thrice"), idempotencyKey="order-7"))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/third")
+    refused_and_never_admitted(retex, "third", "DuplicateIdempotencyKey")
+    assert f"{retex.namespace}/first" in condition(retex, "third", "Accepted")["message"]
+
+
+def test_a_dispatch_deferred_past_the_limit_fails_its_task_as_dispatch_failed_with_the_last_error(retex):
+    retex.operator.kill()
+    stuck = admitted_while_the_operator_is_down(retex, "stuck", echo("never"))
+    webhook = unreachable_webhook_for(retex, stuck)
+    retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
+    try:
+        retex.operator.start(RETEX_DISPATCH_DEFER_LIMIT_SECONDS="5")
+        wait_for(lambda: status(retex, "stuck").get("phase") == "Failed", timeout=60, what="stuck Failed")
+    finally:
+        retex.rig.kubectl("delete", "validatingwebhookconfiguration", webhook["metadata"]["name"], check=False)
+    failed = condition(retex, "stuck", "Failed")
+    assert failed["status"] == "True" and failed["reason"] == "DispatchFailed", failed
+    assert "failed calling webhook" in failed["message"], failed
+    assert jobs_of(retex, stuck) == [] and retex.ledger.get(stuck).failures == 0
+
+
+def test_a_dispatch_failing_for_a_reason_other_than_the_api_fails_its_task_at_once(retex):
+    # A spec the models refuse in the ledger (written by an older operator, say): building the Job
+    # raises a ValidationError, which repeating cannot cure.
+    retex.operator.kill()
+    broken = admitted_while_the_operator_is_down(retex, "broken", echo("never"))
+    with psycopg.connect(retex.dsn) as conn:
+        conn.execute("""UPDATE retex.tasks SET spec = '{"steps": "not a list"}' WHERE uid = %s""", (broken,))
+    retex.operator.start()
+    wait_for(lambda: status(retex, "broken").get("phase") == "Failed", timeout=30, what="broken Failed")
+    failed = condition(retex, "broken", "Failed")
+    assert failed["reason"] == "DispatchFailed" and "ValidationError" in failed["message"], failed
+    assert jobs_of(retex, broken) == []
+
+
+def attempt_row(system, uid) -> dict:
+    with psycopg.connect(system.dsn) as conn:
+        row = conn.execute("SELECT job_name, outcome, settled_at IS NOT NULL FROM retex.attempts "
+                           "WHERE task_uid = %s AND epoch = 1", (uid,)).fetchone()
+    return {"job_name": row[0], "outcome": row[1], "settled": row[2]}
+
+
+@pytest.mark.parametrize(("then", "phase", "reason"), [("cancel", "Cancelled", "Cancelled"),
+                                                      ("break-spec", "Failed", "DispatchFailed")])
+def test_a_job_created_by_a_relay_that_died_before_its_commit_is_deleted_when_the_dispatch_ends_otherwise(
+        retex, then, phase, reason):
+    # Crash-matrix R3: the relay created the Job and died before marking the record sent; its
+    # worker took the lease and runs a step. The restarted relay does not send the record again:
+    # the task was cancelled, or its spec cannot be dispatched any more. It must not assume that no
+    # Job exists: the Job is deleted, and the attempt keeps its slot until its worker is known dead.
+    retex.operator.restart(RETEX_FAILPOINT="after-job-create@orphan")
+    retex.kubectl("apply", "-f", "-", input=task_manifest(
+        "orphan", [{"name": "long", "exec": {"command": ["sh", "-c", "sleep 120"]}}]))
+    wait_for(lambda: retex.operator.exited() is not None, timeout=60, what="the relay to die after the Job create")
+    uid = task(retex, "orphan")["metadata"]["uid"]
+    wait_for(lambda: retex.ledger.get(uid).steps[0].state == "started", timeout=60, what="the orphan's step running")
+    if then == "cancel":
+        retex.kubectl("patch", "task", "orphan", "--type=merge", "-p", '{"spec": {"cancel": true}}')
+    else:
+        with psycopg.connect(retex.dsn) as conn:
+            conn.execute("""UPDATE retex.tasks SET spec = '{"steps": "not a list"}' WHERE uid = %s""", (uid,))
+    retex.operator.start()
+    wait_for(lambda: retex.ledger.get(uid).phase == phase, timeout=60, what=f"orphan {phase}")
+    assert retex.ledger.get(uid).reason == reason
+    wait_for(lambda: jobs_of(retex, uid) == [], timeout=30, what="the orphaned Job deleted")
+    assert attempt_row(retex, uid)["job_name"] == job_name("orphan", uid, 1)
+    wait_for(lambda: attempt_row(retex, uid)["settled"], timeout=60, what="the attempt settled once its worker is gone")
+
+
+def test_a_dispatch_of_a_task_deleted_before_its_job_existed_ends_it_as_task_deleted_not_cancelled(retex):
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "deleted", echo("never"), finalizer=True)
+    retex.kubectl("delete", "task", "deleted", "--wait=false")
+    retex.ledger.request_cancel(uid, reason="TaskDeleted")  # what the delete handler records first
+    retex.operator.start()
+    wait_for(lambda: task(retex, "deleted") is None, timeout=60, what="the deleted Task gone")
+    record = retex.ledger.get(uid)
+    assert (record.phase, record.reason) == ("Cancelled", "TaskDeleted")
+    assert jobs_of(retex, uid) == []
+
+
+def test_a_requeue_of_a_refused_task_is_ignored_once_and_says_why(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("refused", echo("no"), worker=REQUESTS_ABOVE_LIMITS))
+    retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/refused")
+    retex.kubectl("annotate", "task", "refused", "retex.dev/requeue=1")
+    wait_for(lambda: handled(retex, "refused", "requeue",
+                             lambda base: base.get("metadata", {}).get("annotations", {}).get("retex.dev/requeue") == "1"),
+             timeout=30, what="the requeue handled")
+    events = json.loads(retex.kubectl("get", "events", "--field-selector",
+                                      "involvedObject.name=refused,reason=RequeueIgnored", "-o", "json").stdout)
+    assert [e["message"] for e in events["items"]] == [
+        "requeue ignored: the Task was refused at admission (JobRejected), it never runs; create a new Task"]
+    assert status(retex, "refused")["phase"] == "Refused"
+
+
+def test_the_final_event_of_a_task_is_posted_even_after_a_burst_of_attempt_events(retex):
+    # Eleven attempts, all lost before the mirror ever showed the task: Accepted and the
+    # AttemptStarted catch-up fill the per-task Event budget (10 a minute); Failed must still show.
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "lost", echo("never"))
+    for epoch in range(1, 12):
+        retex.ledger.replace_attempt(uid, epoch, cause="disruption")
+    assert retex.ledger.get(uid).reason == "DisruptionBudgetExhausted"
+    retex.operator.start()
+
+    def events(reason):
+        listed = json.loads(retex.kubectl("get", "events", "--field-selector",
+                                          f"involvedObject.name=lost,reason={reason}", "-o", "json").stdout)
+        return listed["items"]
+
+    wait_for(lambda: status(retex, "lost").get("phase") == "Failed", timeout=60, what="lost shown Failed")
+    wait_for(lambda: events("Failed"), timeout=20, what="the Failed Event")
+    assert "disruption cap reached" in events("Failed")[0]["message"]
+    assert len(events("AttemptStarted")) < 11  # the limiter still holds back the catch-up

@@ -52,11 +52,65 @@ def test_a_dispatch_of_a_task_cancelled_before_its_job_existed_is_dropped_and_th
     ledger.request_cancel(cancelled)  # Running (dispatched, no Job yet): only a flag until now
     assert ledger.get(cancelled).phase == TaskPhase.RUNNING
     with ledger.dispatch_batch() as (batch, outcomes):
-        assert [d.task_uid for d in batch] == [deleted]  # the cancelled one is never handed out
-        outcomes.dropped(batch[0], reason="TaskDeleted")
+        assert [d.task_uid for d in batch] == [cancelled, deleted]
+        outcomes.dropped(batch[0], reason=batch[0].cancel_reason)
+        outcomes.dropped(batch[1], reason="TaskDeleted")
     for uid, reason in ((cancelled, "Cancelled"), (deleted, "TaskDeleted")):
         record = ledger.get(uid)
         assert (record.phase, record.reason) == (TaskPhase.CANCELLED, reason)
         assert [a.outcome for a in ledger.attempts(uid)] == ["cancelled"]
         assert outbox(dsn, uid)[0][0] == "dropped"
     assert claim(ledger) == []
+
+
+def deferred_since(dsn, uid):
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT deferred_since FROM retex.outbox WHERE task_uid = %s", (uid,)).fetchone()[0]
+
+
+def test_a_dispatch_deferred_again_keeps_the_time_of_its_first_deferral_and_can_fail_as_dispatch_failed(ledger, dsn):
+    busy = admitted(ledger)
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert batch[0].deferred_seconds is None  # never deferred
+        outcomes.deferred(batch[0], "ApiException: (500) failed calling webhook")
+    first = deferred_since(dsn, busy)
+    assert first is not None
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.outbox SET not_before = now() WHERE task_uid = %s", (busy,))
+    with ledger.dispatch_batch() as (batch, outcomes):
+        assert batch[0].deferred_seconds >= 0
+        outcomes.deferred(batch[0], "ApiException: (500) failed calling webhook, again")
+    assert deferred_since(dsn, busy) == first  # the cap counts from the first deferral
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.outbox SET not_before = now() WHERE task_uid = %s", (busy,))
+    with ledger.dispatch_batch() as (batch, outcomes):
+        outcomes.rejected(batch[0], "not dispatched for 600s; last error: ApiException: (500)", reason="DispatchFailed")
+    failed = ledger.get(busy)
+    assert (failed.phase, failed.reason, failed.dead_lettered) == (TaskPhase.FAILED, "DispatchFailed", False)
+    assert failed.last_error == "not dispatched for 600s; last error: ApiException: (500)"
+    assert outbox(dsn, busy)[0][0] == "rejected"
+
+
+def test_a_dispatch_of_a_task_whose_cancel_was_requested_is_handed_out_with_its_cancel_reason(ledger):
+    # The relay decides, not the claim: a Job may exist for it (crash-matrix R3), and only the
+    # relay can look; a deletion ends the task as TaskDeleted, not Cancelled.
+    cancelled, deleted, running = admitted(ledger), admitted(ledger), admitted(ledger)
+    ledger.request_cancel(cancelled)
+    ledger.request_cancel(deleted, reason="TaskDeleted")
+    with ledger.dispatch_batch() as (batch, _):
+        assert {d.task_uid: d.cancel_reason for d in batch} == {cancelled: "Cancelled", deleted: "TaskDeleted",
+                                                                running: None}
+
+
+def test_a_dispatch_that_met_its_job_ends_the_attempt_unsettled_with_the_job_name(ledger, dsn):
+    # Crash-matrix R3: the Job exists (its worker may be inside a step) though the record is unsent.
+    dropped, rejected = admitted(ledger), admitted(ledger)
+    with ledger.dispatch_batch() as (batch, outcomes):
+        outcomes.dropped(batch[0], reason="Cancelled", job_name="dropped-job")
+        outcomes.rejected(batch[1], "not dispatched for 600s", reason="DispatchFailed", job_name="rejected-job")
+    for uid, job in ((dropped, "dropped-job"), (rejected, "rejected-job")):
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute("SELECT job_name, outcome, settled_at FROM retex.attempts WHERE task_uid = %s",
+                               (uid,)).fetchone()
+        assert row[0] == job and row[1] is not None and row[2] is None  # holds its slot until known dead
+    assert [w.epoch for w in ledger.watched() if w.uid in (dropped, rejected) and not w.current] == [1, 1]

@@ -9,6 +9,7 @@ from retex.ledger import (
     CancelRequested,
     ResultTooLarge,
     StepOutOfOrder,
+    TaskRef,
 )
 from retex.machine import IllegalTransition, StepState, TaskPhase
 from tests.integration.ledger_helpers import admission, admitted, run_all_steps
@@ -35,7 +36,8 @@ def test_an_idempotency_key_reused_in_a_namespace_returns_the_first_task(ledger,
     first = ledger.admit(admission(idempotency_key="order-42"))
     duplicate = ledger.admit(admission(idempotency_key="order-42"))
     elsewhere = ledger.admit(admission(idempotency_key="order-42", namespace="other"))
-    assert duplicate == type(duplicate)(uid=first.uid, created=False, duplicate_of=first.uid)
+    first_task = TaskRef(uid=first.uid, namespace="shop", name=ledger.get(first.uid).name)
+    assert duplicate == type(duplicate)(uid=first.uid, created=False, duplicate_of=first_task)
     assert elsewhere.created
     assert count(dsn, "SELECT count(*) FROM retex.tasks") == 2
 

@@ -21,6 +21,7 @@ def test_only_the_dsn_is_required_and_the_rest_are_the_documented_defaults():
     assert settings.database_url == "host=db dbname=retex"
     assert (settings.max_running, settings.max_running_per_namespace, settings.history_retention_days) == (None,) * 3
     assert (settings.worker_start_deadline_seconds, settings.resync_seconds, settings.metrics_port) == (120.0, 30.0, 9090)
+    assert settings.dispatch_defer_limit_seconds == 600.0
     assert settings.ledger_port == 8081
     assert settings.worker.ledger_url == "http://retex-ledger.retex-system.svc:8081"
     assert (settings.worker.image, settings.worker.service_account) == ("retex-worker:latest", "retex-worker")
@@ -32,7 +33,8 @@ def test_without_a_dsn_the_operator_refuses_to_start_and_says_which_variable():
 
 
 @pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_MAX_RUNNING_PER_NAMESPACE", "RETEX_HISTORY_RETENTION_DAYS",
-                                  "RETEX_WORKER_START_DEADLINE_SECONDS", "RETEX_LEDGER_PORT", "RETEX_METRICS_PORT",
+                                  "RETEX_WORKER_START_DEADLINE_SECONDS", "RETEX_DISPATCH_DEFER_LIMIT_SECONDS",
+                                  "RETEX_LEDGER_PORT", "RETEX_METRICS_PORT",
                                   "RETEX_WORKER_GRACE_SECONDS", "RETEX_RESYNC_SECONDS"])
 def test_a_value_that_is_not_a_number_is_refused_by_name(name):
     assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"

@@ -3,8 +3,8 @@
 Every call is idempotent the way the relay needs it: create treats AlreadyExists as success when
 the object that exists is owned by the same Task, delete treats NotFound as success. A create the
 API server refuses for good raises `Refused` (with the server's message), or its subclass
-`NamespaceTerminating` when the namespace is being deleted; anything else it raises (429, 5xx, a
-dropped connection, a quota that is full for now) is transient.
+`NamespaceTerminating` when the namespace is being deleted; any other API status or transport
+error (429, 5xx, a dropped connection, a quota that is full for now) is transient (`transient`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -60,6 +61,13 @@ def refusal(exc: ApiException) -> Refused | None:
         if any(text in message for text in _QUOTA_MESSAGES):
             return None
     return Refused(message, exc.status)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether a call's exception may clear by itself: an API status that is not a refusal (429,
+    5xx, a quota full for now) or a transport error (urllib3's, OSError). Anything else (a body the
+    models refuse, a bug) fails the same way every time."""
+    return isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError)
 
 
 def _status_of(exc: ApiException) -> dict[str, Any]:
@@ -114,6 +122,14 @@ class KubeCalls:
             if exc.status == 404:
                 return None
             raise
+
+    def delete_job_of(self, namespace: str, name: str, task_uid: str) -> bool:
+        """Delete the Job `name` if it exists and is owned by the Task `task_uid`; True if it was."""
+        job = self.get_job(namespace, name)
+        if job is None or not _owned_by(job, {task_uid}):
+            return False
+        self.delete_job(namespace, name)
+        return True
 
     def delete_job(self, namespace: str, name: str) -> None:
         """Background propagation: the Job goes now, its pods after; a pod stuck Terminating on a
@@ -193,6 +209,10 @@ class KubeCalls:
         return self._plain(listed).get("items") or []
 
 
+def _owned_by(obj: dict[str, Any], owner_uids: set[str]) -> bool:
+    return any(ref.get("uid") in owner_uids for ref in obj["metadata"].get("ownerReferences") or ())
+
+
 def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Callable[[], dict[str, Any]]) -> None:
     """Create; AlreadyExists is success only if the object there is owned by the same Task (a
     repeated dispatch), otherwise the name is someone else's: a permanent refusal."""
@@ -202,8 +222,6 @@ def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Call
         if exc.status != 409:
             raise refusal(exc) or exc
         owners = {ref["uid"] for ref in body["metadata"].get("ownerReferences", ())}
-        existing = read()
-        theirs = {ref.get("uid") for ref in existing["metadata"].get("ownerReferences") or ()}
-        if not owners & theirs:
+        if not _owned_by(read(), owners):
             raise Refused(f'{body["kind"]} "{body["metadata"]["name"]}" already exists and is not owned by this '
                           "Task", 409) from exc

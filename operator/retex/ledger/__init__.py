@@ -21,17 +21,19 @@ from retex.ledger.records import (
     Histogram,
     HistoryEntry,
     LedgerFigures,
+    Refusal,
     StepRecord,
     TaskAdmission,
     TaskRecord,
+    TaskRef,
     WatchedAttempt,
 )
 from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
-    "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "ResultTooLarge",
-    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "UnstorableValue",
+    "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "Refusal", "ResultTooLarge",
+    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
     "WatchedAttempt",
     "step_idempotency_key",
 ]

@@ -32,11 +32,33 @@ class TaskAdmission:
 
 
 @dataclass(frozen=True)
+class TaskRef:
+    """A task by uid and name; perhaps purged (then only its tombstone knows it)."""
+
+    uid: str
+    namespace: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why the operator did not admit a Task; final for its uid (the first one stored stands)."""
+
+    uid: str
+    namespace: str
+    name: str
+    reason: str  # InvalidSpec, AnnotationsTooLarge, JobRejected, DuplicateIdempotencyKey
+    message: str
+    generation: int | None  # metadata.generation it was decided on
+
+
+@dataclass(frozen=True)
 class AdmitResult:
     uid: str  # the task that holds this work (the first one, for an idempotency-key duplicate)
     created: bool
-    duplicate_of: str | None = None
+    duplicate_of: TaskRef | None = None  # the task (live or purged) that used the idempotencyKey first
     purged: bool = False  # the task ended and its history was purged: it is not admitted again
+    refusal: Refusal | None = None  # it was refused before: never admitted
 
 
 @dataclass(frozen=True)
@@ -139,6 +161,8 @@ class Dispatch:
     name: str
     spec: dict[str, Any]
     deadline_at: datetime | None = None  # the task's timeout, if any: the Job gets the time left
+    deferred_seconds: float | None = None  # since its first deferral (database clock); None: never deferred
+    cancel_reason: str | None = None  # cancel requested: what the task ends with (Cancelled, TaskDeleted)
 
 
 @dataclass(frozen=True)

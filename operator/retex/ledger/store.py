@@ -43,9 +43,11 @@ from retex.ledger.records import (
     AttemptRecord,
     Dispatch,
     HistoryEntry,
+    Refusal,
     StepRecord,
     TaskAdmission,
     TaskRecord,
+    TaskRef,
     WatchedAttempt,
 )
 from retex.machine import (
@@ -345,10 +347,11 @@ class Ledger:
             ).fetchone()
             # Checked after the insert, in its own statement: a purge that committed while the insert
             # waited on the row is seen here (a check before it could miss it).
-            if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (admission.uid,)).fetchone():
-                raise _Purged
+            verdict = _prior_verdict(cur, admission)
+            if verdict is not None:
+                raise _NotAdmitted(verdict)
             if inserted is None:
-                return _existing_admission(cur, admission)
+                return AdmitResult(uid=admission.uid, created=False)  # admitted before
             step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
             for idx, (name, step_spec) in enumerate(zip(admission.step_names, step_specs, strict=True)):
                 cur.execute(
@@ -361,9 +364,34 @@ class Ledger:
 
         try:
             return self._tx(op, op="admit")
-        except _Purged:
-            # It ran to its end and its history was purged (retention): never run it again.
-            return AdmitResult(uid=admission.uid, created=False, purged=True)
+        except _NotAdmitted as not_admitted:
+            return not_admitted.verdict
+
+    def prior_verdict(self, admission: TaskAdmission) -> AdmitResult | None:
+        """What `admit` answers for a Task it will never admit, without writing: refused before,
+        purged, or a duplicate of the task (live or purged) that used its idempotencyKey first.
+        None: `admit` would admit it (or has). The operator asks before its Job dry run, so that a
+        decision made once is not made again differently."""
+        return self._tx(lambda cur: _prior_verdict(cur, admission), op="prior_verdict")
+
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """Record that a Task is not admitted. Final for its uid: the first refusal stored stands
+        (and is returned), and `admit` never admits the uid."""
+
+        def op(cur: psycopg.Cursor) -> Refusal:
+            cur.execute(
+                """INSERT INTO retex.refusals (uid, namespace, name, reason, message, generation)
+                   VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (uid) DO NOTHING""",
+                (refusal.uid, refusal.namespace, refusal.name, refusal.reason, refusal.message[:4096],
+                 refusal.generation),
+            )
+            return _refusal(cur, refusal.uid)
+
+        return self._tx(op, op="refuse")
+
+    def refusal(self, uid: str) -> Refusal | None:
+        """The refusal stored for `uid`, or None."""
+        return self._tx(lambda cur: _refusal(cur, uid), op="refusal")
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
         """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
@@ -641,8 +669,9 @@ class Ledger:
         Yields the records that are still current and a `DispatchOutcomes` on which the caller
         settles each record on its own: sent, rejected (the task fails), dropped (the task is
         cancelled) or deferred (that record alone is retried later). A record left unsettled
-        stays unsent and is claimed again. Records whose epoch was superseded are marked stale,
-        and records of a task whose cancel was requested are dropped here; neither is yielded.
+        stays unsent and is claimed again. Records whose epoch was superseded are marked stale
+        and not yielded; a record of a task whose cancel was requested carries its cancel reason
+        (the relay drops it, after looking for a Job a dead relay may have created).
         If the caller dies before the transaction commits, the claims vanish with it and another
         relay sends them again; the deterministic Job name turns that into AlreadyExists, which
         is success.
@@ -650,7 +679,8 @@ class Ledger:
         with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
             rows = cur.execute(
                 """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
-                          t.cancel_requested, (o.epoch = t.epoch AND t.phase = 'Running') AS current
+                          extract(epoch FROM now() - o.deferred_since)::float8 AS deferred_seconds,
+                          t.cancel_requested, t.cancel_reason, (o.epoch = t.epoch AND t.phase = 'Running') AS current
                    FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
                    WHERE o.sent_at IS NULL AND (o.not_before IS NULL OR o.not_before <= now())
                    ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
@@ -660,18 +690,11 @@ class Ledger:
             if stale:
                 cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
             outcomes = DispatchOutcomes(self, cur, {row["id"]: row["attempts"] for row in rows})
-            dispatches = []
-            for r in rows:
-                if not r["current"]:
-                    continue
-                dispatch = Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                                    name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"])
-                if r["cancel_requested"]:
-                    # Cancelled (or deleted) before its Job existed: no worker will ever look.
-                    outcomes.dropped(dispatch, reason="Cancelled")
-                else:
-                    dispatches.append(dispatch)
-            yield dispatches, outcomes
+            yield [Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
+                            name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
+                            deferred_seconds=r["deferred_seconds"],
+                            cancel_reason=(r["cancel_reason"] or "Cancelled") if r["cancel_requested"] else None)
+                   for r in rows if r["current"]], outcomes
 
     # -- fenced operations (worker) ----------------------------------------------------------
 
@@ -890,18 +913,19 @@ class Ledger:
 
     def purge_finished(self, *, older_than_seconds: float) -> int:
         """Delete tasks (with their steps, attempts and history) that ended that long ago: the
-        history-retention setting. Each leaves a tombstone (uid, name, final phase) that is kept
-        forever. Returns how many went."""
+        history-retention setting. Each leaves a tombstone (uid, name, final phase, idempotencyKey)
+        that is kept forever. Returns how many went."""
 
         def op(cur: psycopg.Cursor) -> int:
-            # The Task object may outlive its row; the tombstone keeps `admit` from running it again.
+            # The Task object may outlive its row; the tombstone keeps `admit` from running it again,
+            # and keeps its idempotencyKey taken.
             return cur.execute(
                 """WITH gone AS (
                        DELETE FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
                        AND finished_at < now() - make_interval(secs => %s)
-                       RETURNING uid, namespace, name, phase)
-                   INSERT INTO retex.tombstones (uid, namespace, name, phase)
-                   SELECT uid, namespace, name, phase FROM gone ON CONFLICT DO NOTHING""",
+                       RETURNING uid, namespace, name, phase, idempotency_key)
+                   INSERT INTO retex.tombstones (uid, namespace, name, phase, idempotency_key)
+                   SELECT uid, namespace, name, phase, idempotency_key FROM gone ON CONFLICT DO NOTHING""",
                 (older_than_seconds,),
             ).rowcount
 
@@ -1026,45 +1050,59 @@ class DispatchOutcomes:
             return None  # moved on since the claim (replaced, timed out): nothing to end
         return task
 
+    def _end_attempt(self, dispatch: Dispatch, outcome: str, job_name: str | None) -> None:
+        """End the attempt of a record that was not sent. `job_name`: a Job was found for it after
+        all (a relay died between creating it and its commit, crash-matrix R3) and deleted; its
+        worker may be inside a step, so the attempt holds its slot and key until known dead."""
+        self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, outcome, settled=job_name is None)
+        if job_name is not None:
+            self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
+                              (job_name, dispatch.task_uid, dispatch.epoch))
+
     def sent(self, dispatch: Dispatch, job_name: str) -> None:
         with self._cur.connection.transaction():
             self._settle(dispatch, "sent")
             self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
                               (job_name, dispatch.task_uid, dispatch.epoch))
 
-    def rejected(self, dispatch: Dispatch, message: str, *, actor: str = "operator") -> None:
-        """The API server refused the attempt's Job for good (invalid, forbidden, namespace gone):
-        the task fails with reason JobRejected and the server's message. Not dead-lettered: no
-        budget was spent; fix the cause, then requeue."""
+    def rejected(self, dispatch: Dispatch, message: str, *, reason: str = "JobRejected",
+                 job_name: str | None = None, actor: str = "operator") -> None:
+        """The attempt's Job cannot be created: the API server refused it for good (JobRejected:
+        invalid, forbidden, namespace gone), or it could not be dispatched at all (DispatchFailed:
+        deferred past the cap, or a failure repeating cannot cure). The task fails with `reason`
+        and `message`. Not dead-lettered: no budget was spent; fix the cause, then requeue."""
         with self._cur.connection.transaction():
             task = self._current_task(dispatch)
             if task is not None:
-                self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "failed")
-                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason="JobRejected",
+                self._end_attempt(dispatch, "failed", job_name)
+                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason=reason,
                                          last_error=message[:4096])
             self._settle(dispatch, "rejected")
             self._cur.execute("UPDATE retex.outbox SET last_error = %s WHERE id = %s", (message[:4096], dispatch.id))
 
-    def dropped(self, dispatch: Dispatch, *, reason: str, actor: str = "operator") -> None:
-        """Not sent: the task was cancelled or its Task object is gone before a Job existed. It
-        ends Cancelled now (no worker exists to stop at a step boundary)."""
+    def dropped(self, dispatch: Dispatch, *, reason: str, job_name: str | None = None,
+                actor: str = "operator") -> None:
+        """Not sent: the task was cancelled or deleted (`reason` Cancelled or TaskDeleted) or its
+        Task object is gone. It ends Cancelled now: no Job of its remains, so no worker will
+        reach a step boundary."""
         with self._cur.connection.transaction():
             task = self._current_task(dispatch)
             if task is not None:
-                self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, "cancelled")
+                self._end_attempt(dispatch, "cancelled", job_name)
                 self._ledger._transition(self._cur, task, TaskEvent.CANCEL, actor, reason=reason,
                                          cancel_requested=True)
             self._settle(dispatch, "dropped")
 
     def deferred(self, dispatch: Dispatch, error: str) -> float:
         """A transient failure (API server busy or unreachable): this record waits out its own
-        backoff; the records behind it go on. Returns the delay in seconds."""
+        backoff; the records behind it go on. Returns the delay in seconds. The first deferral's
+        time is kept (`deferred_since`): the relay gives the record up past its cap."""
         tries = self._attempts.get(dispatch.id, 0) + 1
         delay = min(DISPATCH_RETRY_CAP_SECONDS, DISPATCH_RETRY_BASE_SECONDS * 2 ** (tries - 1))
         with self._cur.connection.transaction():
             self._cur.execute(
                 "UPDATE retex.outbox SET attempts = %s, not_before = now() + make_interval(secs => %s), "
-                "last_error = %s WHERE id = %s",
+                "last_error = %s, deferred_since = coalesce(deferred_since, now()) WHERE id = %s",
                 (tries, delay, error[:4096], dispatch.id),
             )
         return delay
@@ -1103,18 +1141,42 @@ def _check_result_size(result: Any) -> None:
         raise ResultTooLarge(f"step result is {size} bytes; the limit is {RESULT_LIMIT_BYTES} (store large data by reference)")
 
 
-class _Purged(Exception):
-    """Inside `admit`: the uid has a tombstone; rolls the transaction back."""
+class _NotAdmitted(Exception):
+    """Inside `admit`: the task must not be admitted; rolls the transaction back."""
+
+    def __init__(self, verdict: AdmitResult):
+        super().__init__(verdict)
+        self.verdict = verdict
 
 
-def _existing_admission(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult:
-    if cur.execute("SELECT 1 FROM retex.tasks WHERE uid = %s", (admission.uid,)).fetchone():
-        return AdmitResult(uid=admission.uid, created=False)
+def _prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult | None:
+    uid = admission.uid
+    refusal = _refusal(cur, uid)
+    if refusal is not None:
+        return AdmitResult(uid=uid, created=False, refusal=refusal)
+    if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (uid,)).fetchone():
+        # It ran to its end and its history was purged (retention): never run it again.
+        return AdmitResult(uid=uid, created=False, purged=True)
+    if admission.idempotency_key is None:
+        return None
     first = cur.execute(
-        "SELECT uid FROM retex.tasks WHERE namespace = %s AND idempotency_key = %s",
-        (admission.namespace, admission.idempotency_key),
+        """SELECT uid, namespace, name FROM retex.tasks
+           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
+           UNION ALL
+           SELECT uid, namespace, name FROM retex.tombstones
+           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
+           LIMIT 1""",
+        {"ns": admission.namespace, "key": admission.idempotency_key, "uid": uid},
     ).fetchone()
-    return AdmitResult(uid=first["uid"], created=False, duplicate_of=first["uid"])
+    if first is None:
+        return None
+    return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
+
+
+def _refusal(cur: psycopg.Cursor, uid: str) -> Refusal | None:
+    row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
+                      (uid,)).fetchone()
+    return Refusal(**row) if row else None
 
 
 def _step_record(row: dict[str, Any]) -> StepRecord:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused
-from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease
+from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused, transient
+from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease, job_name
 from retex.ledger import Dispatch, Ledger, LedgerError
 from retex.ledger.store import DispatchOutcomes
 from retex.logs import event
@@ -19,22 +20,36 @@ from retex.operator.metrics import count_failure
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Unsent:
+    """Why a record ends without a Job: dropped (its task ends Cancelled with `reason`) when
+    `error` is None, else rejected (its task fails with `reason`, `error` as lastError)."""
+
+    reason: str
+    why: str  # the log line
+    error: str | None = None
+
+
 class Relay(Loop):
     """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless.
 
     Each record is settled on its own, so no record can hold up the ones behind it: sent; rejected
     when the API server refuses its Lease or Job for good (the task fails with reason JobRejected
-    and the server's message); dropped when its task was cancelled or its Task object is gone or
-    terminating, or its namespace is (the task ends Cancelled: no Job is ever created); deferred, with a backoff of its
-    own, on a transient error. A relay that dies mid-batch loses nothing: the claims roll back,
-    and the next relay meets its Jobs as AlreadyExists (ours, so success)."""
+    and the server's message); dropped when its task was cancelled or deleted, or its Task object
+    is gone or terminating, or its namespace is (the task ends Cancelled with the cancel's reason);
+    deferred, with a backoff of its own, on a transient error, for at most `defer_limit_seconds`
+    since the first deferral; past that, or on an error repeating cannot cure, the task fails with
+    reason DispatchFailed. A relay that dies mid-batch loses nothing: the claims roll back, and the
+    next relay meets its Jobs as AlreadyExists (ours, so success) — or, if it ends the record
+    unsent, deletes such a Job and leaves the attempt to the reaper until its worker is dead."""
 
     name = "relay"
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float,
-                 failpoints_from_annotations: bool = False):
+                 defer_limit_seconds: float, failpoints_from_annotations: bool = False):
         super().__init__()
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
+        self._defer_limit = defer_limit_seconds
         self._failpoints = failpoints_from_annotations
 
     def round(self) -> float:
@@ -53,37 +68,71 @@ class Relay(Loop):
         who = {"uid": dispatch.task_uid, "namespace": dispatch.namespace, "name": dispatch.name,
                "epoch": dispatch.epoch}
         try:
+            result = self._send_unless_ended(dispatch)
+        except LedgerError:
+            raise  # the ledger is away: the whole batch waits (its claims roll back)
+        except Exception as exc:
+            count_failure(self.name, exc)
+            result = self._given_up(dispatch, f"{type(exc).__name__}: {exc}", transient(exc))
+            if result is None:
+                self._defer(dispatch, outcomes, exc, who)
+                return
+        if isinstance(result, str):
+            outcomes.sent(dispatch, result)
+            return
+        # Ending without a Job, so make sure there is none: a relay that died between creating it
+        # and its commit (crash-matrix R3) left one, and its worker may be inside a step.
+        name = job_name(dispatch.name, dispatch.task_uid, dispatch.epoch)
+        try:
+            found = self._kube.delete_job_of(dispatch.namespace, name, dispatch.task_uid)
+        except Exception as exc:  # not knowing whether a Job exists, end nothing yet
+            self._defer(dispatch, outcomes, exc, who)
+            return
+        left = name if found else None
+        if result.error is None:
+            outcomes.dropped(dispatch, reason=result.reason, job_name=left)
+        else:
+            outcomes.rejected(dispatch, result.error, reason=result.reason, job_name=left)
+        event(log, logging.INFO if result.error is None else logging.WARNING, result.why, **who,
+              **({"why": result.error[:300]} if result.error else {}), **({"job_deleted": left} if left else {}))
+
+    def _send_unless_ended(self, dispatch: Dispatch) -> str | _Unsent:
+        """Send the record (its Job's name), or say why it ends unsent."""
+        if dispatch.cancel_reason:
+            return _Unsent(dispatch.cancel_reason, "dispatch dropped: cancel requested")
+        try:
             task = self._kube.get_task(dispatch.namespace, dispatch.name)
             meta = task["metadata"] if task else {}
             if meta.get("uid") != dispatch.task_uid or meta.get("deletionTimestamp"):
                 # Deleted (perhaps while nobody watched): stop it, keep its history, send nothing.
-                outcomes.dropped(dispatch, reason="TaskDeleted")
-                event(log, logging.INFO, "dispatch dropped: Task deleted", **who)
-                return
-            if (task.get("spec") or {}).get("cancel"):
-                outcomes.dropped(dispatch, reason="Cancelled")  # the cancel handler may not have run yet
-                event(log, logging.INFO, "dispatch dropped: cancel requested", **who)
-                return
-            job_name = self._send(dispatch, task)
+                return _Unsent("TaskDeleted", "dispatch dropped: Task deleted")
+            if (task.get("spec") or {}).get("cancel"):  # the cancel handler may not have run yet
+                return _Unsent("Cancelled", "dispatch dropped: cancel requested")
+            return self._send(dispatch, task)
         except NamespaceTerminating:
             # Its namespace is being deleted, the Task with it (perhaps not marked yet).
-            outcomes.dropped(dispatch, reason="TaskDeleted")
-            event(log, logging.INFO, "dispatch dropped: namespace terminating", **who)
-            return
+            return _Unsent("TaskDeleted", "dispatch dropped: namespace terminating")
         except Refused as refused:
-            outcomes.rejected(dispatch, refused.message)
-            event(log, logging.WARNING, "dispatch rejected by the API server: task failed", **who,
-                  http_status=refused.status, why=refused.message)
-            return
-        except LedgerError:
-            raise  # the ledger is away: the whole batch waits (its claims roll back)
-        except Exception as exc:  # 429, 5xx, a dropped connection: this record alone waits
-            delay = outcomes.deferred(dispatch, f"{type(exc).__name__}: {exc}")
-            count_failure(self.name, exc)
-            event(log, logging.WARNING, "dispatch deferred after a transient error", **who,
-                  retry_in_seconds=delay, why=f"{type(exc).__name__}: {str(exc)[:300]}")
-            return
-        outcomes.sent(dispatch, job_name)
+            return _Unsent("JobRejected", f"dispatch rejected by the API server ({refused.status}): task failed",
+                           refused.message)
+
+    def _given_up(self, dispatch: Dispatch, why: str, transient_error: bool) -> _Unsent | None:
+        """After an error: the task fails (DispatchFailed) if repeating cannot help or the record
+        has been deferred past the limit; None: defer it."""
+        if not transient_error:  # a spec the models refuse, a bug: it fails the same way every time
+            return _Unsent("DispatchFailed", "dispatch failed: task failed",
+                           f"the attempt could not be dispatched: {why}")
+        if (dispatch.deferred_seconds or 0.0) >= self._defer_limit:
+            return _Unsent("DispatchFailed", "dispatch deferred past the limit: task failed",
+                           f"not dispatched for {dispatch.deferred_seconds:.0f}s; last error: {why}")
+        return None
+
+    def _defer(self, dispatch: Dispatch, outcomes: DispatchOutcomes, exc: Exception, who: dict) -> None:
+        """429, 5xx, a dropped connection: this record alone waits."""
+        why = f"{type(exc).__name__}: {exc}"
+        delay = outcomes.deferred(dispatch, why)
+        event(log, logging.WARNING, "dispatch deferred after a transient error", **who, retry_in_seconds=delay,
+              why=why[:300])
 
     def _send(self, dispatch: Dispatch, task: dict) -> str:
         failpoint_armed = None

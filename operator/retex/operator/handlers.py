@@ -24,7 +24,7 @@ from retex.kube.client import api_client
 from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
-from retex.ledger import Ledger, TaskNotFound
+from retex.ledger import Ledger, Refusal, TaskNotFound
 from retex.logs import event
 from retex.machine import IllegalTransition
 from retex.operator.admission import admission_for, annotations_refusal
@@ -54,6 +54,7 @@ class Runtime:
         self.kube = KubeCalls(api)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
+                           defer_limit_seconds=settings.dispatch_defer_limit_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
         retention = settings.history_retention_days
         self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)
@@ -150,7 +151,9 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
 
     Refused instead (Accepted=False, phase Refused, never run): a spec the models refuse,
     annotations leaving no room for the operator's own, a Job the API server would refuse (a
-    server-side dry run of attempt 1's Job), a duplicate idempotencyKey."""
+    server-side dry run of attempt 1's Job), a duplicate idempotencyKey. A refusal is stored in
+    the ledger and final: this handler also runs at every operator start (kopf's resume), and
+    must not decide again (a dry run that passes now, a key a purge would otherwise free)."""
     runtime: Runtime = memo.runtime
     failpoint("before-admit", task=name, uid=uid)  # crash-matrix R1: the Task exists, the ledger row does not
     try:
@@ -158,46 +161,65 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
         admitted = True  # resumed after a restart: checked when it was admitted
     except TaskNotFound:
         admitted = False
-    if not admitted:
-        try:
-            submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
-            admission = admission_for(uid=uid, namespace=namespace, name=name, spec=dict(spec),
-                                      submitted_at=submitted_at)
-        except pydantic.ValidationError as refused:
-            runtime.mirror.refuse(dict(body), "InvalidSpec", str(refused))
-            return
-        too_large = annotations_refusal(dict(meta.get("annotations") or {}), own_prefix=KOPF_PREFIX)
-        if too_large:
-            runtime.mirror.refuse(dict(body), "AnnotationsTooLarge", too_large)
-            return
-        job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=1,
-                        spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults)
-        try:
-            runtime.kube.dry_run_job(job)
-        except Refused as refused:
-            runtime.mirror.refuse(dict(body), "JobRejected", f"the API server refuses its Job: {refused.message}")
-            return
-        except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
-            raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
-        result = runtime.ledger.admit(admission)
-        failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
-        if result.purged:  # it ran to its end long ago and its history was purged: never again
-            event(log, logging.INFO, "purged by history retention: not admitted again", uid=uid,
-                  namespace=namespace, name=name)
-            return
-        if result.duplicate_of:
-            first = runtime.ledger.get(result.duplicate_of)
-            event(log, logging.INFO, "duplicate by idempotencyKey: not run", uid=uid, namespace=namespace, name=name,
-                  duplicate_of=result.duplicate_of)
-            runtime.mirror.refuse(dict(body), "DuplicateIdempotencyKey",
-                                  f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
-                                  f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
-            return
+    if not admitted and not _admitted_now(runtime, uid=uid, namespace=namespace, name=name, spec=dict(spec),
+                                          meta=meta, body=dict(body)):
+        return
     if spec.get("cancel"):
         runtime.ledger.request_cancel(uid)
     runtime.relay.wake.set()
     runtime.promoter.wake.set()
     runtime.mirror.mark(uid)
+
+
+def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec: dict[str, Any],
+                  meta: kopf.Meta, body: dict[str, Any]) -> bool:
+    """Admit a Task the ledger does not hold; False when it is not admitted (refused or purged).
+    Every final decision the ledger already holds is asked first, before the dry run."""
+
+    def refuse(reason: str, message: str) -> bool:
+        stored = runtime.ledger.refuse(Refusal(uid=uid, namespace=namespace, name=name, reason=reason,
+                                               message=message, generation=meta.get("generation")))
+        runtime.mirror.refuse(body, stored.reason, stored.message)
+        return False
+
+    earlier = runtime.ledger.refusal(uid)
+    if earlier is not None:
+        runtime.mirror.refuse(body, earlier.reason, earlier.message)
+        return False
+    try:
+        submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
+        admission = admission_for(uid=uid, namespace=namespace, name=name, spec=spec, submitted_at=submitted_at)
+    except pydantic.ValidationError as refused:
+        return refuse("InvalidSpec", str(refused))
+    too_large = annotations_refusal(dict(meta.get("annotations") or {}), own_prefix=KOPF_PREFIX)
+    if too_large:
+        return refuse("AnnotationsTooLarge", too_large)
+    verdict = runtime.ledger.prior_verdict(admission)
+    if verdict is None:
+        job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=1,
+                        spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults)
+        try:
+            runtime.kube.dry_run_job(job)
+        except Refused as refused:
+            return refuse("JobRejected", f"the API server refuses its Job: {refused.message}")
+        except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
+            raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
+        verdict = runtime.ledger.admit(admission)
+        failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
+    who = {"uid": uid, "namespace": namespace, "name": name}
+    if verdict.refusal is not None:
+        runtime.mirror.refuse(body, verdict.refusal.reason, verdict.refusal.message)
+        return False
+    if verdict.purged:  # it ran to its end long ago and its history was purged: never again
+        event(log, logging.INFO, "purged by history retention: not admitted again", **who)
+        return False
+    if verdict.duplicate_of is not None:
+        first = verdict.duplicate_of
+        event(log, logging.INFO, "duplicate by idempotencyKey: not run", **who, duplicate_of=first.uid)
+        return refuse("DuplicateIdempotencyKey",
+                      f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
+                      f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
+    return True
 
 
 @kopf.on.field(*TASKS, field="spec.cancel", new=True)
@@ -212,15 +234,23 @@ def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
-def requeue(uid: str, new: str | None, memo: kopf.Memo, **_: Any) -> None:
+def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Setting (or changing) the annotation gives a Failed or NeedsAttention task a fresh attempt
     and budget; the ledger records it in history."""
+    runtime: Runtime = memo.runtime
     if new:
         try:
-            memo.runtime.ledger.requeue(uid, actor=f"annotation:{new}")
+            runtime.ledger.requeue(uid, actor=f"annotation:{new}")
         except IllegalTransition as refused:
             event(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
-        memo.runtime.relay.wake.set()
+        except TaskNotFound:  # not in the ledger: retrying (kopf's default) would loop for ever
+            refusal = runtime.ledger.refusal(uid)
+            why = (f"the Task was refused at admission ({refusal.reason}), it never runs" if refusal else
+                   "the Task's history was purged (history retention), it never runs again")
+            event(log, logging.WARNING, "requeue ignored", uid=uid, why=why)
+            runtime.mirror.warn(dict(body), "RequeueIgnored", f"requeue ignored: {why}; create a new Task")
+            return
+        runtime.relay.wake.set()
 
 
 @kopf.on.delete(*TASKS)

@@ -20,6 +20,7 @@ class OperatorSettings:
     max_running_per_namespace: int | None = None
     history_retention_days: float | None = None  # purge terminal tasks this long after they end
     worker_start_deadline_seconds: float = 120.0  # dispatch → lease taken, else a failed attempt
+    dispatch_defer_limit_seconds: float = 600.0  # first transient dispatch error → the task fails
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
     ledger_port: int = 8081  # RETEX_LEDGER_PORT: the workers' ledger endpoint (RETEX_LEDGER_URL reaches it)
 
@@ -46,6 +47,7 @@ class OperatorSettings:
             max_running_per_namespace=_number(env, "RETEX_MAX_RUNNING_PER_NAMESPACE", int),
             history_retention_days=_number(env, "RETEX_HISTORY_RETENTION_DAYS", float),
             worker_start_deadline_seconds=_number(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
+            dispatch_defer_limit_seconds=_number(env, "RETEX_DISPATCH_DEFER_LIMIT_SECONDS", float) or 600.0,
             metrics_port=_metrics_port(env),
         )
 

@@ -43,6 +43,11 @@ _PHASE_EVENTS = {
     TaskPhase.CANCELLED: ("Cancelled", False),
     TaskPhase.NEEDS_ATTENTION: ("NeedsAttention", True),
 }
+# Posted whatever the Event limiter says: the Event of a task's end, or of its wait for a human,
+# must not be crowded out by the AttemptStarted catch-up before it. A task enters these phases a
+# bounded number of times (once more only after a human action), so they cannot flood anything.
+_FINAL_EVENTS = frozenset(_PHASE_EVENTS[phase][0] for phase in (
+    TaskPhase.SUCCEEDED, TaskPhase.FAILED, TaskPhase.CANCELLED, TaskPhase.NEEDS_ATTENTION))
 
 
 def _summary(value: Any) -> str | None:
@@ -197,7 +202,7 @@ class StatusMirror(Loop):
         """A Task the operator does not admit (an invalid spec, a Job the API server would refuse,
         a duplicate idempotencyKey ...): never run. Phase Refused and Accepted=False say why.
         Written and announced (a Warning Event) once per generation: admission runs again on
-        every operator restart and kopf retry, the refusal does not."""
+        every operator restart and kopf retry, and shows the refusal the ledger stored again."""
         meta = task["metadata"]
         generation = meta.get("generation")
         shown = TaskStatus.model_validate(task["status"]) if task.get("status") else None
@@ -209,7 +214,12 @@ class StatusMirror(Loop):
                                    observed_generation=generation, now=datetime.now(UTC))
         status = TaskStatus(phase=REFUSED, conditions=conditions, observed_generation=generation)
         self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"], as_merge_patch(status))
-        if self._limiter.allow(meta["uid"], time.monotonic()):
+        self.warn(task, reason, message)
+
+    def warn(self, task: dict[str, Any], reason: str, message: str) -> None:
+        """A Warning Event about the Task that its status does not carry (a refusal, a requeue
+        that cannot apply), within the Event limiter."""
+        if self._limiter.allow(task["metadata"]["uid"], time.monotonic()):
             self._kube.post_event(task, reason=reason, message=message, warning=True)
 
     def _mark_behind(self) -> None:
@@ -250,7 +260,7 @@ class StatusMirror(Loop):
             self._kube.patch_task_labels(record.namespace, record.name, uid,
                                          {DEAD_LETTER_LABEL: "true" if record.dead_lettered else None})
         for reason, message, warning in _events_between(previous, status):
-            if self._limiter.allow(uid, time.monotonic()):
+            if reason in _FINAL_EVENTS or self._limiter.allow(uid, time.monotonic()):
                 try:
                     self._kube.post_event(task, reason=reason, message=message, warning=warning)
                 except ApiException as exc:
