@@ -439,3 +439,20 @@ def test_the_final_event_of_a_task_is_posted_even_after_a_burst_of_attempt_event
     wait_for(lambda: events("Failed"), timeout=20, what="the Failed Event")
     assert "disruption cap reached" in events("Failed")[0]["message"]
     assert len(events("AttemptStarted")) < 11  # the limiter still holds back the catch-up
+
+
+def test_a_spec_changed_in_the_ledger_is_never_dispatched_the_task_fails_as_spec_mismatch(retex):
+    """The control plane trusts only the Task: whoever could write the ledger's copy of a spec
+    (another image, ServiceAccount or command) gets no Job from it."""
+    retex.operator.kill()
+    uid = admitted_while_the_operator_is_down(retex, "poisoned", [{"name": "only", "exec": {"command": ["echo", "mine"]}}])
+    with psycopg.connect(retex.dsn) as conn:
+        conn.execute("""UPDATE retex.tasks SET spec = jsonb_set(jsonb_set(spec,
+                          '{worker}', '{"image": "evil/steal:1", "serviceAccountName": "default"}'),
+                          '{steps,0,exec,command}', '["echo", "stolen"]') WHERE uid = %s""", (uid,))
+    retex.operator.start()
+    wait_for(lambda: status(retex, "poisoned").get("phase") == "Failed", timeout=60, what="poisoned Failed")
+    failed = condition(retex, "poisoned", "Failed")
+    assert failed["reason"] == "SpecMismatch", failed
+    assert "the ledger's copy of the spec differs from the Task's" in failed["message"], failed
+    assert jobs_of(retex, uid) == []  # nothing was built from the ledger's copy

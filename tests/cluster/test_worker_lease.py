@@ -36,7 +36,7 @@ from e2e.system import prepare_namespace
 from retex.api.models import TaskSpec
 from retex.kube.leases import LeaseTiming, read_lease, released_by
 from retex.kube.objects import WorkerDefaults, build_job, build_lease, job_name, lease_name
-from retex.ledger import Ledger, TaskAdmission
+from retex.ledger import Ledger, TaskAdmission, spec_hash
 from retex.machine import Backoff, StepState, TaskPhase
 
 NAMESPACE = "worker-lease"
@@ -148,6 +148,7 @@ class Worker:
             "RETEX_TASK_NAMESPACE": NAMESPACE, "RETEX_TASK_NAME": task.name, "RETEX_EPOCH": str(epoch),
             "RETEX_LEASE_NAME": task.lease_name, "RETEX_LEASE_DURATION_SECONDS": str(task.duration),
             "RETEX_LEDGER_URL": endpoint.url, "RETEX_LEDGER_TOKEN_FILE": str(token),
+            "RETEX_SPEC_HASH": spec_hash(task.record().spec),
             "POD_NAME": pod, "NODE_NAME": "host", **extra_env,
         }
         with open(self.log_path, "wb") as log:
@@ -286,6 +287,16 @@ def test_a_pod_of_an_older_epoch_refuses_a_lease_held_by_a_newer_one(new_task, e
     assert old.wait() == 3
     assert current.wait() == 0
     assert task.deliveries() == [task.key(0)]
+
+
+def test_a_worker_whose_job_was_built_from_another_spec_runs_nothing_and_touches_no_lease(new_task, endpoint, rig):
+    task = new_task([{"name": "charge", "exec": {"command": EFFECT}}])
+    lease, version = task.lease(), task.record().version
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig, RETEX_SPEC_HASH="0" * 64)
+    assert worker.wait() == 2, worker.log()
+    assert "spec refused: not the Task's" in worker.log()
+    assert task.lease()["metadata"]["resourceVersion"] == lease["metadata"]["resourceVersion"]
+    assert task.record().version == version and task.deliveries() == []
 
 
 def test_a_missing_lease_means_disrupted(new_task, endpoint, rig, api):

@@ -6,6 +6,7 @@ import uuid
 import pytest
 
 from retex.api import TaskSpec
+from retex.ledger import spec_hash
 from retex.kube.objects import LABEL_EPOCH, LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, job_name, lease_name
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -55,6 +56,8 @@ def test_the_worker_gets_its_epoch_and_lease_and_no_database_credentials():
     assert env["RETEX_EPOCH"]["value"] == "3"
     assert env["RETEX_LEASE_NAME"]["value"] == lease_name("order-1", UID)
     assert env["RETEX_LEASE_DURATION_SECONDS"]["value"] == "15"
+    # The worker runs only the spec the Job was built from (the live Task's), by this hash.
+    assert env["RETEX_SPEC_HASH"]["value"] == spec_hash(spec().as_admitted())
     assert not [e for e in container["env"] if "secretKeyRef" in (e.get("valueFrom") or {})]
     assert "RETEX_DATABASE_URL" not in env
     assert env["RETEX_LEDGER_URL"]["value"] == "http://retex-ledger.retex-system.svc:8081"

@@ -10,6 +10,7 @@ import pytest
 from retex.worker.config import DEFAULT_DRAIN_SECONDS, ConfigError, WorkerConfig
 
 ENV = {"RETEX_TASK_UID": "u-1", "RETEX_TASK_NAMESPACE": "shop", "RETEX_TASK_NAME": "order-1", "RETEX_EPOCH": "3",
+       "RETEX_SPEC_HASH": "ab" * 32,
        "RETEX_LEASE_NAME": "order-1-abcd", "RETEX_LEASE_DURATION_SECONDS": "15",
        "RETEX_LEDGER_URL": "http://retex-ledger:8081", "POD_NAME": "order-1-abcd-3-xyz", "NODE_NAME": "node-a"}
 
@@ -27,7 +28,8 @@ def test_pod_name_falls_back_to_the_hostname_and_node_name_is_optional():
     assert config.pod_name == socket.gethostname() and config.node_name is None
 
 
-@pytest.mark.parametrize("missing", ["RETEX_TASK_UID", "RETEX_EPOCH", "RETEX_LEDGER_URL", "RETEX_LEASE_NAME"])
+@pytest.mark.parametrize("missing", ["RETEX_TASK_UID", "RETEX_EPOCH", "RETEX_SPEC_HASH", "RETEX_LEDGER_URL",
+                                     "RETEX_LEASE_NAME"])
 def test_a_missing_variable_is_refused(missing):
     with pytest.raises(ConfigError, match=missing):
         WorkerConfig.from_env({k: v for k, v in ENV.items() if k != missing})

@@ -546,6 +546,11 @@ class TaskSpec(ApiModel):
             raise ValueError(MSG_PAYLOAD_TOO_LARGE)
         return payload
 
+    def as_admitted(self) -> dict[str, Any]:
+        """The spec as the ledger keeps it, and as the relay compares it with the live Task: JSON
+        without nulls, without `cancel` (the one field that may change after creation)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"cancel"})
+
 
 def annotations_bytes(annotations: dict[str, str] | None) -> int:
     """The size the API server's annotation limit counts: UTF-8 bytes of every key and value."""

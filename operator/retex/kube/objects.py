@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from retex.api import API_VERSION, KIND, TaskSpec
+from retex.ledger import spec_hash
 from retex.ledger.wire import TOKEN_AUDIENCE
 
 LABEL_TASK_UID = "retex.dev/task-uid"
@@ -108,6 +109,8 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         {"name": "RETEX_TASK_NAMESPACE", "value": namespace},
         {"name": "RETEX_TASK_NAME", "value": task_name},
         {"name": "RETEX_EPOCH", "value": str(epoch)},
+        # What the Job was built from (the live Task): the worker runs no other spec.
+        {"name": "RETEX_SPEC_HASH", "value": spec_hash(spec.as_admitted())},
         {"name": "RETEX_LEASE_NAME", "value": lease_name(task_name, task_uid)},
         {"name": "RETEX_LEASE_DURATION_SECONDS", "value": str(spec.lease.duration_seconds)},
         {"name": "RETEX_LEDGER_URL", "value": defaults.ledger_url},

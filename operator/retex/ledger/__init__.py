@@ -28,12 +28,12 @@ from retex.ledger.records import (
     TaskRef,
     WatchedAttempt,
 )
-from retex.ledger.store import NOTIFY_CHANNEL, Ledger, step_idempotency_key
+from retex.ledger.store import NOTIFY_CHANNEL, Ledger, spec_hash, step_idempotency_key
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
     "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "Refusal", "ResultTooLarge",
     "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
     "WatchedAttempt",
-    "step_idempotency_key",
+    "spec_hash", "step_idempotency_key",
 ]

@@ -11,7 +11,7 @@ from retex.api import TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused, transient
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease, job_name
-from retex.ledger import Dispatch, Ledger, LedgerError
+from retex.ledger import Dispatch, Ledger, LedgerError, spec_hash
 from retex.ledger.store import DispatchOutcomes
 from retex.logs import event
 from retex.operator.loop import Loop
@@ -108,7 +108,15 @@ class Relay(Loop):
                 return _Unsent("TaskDeleted", "dispatch dropped: Task deleted")
             if (task.get("spec") or {}).get("cancel"):  # the cancel handler may not have run yet
                 return _Unsent("Cancelled", "dispatch dropped: cancel requested")
-            return self._send(dispatch, task)
+            # The control plane trusts only the Task: the Job is built from the live object, and a
+            # ledger copy that differs (written by anyone but admission) gets no Job at all.
+            spec = TaskSpec.model_validate(task["spec"])
+            if spec.as_admitted() != dispatch.spec:
+                return _Unsent("SpecMismatch", "dispatch refused: the ledger's spec is not the Task's",
+                               f"the ledger's copy of the spec differs from the Task's (hash "
+                               f"{spec_hash(dispatch.spec)[:12]}, the Task's {spec_hash(spec.as_admitted())[:12]}): "
+                               "nothing is dispatched from it")
+            return self._send(dispatch, task, spec)
         except NamespaceTerminating:
             # Its namespace is being deleted, the Task with it (perhaps not marked yet).
             return _Unsent("TaskDeleted", "dispatch dropped: namespace terminating")
@@ -134,11 +142,10 @@ class Relay(Loop):
         event(log, logging.WARNING, "dispatch deferred after a transient error", **who, retry_in_seconds=delay,
               why=why[:300])
 
-    def _send(self, dispatch: Dispatch, task: dict) -> str:
+    def _send(self, dispatch: Dispatch, task: dict, spec: TaskSpec) -> str:
         failpoint_armed = None
         if self._failpoints and dispatch.epoch == 1:
             failpoint_armed = (task["metadata"].get("annotations") or {}).get(FAILPOINT_ANNOTATION)
-        spec = TaskSpec.model_validate(dispatch.spec)
         common = {"task_name": dispatch.name, "task_uid": dispatch.task_uid, "namespace": dispatch.namespace}
         self._kube.create_lease(build_lease(**common, duration_seconds=spec.lease.duration_seconds))
         previous_node = None

@@ -23,6 +23,7 @@ class WorkerConfig:
     namespace: str
     name: str
     epoch: int
+    spec_hash: str  # of the Task's spec the Job was built from
     lease_name: str
     lease_duration_seconds: int
     ledger_url: str  # the operator's ledger endpoint; workers hold no database credentials
@@ -50,6 +51,7 @@ class WorkerConfig:
             namespace=required("RETEX_TASK_NAMESPACE"),
             name=required("RETEX_TASK_NAME"),
             epoch=integer("RETEX_EPOCH"),
+            spec_hash=required("RETEX_SPEC_HASH"),
             lease_name=required("RETEX_LEASE_NAME"),
             lease_duration_seconds=integer("RETEX_LEASE_DURATION_SECONDS"),
             ledger_url=required("RETEX_LEDGER_URL"),

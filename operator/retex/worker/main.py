@@ -16,7 +16,7 @@ from retex.failpoints import failpoint
 from retex.kube.client import api_client
 from retex.api.models import TaskSpec
 from retex.kube.leases import Holder, LeaseTiming, single_attempt_client
-from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound
+from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound, spec_hash
 from retex.ledger.wire import RequestRefused
 from retex.machine import TaskPhase
 from retex.worker import logs
@@ -32,6 +32,10 @@ from retex.logs import event
 log = logging.getLogger("retex.worker")
 CRASHED = 1
 BAD_ENVIRONMENT = 2
+
+
+class SpecNotTheTasks(Exception):
+    """The ledger's copy of the spec is not the Task's this Job was built from: run nothing."""
 
 
 def main() -> int:
@@ -54,6 +58,9 @@ def main() -> int:
         # audience, RBAC) or a forged pod. Nothing was written; the Lease is left to expire.
         event(log, logging.ERROR, "the ledger endpoint refused this worker", why=str(exc))
         return BAD_ENVIRONMENT
+    except SpecNotTheTasks as exc:
+        event(log, logging.ERROR, "spec refused: not the Task's", why=str(exc))
+        return BAD_ENVIRONMENT
     except Exception:
         # A bug or an impossible state: a crash, counted as a failure by the operator. The Lease
         # is left to expire.
@@ -75,6 +82,9 @@ def run(config: WorkerConfig, ledger: LedgerClient, drain: Drain, tagger: logs.T
         return AttemptEnd(ExitCode.DISRUPTED, str(exc))
     if record.epoch != config.epoch or record.phase != TaskPhase.RUNNING:
         return AttemptEnd(ExitCode.STALE, f"task is {record.phase} at epoch {record.epoch}")
+    if spec_hash(record.spec) != config.spec_hash:
+        raise SpecNotTheTasks(f"the ledger's spec (hash {spec_hash(record.spec)[:12]}) is not the one this Job was "
+                              f"built from ({config.spec_hash[:12]}); nothing run, the Lease untouched")
 
     # The Lease's duration is the Job's (the operator's); the renew deadline may come from the spec.
     timing = LeaseTiming.of(config.lease_duration_seconds, _renew_deadline(record.spec))
