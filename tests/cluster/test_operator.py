@@ -7,7 +7,7 @@ import json
 import random
 import time
 
-from e2e.system import task_manifest, wait_for
+from e2e.system import prepare_namespace, task_manifest, wait_for
 
 
 def task(system, name):
@@ -111,3 +111,23 @@ def test_a_task_with_a_253_character_name_runs(retex):
     assert len(name) == 253
     apply(retex, name, [sh("only", "echo long-name")])
     wait_for(lambda: phase_is(retex, name, "Succeeded"), timeout=60, what="Succeeded")
+
+
+def test_an_operator_scoped_by_retex_namespaces_never_admits_a_task_of_another_namespace(retex):
+    # The fixture's operator runs with RETEX_NAMESPACES=<its tenant namespace>.
+    other = f"{retex.namespace}-unwatched"
+    prepare_namespace(retex.rig.kubectl, other)
+    try:
+        retex.rig.kubectl("apply", "-n", other, "-f", "-", input=task_manifest("elsewhere", [sh("only", "echo no")]))
+        apply(retex, "here", [sh("only", "echo yes")])
+        wait_for(lambda: phase_is(retex, "here", "Succeeded"), timeout=60, what="the watched task Succeeded")
+        # A full status resync (5 s here) and many relay rounds later, still untouched.
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            assert retex.ledger.find(other, "elsewhere") is None, "admitted from an unwatched namespace"
+            time.sleep(0.5)
+        unwatched = json.loads(retex.rig.kubectl("get", "task", "elsewhere", "-n", other, "-o", "json").stdout)
+        assert not unwatched.get("status") and not unwatched["metadata"].get("finalizers")
+        assert not json.loads(retex.rig.kubectl("get", "jobs", "-n", other, "-o", "json").stdout)["items"]
+    finally:
+        retex.rig.kubectl("delete", "namespace", other, "--wait=false", check=False)
