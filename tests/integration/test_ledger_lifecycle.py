@@ -172,6 +172,19 @@ def test_an_attempt_that_never_started_is_a_failed_attempt_with_its_reason(ledge
     assert [a.outcome for a in ledger.attempts(uid)] == ["failed", "failed"]
 
 
+def test_an_attempt_whose_worker_claimed_it_is_not_failed_as_unstarted(ledger):
+    # The race: the reaper read "no lease" and decided; before its fail_unstarted commits, the
+    # slow worker takes the lease, claims the attempt and begins a step.
+    uid = admitted(ledger, concurrency_key="k")
+    follower = admitted(ledger, concurrency_key="k")
+    ledger.claim_attempt(uid, 1, pod="worker-1", node="node-a")
+    ledger.begin_step(uid, 1, 0, actor="worker")
+    record = ledger.fail_unstarted(uid, 1, "worker of attempt 1 did not start within 120s")
+    assert (record.phase, record.epoch, record.failures) == (TaskPhase.RUNNING, 1, 0)
+    assert [a.outcome for a in ledger.attempts(uid)] == [None]
+    assert phases(ledger, [follower]) == ["Queued"]  # its key is still held
+
+
 def wait_until_running(ledger, uid):
     deadline = time.monotonic() + 5
     while ledger.get(uid).phase != TaskPhase.RUNNING:

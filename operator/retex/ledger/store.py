@@ -580,11 +580,16 @@ class Ledger:
         """Attempt `epoch` never took its lease in time (its pod could not start: image, config,
         scheduling, quota). A failed attempt, counted against the retry budget like a step failure
         (a broken spec would otherwise loop for ever); a cancel request makes it Cancelled.
-        No-op unless `epoch` is current and Running."""
+        No-op unless `epoch` is current and Running and its worker has not claimed it: a slow
+        worker may take the lease and claim the attempt (under this row lock) after the caller
+        saw no lease, and may then be inside a step."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
+                return self._record(cur, uid)
+            if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
+                           (uid, epoch)).fetchone()["pod"] is not None:
                 return self._record(cur, uid)
             self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
             failures = task["failures"] + 1

@@ -29,6 +29,7 @@ from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
 from retex.ledger import Ledger, WatchedAttempt
+from retex.machine import TaskPhase
 from retex.logs import event
 from retex.operator.loop import Loop
 
@@ -177,9 +178,11 @@ class Reaper(Loop):
         job = self._job(attempt)
         why = why_not_started(self._kube.job_pods(attempt.namespace, job), self._kube.job_events(attempt.namespace, job))
         message = f"worker of attempt {attempt.epoch} did not start within {self._start_deadline:.0f}s: {why}"
+        record = self._ledger.fail_unstarted(attempt.uid, attempt.epoch, message)
+        if record.epoch == attempt.epoch and record.phase == TaskPhase.RUNNING:
+            return  # its worker claimed the attempt after the Lease was read: it runs, keep its Job
         event(log, logging.WARNING, "worker never started: a failed attempt", uid=attempt.uid,
               namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
-        self._ledger.fail_unstarted(attempt.uid, attempt.epoch, message)
         self._kube.delete_job(attempt.namespace, job)
         self._on_replaced()
 
