@@ -94,6 +94,41 @@ def test_a_resolve_whose_commit_reply_was_lost_succeeds_once(ledger, monkeypatch
     assert [h.event for h in ledger.history(uid)].count("step-resolve-done") == 1
 
 
+def test_a_once_operation_rolled_back_is_run_again_even_if_another_transaction_wrote_history_since(
+        ledger, dsn, monkeypatch):
+    # `_tx_once`'s own contract, below today's callers (which lock the task row first, so the
+    # foreign key keeps others from writing its history meanwhile): the first try writes a history
+    # row, another transaction commits a later one for the same task, then the first try's
+    # connection drops before COMMIT. The retry must not take the other row for its own.
+    uid = admitted(ledger)
+    tries = []
+
+    def op(cur):
+        tries.append(1)
+        ledger._history(cur, uid, "cli:alice", "note")
+        if len(tries) == 1:
+            with psycopg.connect(dsn) as other:
+                other.execute("INSERT INTO retex.history (task_uid, actor, event) VALUES (%s, 'operator', 'other')",
+                              (uid,))
+        return "done"
+
+    real_tx, dropped = ledger._tx, []
+
+    def tx(fn, *, op):
+        def dropped_before_commit_once(cur):
+            result = fn(cur)
+            if not dropped:
+                dropped.append(op)
+                raise psycopg.OperationalError("server closed the connection unexpectedly (test: before COMMIT)")
+            return result
+
+        return real_tx(dropped_before_commit_once, op=op)
+
+    monkeypatch.setattr(ledger, "_tx", tx)
+    assert ledger._tx_once(op, uid=uid, op="note") == "done"
+    assert [h.event for h in ledger.history(uid)].count("note") == 1
+
+
 # -- refilling slots and keys ---------------------------------------------------------------
 
 @pytest.mark.parametrize("end", ["cancel", "abandon"])

@@ -145,18 +145,19 @@ class Ledger:
 
     def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         """`_tx` for an operation whose repetition would be refused (a human action that moves the
-        task on): when a retry follows a COMMIT whose reply was lost, the history row this call
-        wrote is there, so the retry returns the task as it is instead of trying again."""
-        written: list[int] = []
+        task on): when a retry follows a COMMIT whose reply was lost, the earlier try's transaction
+        is found committed, so the retry returns the task as it is instead of trying again."""
+        earlier: list[str] = []  # the id of the transaction of the latest try
 
         def once(cur: psycopg.Cursor) -> TaskRecord | T:
-            if written and cur.execute("SELECT 1 FROM retex.history WHERE id = %s", (written[0],)).fetchone():
-                return self._record(cur, uid)
-            written.clear()
-            result = fn(cur)
-            last = cur.execute("SELECT max(id) AS id FROM retex.history WHERE task_uid = %s", (uid,)).fetchone()
-            written.append(last["id"])
-            return result
+            if earlier:
+                # The task row lock waits out a COMMIT still under way (every try takes that lock).
+                self._lock_task(cur, uid)
+                status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
+                if status == "committed":
+                    return self._record(cur, uid)
+            earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
+            return fn(cur)
 
         return self._tx(once, op=op)
 
