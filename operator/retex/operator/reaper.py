@@ -29,10 +29,11 @@ import time
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
-from retex.ledger import Ledger, WatchedAttempt
+from retex.ledger import Ledger, LedgerError, WatchedAttempt
 from retex.machine import TaskPhase
 from retex.logs import event
 from retex.operator.loop import Loop
+from retex.operator.metrics import count_failure
 from retex.operator.starting import start_verdict
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,18 @@ class Reaper(Loop):
         self._job_checked = {k: v for k, v in self._job_checked.items() if k in keys}
         self._slow &= keys
         for attempt in watched:
-            if attempt.current:
-                self._judge_current(attempt)
-            else:
-                self._judge_ended(attempt)
+            try:
+                if attempt.current:
+                    self._judge_current(attempt)
+                else:
+                    self._judge_ended(attempt)
+            except LedgerError:
+                raise  # Postgres is down for everyone: the loop retries the round
+            except Exception as exc:  # an API call refused or failed: this attempt waits for the next round
+                count_failure(self.name, exc)
+                event(log, logging.WARNING, "reaper: judging an attempt failed; judged again next round",
+                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch,
+                      error=f"{type(exc).__name__}: {exc}")
         return self._interval
 
     # -- verdicts --------------------------------------------------------------------------
