@@ -238,6 +238,14 @@ def test_a_delete_of_a_running_task_without_a_worker_ends_it_at_once_as_task_del
     assert phases(ledger, [follower]) == ["Running"]
 
 
+def test_a_running_task_deleted_by_its_user_ends_as_task_deleted_when_its_worker_stops(ledger):
+    uid = admitted(ledger)
+    ledger.claim_attempt(uid, 1, pod="worker-1", node=None)
+    ledger.request_cancel(uid, reason="TaskDeleted")  # the delete handler
+    record = ledger.finish_cancelled(uid, 1, actor="worker")  # the worker, at its step boundary
+    assert (record.phase, record.reason) == (TaskPhase.CANCELLED, "TaskDeleted")
+
+
 def test_a_cancel_reason_must_be_known(ledger):
     uid = admitted(ledger)
     with pytest.raises(ValueError, match="cancel reason"):

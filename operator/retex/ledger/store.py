@@ -379,7 +379,7 @@ class Ledger:
                 return self._record(cur, uid)
             self._end_attempt(cur, uid, lost_epoch, "lost")
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             elif task["disruptions"] + 1 > task["max_disruptions"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
                                  dead_lettered=True, disruptions=task["disruptions"] + 1,
@@ -595,7 +595,7 @@ class Ledger:
             self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
             failures = task["failures"] + 1
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             elif failures >= task["max_attempts"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
                                  dead_lettered=True, last_error=error[:4096])
@@ -619,7 +619,7 @@ class Ledger:
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
                 return self._record(cur, uid)
             self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             return self._record(cur, uid)
 
         return self._tx(op, op="cancel_unheld")
@@ -863,7 +863,7 @@ class Ledger:
             if not task["cancel_requested"]:
                 raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
             self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             return self._record(cur, uid)
 
         return self._tx(op, op="finish_cancelled")
@@ -1097,6 +1097,11 @@ def _set_clause(columns: dict[str, Any]) -> tuple[str, list[Any]]:
 
 def _adapt(value: Any) -> Any:
     return Jsonb(value) if isinstance(value, dict | list) else value
+
+
+def _cancel_reason(task: dict[str, Any]) -> str:
+    """What a task whose cancel was requested ends with: TaskDeleted when its Task was deleted."""
+    return task["cancel_reason"] or "Cancelled"
 
 
 def _db_now(cur: psycopg.Cursor) -> datetime:
