@@ -973,25 +973,20 @@ class Ledger:
     def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
         """Yield (uid, version) for every committed change; None every `timeout` without one.
 
-        Reconnects after a Postgres restart; changes missed while disconnected are the periodic
-        resync's job, which is why a caller must not rely on this alone.
+        Ends with the error that ended its connection (a Postgres restart, a terminated backend,
+        a payload it cannot read): the caller listens again, and changes made while nobody
+        listened are the periodic resync's job, which is why a caller must not rely on this alone.
         """
-        while True:
-            try:
-                with psycopg.connect(self._dsn, autocommit=True) as conn:
-                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    while True:
-                        got = False
-                        for note in conn.notifies(timeout=timeout, stop_after=1):
-                            uid, _, version = note.payload.rpartition(" ")
-                            got = True
-                            yield uid, int(version)
-                        if not got:
-                            yield None
-            except psycopg.OperationalError as exc:
-                log.warning("ledger listen: connection lost, reconnecting: %s", exc)
-                yield None
-                time.sleep(1.0)
+        with psycopg.connect(self._dsn, autocommit=True) as conn:
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            while True:
+                got = False
+                for note in conn.notifies(timeout=timeout, stop_after=1):
+                    uid, _, version = note.payload.rpartition(" ")
+                    got = True
+                    yield uid, int(version)
+                if not got:
+                    yield None
 
     def dead_letters(self, namespace: str | None = None) -> list[TaskRecord]:
         """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
