@@ -87,6 +87,24 @@ def test_a_worker_pod_that_never_starts_fails_its_attempt_with_the_reason_kubern
     assert not retex.ledger.running()  # its run slot is free
 
 
+def test_a_worker_pod_waiting_only_for_capacity_past_the_start_deadline_is_not_failed(retex):
+    # No node has 1000 CPUs: the scheduler says "Insufficient cpu", exactly as for a full node,
+    # and an autoscaler could still add one that fits, so the attempt waits (docs/operator.md).
+    retex.operator.restart(RETEX_WORKER_START_DEADLINE_SECONDS=str(START_DEADLINE))
+    apply(retex, "big", [sh("only", "echo never")], retry={"maxAttempts": 1},
+          worker={"resources": {"requests": {"cpu": "1000"}}})
+    wait_for(lambda: retex.ledger.find(retex.namespace, "big"), timeout=30, what="admitted")
+    uid = task(retex, "big")["metadata"]["uid"]
+    wait_for(lambda: operator_log_has(retex, "only slow: waiting") or retex.ledger.get(uid).terminal,
+             timeout=START_DEADLINE + 60, what="the reaper's verdict past the deadline")
+    record = retex.ledger.get(uid)
+    assert (record.phase, record.last_error) == ("Running", None)
+    assert [a.outcome for a in retex.ledger.attempts(uid)] == [None]
+    assert "Insufficient cpu" in retex.operator.log_path.read_text(errors="replace")
+    retex.kubectl("patch", "task", "big", "--type=merge", "-p", '{"spec":{"cancel":true}}')
+    wait_for(lambda: retex.ledger.get(uid).terminal, timeout=30, what="cancelled")  # not stuck for ever
+
+
 @pytest.mark.parametrize("how", ["cancel", "delete"])
 def test_cancel_or_delete_of_a_task_whose_worker_never_started_ends_it_at_once(retex, how):
     apply(retex, "no-worker", [sh("only", "echo never")], **_unpullable_image(retex))

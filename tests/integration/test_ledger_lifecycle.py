@@ -94,6 +94,41 @@ def test_a_resolve_whose_commit_reply_was_lost_succeeds_once(ledger, monkeypatch
     assert [h.event for h in ledger.history(uid)].count("step-resolve-done") == 1
 
 
+def test_a_once_operation_rolled_back_is_run_again_even_if_another_transaction_wrote_history_since(
+        ledger, dsn, monkeypatch):
+    # `_tx_once`'s own contract, below today's callers (which lock the task row first, so the
+    # foreign key keeps others from writing its history meanwhile): the first try writes a history
+    # row, another transaction commits a later one for the same task, then the first try's
+    # connection drops before COMMIT. The retry must not take the other row for its own.
+    uid = admitted(ledger)
+    tries = []
+
+    def op(cur):
+        tries.append(1)
+        ledger._history(cur, uid, "cli:alice", "note")
+        if len(tries) == 1:
+            with psycopg.connect(dsn) as other:
+                other.execute("INSERT INTO retex.history (task_uid, actor, event) VALUES (%s, 'operator', 'other')",
+                              (uid,))
+        return "done"
+
+    real_tx, dropped = ledger._tx, []
+
+    def tx(fn, *, op):
+        def dropped_before_commit_once(cur):
+            result = fn(cur)
+            if not dropped:
+                dropped.append(op)
+                raise psycopg.OperationalError("server closed the connection unexpectedly (test: before COMMIT)")
+            return result
+
+        return real_tx(dropped_before_commit_once, op=op)
+
+    monkeypatch.setattr(ledger, "_tx", tx)
+    assert ledger._tx_once(op, uid=uid, op="note") == "done"
+    assert [h.event for h in ledger.history(uid)].count("note") == 1
+
+
 # -- refilling slots and keys ---------------------------------------------------------------
 
 @pytest.mark.parametrize("end", ["cancel", "abandon"])
@@ -172,6 +207,19 @@ def test_an_attempt_that_never_started_is_a_failed_attempt_with_its_reason(ledge
     assert [a.outcome for a in ledger.attempts(uid)] == ["failed", "failed"]
 
 
+def test_an_attempt_whose_worker_claimed_it_is_not_failed_as_unstarted(ledger):
+    # The race: the reaper read "no lease" and decided; before its fail_unstarted commits, the
+    # slow worker takes the lease, claims the attempt and begins a step.
+    uid = admitted(ledger, concurrency_key="k")
+    follower = admitted(ledger, concurrency_key="k")
+    ledger.claim_attempt(uid, 1, pod="worker-1", node="node-a")
+    ledger.begin_step(uid, 1, 0, actor="worker")
+    record = ledger.fail_unstarted(uid, 1, "worker of attempt 1 did not start within 120s")
+    assert (record.phase, record.epoch, record.failures) == (TaskPhase.RUNNING, 1, 0)
+    assert [a.outcome for a in ledger.attempts(uid)] == [None]
+    assert phases(ledger, [follower]) == ["Queued"]  # its key is still held
+
+
 def wait_until_running(ledger, uid):
     deadline = time.monotonic() + 5
     while ledger.get(uid).phase != TaskPhase.RUNNING:
@@ -188,6 +236,14 @@ def test_a_delete_of_a_running_task_without_a_worker_ends_it_at_once_as_task_del
     record = ledger.cancel_unheld(uid, 1)
     assert (record.phase, record.reason) == (TaskPhase.CANCELLED, "TaskDeleted")
     assert phases(ledger, [follower]) == ["Running"]
+
+
+def test_a_running_task_deleted_by_its_user_ends_as_task_deleted_when_its_worker_stops(ledger):
+    uid = admitted(ledger)
+    ledger.claim_attempt(uid, 1, pod="worker-1", node=None)
+    ledger.request_cancel(uid, reason="TaskDeleted")  # the delete handler
+    record = ledger.finish_cancelled(uid, 1, actor="worker")  # the worker, at its step boundary
+    assert (record.phase, record.reason) == (TaskPhase.CANCELLED, "TaskDeleted")
 
 
 def test_a_cancel_reason_must_be_known(ledger):

@@ -5,7 +5,7 @@ that cannot start is described by the reasons Kubernetes gives."""
 from kubernetes import client
 
 from retex.kube.leasewatch import LeaseObserver
-from retex.operator.reaper import Hold, hold_of, why_not_started
+from retex.operator.reaper import Hold, hold_of
 
 
 R1, R2, R9 = "2026-12-02T16:00:01.000000Z", "2026-12-02T16:00:02.000000Z", "2026-12-02T16:00:09.000000Z"
@@ -99,29 +99,3 @@ def test_released_and_other_epochs_are_told_apart():
     assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.RELEASED
     assert hold_of(leases.get("uid-1"), 2, clock.now) is Hold.NEVER
     assert hold_of(None, 1, clock.now) is Hold.NEVER
-
-
-def pod(*, waiting=None, scheduled=None):
-    status = {"phase": "Pending", "conditions": []}
-    if waiting:
-        status["containerStatuses"] = [{"name": "worker", "state": {"waiting": {"reason": waiting[0], "message": waiting[1]}}}]
-    if scheduled:
-        status["conditions"].append({"type": "PodScheduled", "status": "False", "reason": scheduled[0],
-                                     "message": scheduled[1]})
-    return {"metadata": {"name": "t-abc-1-xyz"}, "status": status}
-
-
-def test_the_reason_a_pod_does_not_start_is_what_kubernetes_reports():
-    secret = pod(waiting=("CreateContainerConfigError", 'secret "retex-worker-db" not found'))
-    assert why_not_started([secret], []) == 'CreateContainerConfigError: secret "retex-worker-db" not found'
-    image = pod(waiting=("ImagePullBackOff", 'Back-off pulling image "registry.invalid/w"'))
-    assert why_not_started([image], []).startswith("ImagePullBackOff")
-    unschedulable = pod(scheduled=("Unschedulable", "0/2 nodes are available: node(s) didn't match selector"))
-    assert why_not_started([unschedulable], []).startswith("Unschedulable: 0/2 nodes")
-    starting = pod(waiting=("ContainerCreating", ""))
-    assert why_not_started([starting], []) == "pod t-abc-1-xyz is Pending"
-    quota = [{"reason": "FailedCreate", "message": 'pods "x" is forbidden: exceeded quota: no-pods',
-              "lastTimestamp": "2026-12-02T10:00:00Z"},
-             {"reason": "SuccessfulCreate", "message": "Created pod", "lastTimestamp": "2026-12-02T09:00:00Z"}]
-    assert why_not_started([], quota) == 'FailedCreate: pods "x" is forbidden: exceeded quota: no-pods'
-    assert why_not_started([], []) == "no pod of the Job started"

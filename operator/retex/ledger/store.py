@@ -147,18 +147,19 @@ class Ledger:
 
     def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         """`_tx` for an operation whose repetition would be refused (a human action that moves the
-        task on): when a retry follows a COMMIT whose reply was lost, the history row this call
-        wrote is there, so the retry returns the task as it is instead of trying again."""
-        written: list[int] = []
+        task on): when a retry follows a COMMIT whose reply was lost, the earlier try's transaction
+        is found committed, so the retry returns the task as it is instead of trying again."""
+        earlier: list[str] = []  # the id of the transaction of the latest try
 
         def once(cur: psycopg.Cursor) -> TaskRecord | T:
-            if written and cur.execute("SELECT 1 FROM retex.history WHERE id = %s", (written[0],)).fetchone():
-                return self._record(cur, uid)
-            written.clear()
-            result = fn(cur)
-            last = cur.execute("SELECT max(id) AS id FROM retex.history WHERE task_uid = %s", (uid,)).fetchone()
-            written.append(last["id"])
-            return result
+            if earlier:
+                # The task row lock waits out a COMMIT still under way (every try takes that lock).
+                self._lock_task(cur, uid)
+                status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
+                if status == "committed":
+                    return self._record(cur, uid)
+            earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
+            return fn(cur)
 
         return self._tx(once, op=op)
 
@@ -406,7 +407,7 @@ class Ledger:
                 return self._record(cur, uid)
             self._end_attempt(cur, uid, lost_epoch, "lost")
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             elif task["disruptions"] + 1 > task["max_disruptions"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
                                  dead_lettered=True, disruptions=task["disruptions"] + 1,
@@ -608,16 +609,21 @@ class Ledger:
         """Attempt `epoch` never took its lease in time (its pod could not start: image, config,
         scheduling, quota). A failed attempt, counted against the retry budget like a step failure
         (a broken spec would otherwise loop for ever); a cancel request makes it Cancelled.
-        No-op unless `epoch` is current and Running."""
+        No-op unless `epoch` is current and Running and its worker has not claimed it: a slow
+        worker may take the lease and claim the attempt (under this row lock) after the caller
+        saw no lease, and may then be inside a step."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
                 return self._record(cur, uid)
+            if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
+                           (uid, epoch)).fetchone()["pod"] is not None:
+                return self._record(cur, uid)
             self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
             failures = task["failures"] + 1
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             elif failures >= task["max_attempts"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
                                  dead_lettered=True, last_error=error[:4096])
@@ -641,7 +647,7 @@ class Ledger:
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
                 return self._record(cur, uid)
             self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=task["cancel_reason"] or "Cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             return self._record(cur, uid)
 
         return self._tx(op, op="cancel_unheld")
@@ -880,7 +886,7 @@ class Ledger:
             if not task["cancel_requested"]:
                 raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
             self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason="Cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
             return self._record(cur, uid)
 
         return self._tx(op, op="finish_cancelled")
@@ -991,25 +997,20 @@ class Ledger:
     def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
         """Yield (uid, version) for every committed change; None every `timeout` without one.
 
-        Reconnects after a Postgres restart; changes missed while disconnected are the periodic
-        resync's job, which is why a caller must not rely on this alone.
+        Ends with the error that ended its connection (a Postgres restart, a terminated backend,
+        a payload it cannot read): the caller listens again, and changes made while nobody
+        listened are the periodic resync's job, which is why a caller must not rely on this alone.
         """
-        while True:
-            try:
-                with psycopg.connect(self._dsn, autocommit=True) as conn:
-                    conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                    while True:
-                        got = False
-                        for note in conn.notifies(timeout=timeout, stop_after=1):
-                            uid, _, version = note.payload.rpartition(" ")
-                            got = True
-                            yield uid, int(version)
-                        if not got:
-                            yield None
-            except psycopg.OperationalError as exc:
-                log.warning("ledger listen: connection lost, reconnecting: %s", exc)
-                yield None
-                time.sleep(1.0)
+        with psycopg.connect(self._dsn, autocommit=True) as conn:
+            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            while True:
+                got = False
+                for note in conn.notifies(timeout=timeout, stop_after=1):
+                    uid, _, version = note.payload.rpartition(" ")
+                    got = True
+                    yield uid, int(version)
+                if not got:
+                    yield None
 
     def dead_letters(self, namespace: str | None = None) -> list[TaskRecord]:
         """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
@@ -1129,6 +1130,11 @@ def _set_clause(columns: dict[str, Any]) -> tuple[str, list[Any]]:
 
 def _adapt(value: Any) -> Any:
     return Jsonb(value) if isinstance(value, dict | list) else value
+
+
+def _cancel_reason(task: dict[str, Any]) -> str:
+    """What a task whose cancel was requested ends with: TaskDeleted when its Task was deleted."""
+    return task["cancel_reason"] or "Cancelled"
 
 
 def _db_now(cur: psycopg.Cursor) -> datetime:

@@ -8,8 +8,9 @@ For the current attempt of a Running task:
   - lease released by E — a disruption (eviction, drain): the next attempt at once;
   - lease held by E, no renewal seen for the duration — a disruption ('lease-expired');
   - E never took the lease and its Job failed or vanished — a disruption;
-  - E never took the lease within the start deadline (pod cannot start: missing Secret, image
-    pull, unschedulable, quota) — a failed attempt, with the pod's reason as lastError;
+  - E never took the lease within the start deadline and its pod is stuck (missing Secret, image
+    pull, no node matches, a quota below the pod) — a failed attempt, with the pod's reason as
+    lastError; a pod that is only slow (capacity, a throttling quota, a long pull) keeps waiting;
   - cancel or delete requested and E holds no lease — Cancelled now (no worker will reach a
     step boundary).
 For an attempt the operator already ended (task timeout, deletion): settled once known dead, which
@@ -28,16 +29,17 @@ import time
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
-from retex.ledger import Ledger, WatchedAttempt
+from retex.ledger import Ledger, LedgerError, WatchedAttempt
+from retex.machine import TaskPhase
 from retex.logs import event
 from retex.operator.loop import Loop
+from retex.operator.metrics import count_failure
+from retex.operator.starting import start_verdict
 
 log = logging.getLogger(__name__)
 
 # A Job that has not taken its lease is asked about at most this often.
 JOB_CHECK_SECONDS = 3.0
-# Waiting reasons that only mean "still starting".
-_STARTING = {"ContainerCreating", "PodInitializing"}
 
 
 class Hold(enum.Enum):
@@ -63,29 +65,6 @@ def _job_failed(job: dict | None) -> bool:
     return failed or bool(status.get("failed"))
 
 
-def why_not_started(pods: list[dict], events: list[dict]) -> str:
-    """What keeps a Job's pod from starting, as the kubelet, scheduler and Job controller say it."""
-    reasons = []
-    for pod in pods:
-        status = pod.get("status") or {}
-        for container in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
-            waiting = (container.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") and waiting["reason"] not in _STARTING:
-                reasons.append(f"{waiting['reason']}: {waiting.get('message', '')}".rstrip(": "))
-        for condition in status.get("conditions") or []:
-            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
-                reasons.append(f"{condition.get('reason', 'Unschedulable')}: {condition.get('message', '')}".rstrip(": "))
-    if not pods:
-        for ev in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "", reverse=True):
-            if ev.get("reason") == "FailedCreate":
-                reasons.append(f"FailedCreate: {ev.get('message', '')}")
-                break
-    if not reasons:
-        reasons.append("no pod of the Job started" if not pods else
-                       f"pod {pods[0]['metadata']['name']} is {(pods[0].get('status') or {}).get('phase')}")
-    return "; ".join(dict.fromkeys(reasons))
-
-
 class Reaper(Loop):
     name = "reaper"
 
@@ -96,6 +75,7 @@ class Reaper(Loop):
         self._interval, self._on_replaced = interval, on_replaced
         self._start_deadline = start_deadline_seconds
         self._job_checked: dict[tuple[str, int], float] = {}
+        self._slow: set[tuple[str, int]] = set()  # past the start deadline, only slow: logged once
 
     def round(self) -> float:
         if not self._leases.synced.is_set():
@@ -103,11 +83,20 @@ class Reaper(Loop):
         watched = self._ledger.watched()
         keys = {(a.uid, a.epoch) for a in watched}
         self._job_checked = {k: v for k, v in self._job_checked.items() if k in keys}
+        self._slow &= keys
         for attempt in watched:
-            if attempt.current:
-                self._judge_current(attempt)
-            else:
-                self._judge_ended(attempt)
+            try:
+                if attempt.current:
+                    self._judge_current(attempt)
+                else:
+                    self._judge_ended(attempt)
+            except LedgerError:
+                raise  # Postgres is down for everyone: the loop retries the round
+            except Exception as exc:  # an API call refused or failed: this attempt waits for the next round
+                count_failure(self.name, exc)
+                event(log, logging.WARNING, "reaper: judging an attempt failed; judged again next round",
+                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch,
+                      error=f"{type(exc).__name__}: {exc}")
         return self._interval
 
     # -- verdicts --------------------------------------------------------------------------
@@ -175,11 +164,21 @@ class Reaper(Loop):
 
     def _not_started(self, attempt: WatchedAttempt) -> None:
         job = self._job(attempt)
-        why = why_not_started(self._kube.job_pods(attempt.namespace, job), self._kube.job_events(attempt.namespace, job))
+        verdict = start_verdict(self._kube.job_pods(attempt.namespace, job),
+                                self._kube.job_events(attempt.namespace, job))
+        why = verdict.why
+        if not verdict.stuck:
+            if (attempt.uid, attempt.epoch) not in self._slow:
+                self._slow.add((attempt.uid, attempt.epoch))
+                event(log, logging.INFO, "worker not started by the deadline, but only slow: waiting",
+                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
+            return
         message = f"worker of attempt {attempt.epoch} did not start within {self._start_deadline:.0f}s: {why}"
+        record = self._ledger.fail_unstarted(attempt.uid, attempt.epoch, message)
+        if record.epoch == attempt.epoch and record.phase == TaskPhase.RUNNING:
+            return  # its worker claimed the attempt after the Lease was read: it runs, keep its Job
         event(log, logging.WARNING, "worker never started: a failed attempt", uid=attempt.uid,
               namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
-        self._ledger.fail_unstarted(attempt.uid, attempt.epoch, message)
         self._kube.delete_job(attempt.namespace, job)
         self._on_replaced()
 

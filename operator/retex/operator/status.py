@@ -26,12 +26,15 @@ from retex.ledger import Ledger, TaskRecord
 from retex.logs import event
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
-from retex.operator.metrics import MIRROR_LAG
+from retex.operator.metrics import MIRROR_LAG, count_failure
 
 log = logging.getLogger(__name__)
 
 # `kubectl get tasks -l retex.dev/dead-letter=true` lists the dead letters.
 DEAD_LETTER_LABEL = "retex.dev/dead-letter"
+# The NOTIFY listener, after a failure, listens again after this, doubling up to the max.
+LISTEN_RETRY_FIRST_SECONDS = 0.5
+LISTEN_RETRY_MAX_SECONDS = 30.0
 
 # (phase) -> (Event reason, warning?) posted when a task enters the phase.
 _PHASE_EVENTS = {
@@ -174,13 +177,26 @@ class StatusMirror(Loop):
             self._marked_at.setdefault(uid, time.monotonic())
 
     def listen(self, on_change: Callable[[], None]) -> None:
-        """Thread: turn NOTIFY into dirty marks (the write loop coalesces them)."""
-        for change in self._ledger.listen(timeout=0.5):
-            if self.stopping:
-                return
-            if change is not None:
-                self.mark(change[0])
-                on_change()
+        """Thread: turn NOTIFY into dirty marks (the write loop coalesces them). Supervised: any
+        error (Postgres restarted, the backend terminated, a payload it cannot read, a bug) is
+        logged and counted, and it listens again after a backoff; the write loop then resyncs at
+        once, for the changes nobody heard meanwhile."""
+        delay = LISTEN_RETRY_FIRST_SECONDS
+        while not self.stopping:
+            try:
+                for change in self._ledger.listen(timeout=0.5):
+                    if self.stopping:
+                        return
+                    delay = LISTEN_RETRY_FIRST_SECONDS  # listening again: the next fault starts over
+                    if change is not None:
+                        self.mark(change[0])
+                        on_change()
+            except Exception as exc:
+                count_failure("ledger-listen", exc)
+                log.warning("ledger listen failed (%s: %s); listening again in %.1fs", type(exc).__name__, exc, delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, LISTEN_RETRY_MAX_SECONDS)
+                self._next_resync = 0.0
 
     def round(self) -> float:
         """Flush the dirty tasks; every `resync_seconds` first mark every task that lags."""

@@ -1,0 +1,179 @@
+"""The reaper's decisions, driven with small fakes of the ledger and the API calls (the lease
+observer is the real one): a verdict from the watch is confirmed with a GET before an attempt is
+replaced, one failing API call costs only its own attempt, a pod that is only slow is not failed,
+and a worker that claimed its attempt meanwhile keeps its Job."""
+
+import time
+from types import SimpleNamespace
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from retex.kube.leasewatch import LeaseObserver
+from retex.kube.objects import lease_name
+from retex.ledger import WatchedAttempt
+from retex.operator.reaper import Reaper
+
+DURATION = 15
+
+
+class Clock:
+    """The observer's clock: time.monotonic (the reaper's) shifted by `ago`."""
+
+    def __init__(self):
+        self.ago = 0.0
+
+    def __call__(self):
+        return time.monotonic() - self.ago
+
+
+def name_of(uid):
+    return lease_name(f"t-{uid}", uid)
+
+
+def lease(uid, renew, holder):
+    return {"metadata": {"name": name_of(uid), "namespace": "ns", "labels": {"retex.dev/task-uid": uid}},
+            "spec": {"holderIdentity": holder, "renewTime": renew, "leaseDurationSeconds": DURATION}}
+
+
+def attempt(uid, *, epoch=1, current=True, job="job-1", dispatched=1.0, cancel=False):
+    return WatchedAttempt(uid=uid, namespace="ns", name=f"t-{uid}", epoch=epoch, current=current,
+                          cancel_requested=cancel, job_name=job, dispatched_seconds_ago=dispatched)
+
+
+class FakeLedger:
+    def __init__(self, watched, *, claimed=()):
+        self._watched, self._claimed = watched, set(claimed)
+        self.calls = []
+
+    def watched(self):
+        return self._watched
+
+    def replace_attempt(self, uid, epoch, *, cause):
+        self.calls.append(("replace_attempt", uid, epoch, cause))
+
+    def fail_unstarted(self, uid, epoch, error):
+        self.calls.append(("fail_unstarted", uid, epoch))
+        phase = "Running" if uid in self._claimed else "Retrying"
+        return SimpleNamespace(uid=uid, epoch=epoch, phase=phase)
+
+    def cancel_unheld(self, uid, epoch):
+        self.calls.append(("cancel_unheld", uid, epoch))
+
+    def settle_attempt(self, uid, epoch):
+        self.calls.append(("settle_attempt", uid, epoch))
+
+
+class FakeKube:
+    def __init__(self, *, leases=None, pods=(), failing=()):
+        self.leases, self.pods, self.failing = leases or {}, list(pods), set(failing)
+        self.deleted = []
+
+    def get_lease(self, namespace, name):
+        if name in self.failing:
+            raise ApiException(status=500, reason="etcdserver: request timed out")
+        return self.leases.get(name)
+
+    def get_job(self, namespace, name):
+        return {"status": {"active": 1}}
+
+    def job_pods(self, namespace, job):
+        return self.pods
+
+    def job_events(self, namespace, job):
+        return []
+
+    def delete_job(self, namespace, name):
+        self.deleted.append(name)
+
+
+def reaper(ledger, kube, watched_leases, clock=None):
+    observer = LeaseObserver(client.ApiClient(), clock=clock or Clock())
+    observer.relisted(watched_leases)
+    observer.synced.set()
+    return Reaper(ledger, kube, observer, interval=1.0, start_deadline_seconds=120)
+
+
+R1, R2 = "2026-12-03T09:00:01.000000Z", "2026-12-03T09:00:31.000000Z"
+
+
+def stale_watch(*uids):
+    """The watch last saw each uid's lease held by epoch 1 long ago (a stalled stream, a paused
+    operator): by the watch alone, every one of them is expired."""
+    clock = Clock()
+    clock.ago = DURATION * 3
+    return clock, [lease(uid, R1, "pod-a:1") for uid in uids]
+
+
+def test_a_lease_the_stale_watch_shows_expired_is_not_replaced_when_the_get_shows_a_renewal():
+    clock, seen = stale_watch("u1")
+    ledger = FakeLedger([attempt("u1")])
+    kube = FakeKube(leases={name_of("u1"): lease("u1", R2, "pod-a:1")})  # renewed all along
+    r = reaper(ledger, kube, seen, clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == []
+    assert kube.deleted == []
+
+
+def test_a_lease_the_get_confirms_as_expired_is_replaced_and_its_job_deleted():
+    clock, seen = stale_watch("u1")
+    ledger = FakeLedger([attempt("u1")])
+    kube = FakeKube(leases={name_of("u1"): lease("u1", R1, "pod-a:1")})  # no renewal since
+    r = reaper(ledger, kube, seen, clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == [("replace_attempt", "u1", 1, "lease-expired")]
+    assert kube.deleted == ["job-1"]
+
+
+def test_one_failing_api_call_costs_only_its_own_attempt_and_the_round_goes_on():
+    clock, seen = stale_watch("u1", "u2")
+    ledger = FakeLedger([attempt("u1"), attempt("u2", job="job-2")])
+    kube = FakeKube(leases={name_of("u2"): lease("u2", R1, "pod-a:1")}, failing={name_of("u1")})
+    r = reaper(ledger, kube, seen, clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == [("replace_attempt", "u2", 1, "lease-expired")]
+    assert kube.deleted == ["job-2"]
+
+
+STUCK = {"metadata": {"name": "job-1-x"}, "status": {"phase": "Pending", "containerStatuses": [
+    {"name": "worker", "state": {"waiting": {"reason": "CreateContainerConfigError", "message": "no secret"}}}]}}
+SLOW = {"metadata": {"name": "job-1-x"}, "status": {"phase": "Pending", "conditions": [
+    {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+     "message": "0/1 nodes are available: 1 Insufficient cpu."}]}}
+
+
+def test_a_stuck_pod_past_the_start_deadline_fails_its_attempt_and_loses_its_job():
+    ledger = FakeLedger([attempt("u1", dispatched=121.0)])
+    kube = FakeKube(pods=[STUCK])
+    reaper(ledger, kube, []).round()
+    assert ledger.calls == [("fail_unstarted", "u1", 1)]
+    assert kube.deleted == ["job-1"]
+
+
+def test_a_pod_only_slow_past_the_start_deadline_is_left_waiting():
+    ledger = FakeLedger([attempt("u1", dispatched=121.0)])
+    kube = FakeKube(pods=[SLOW])
+    reaper(ledger, kube, []).round()
+    assert ledger.calls == []
+    assert kube.deleted == []
+
+
+def test_a_worker_that_claimed_its_attempt_after_the_lease_read_keeps_its_job():
+    ledger = FakeLedger([attempt("u1", dispatched=121.0)], claimed={"u1"})
+    kube = FakeKube(pods=[STUCK])
+    reaper(ledger, kube, []).round()
+    assert ledger.calls == [("fail_unstarted", "u1", 1)]  # the ledger refused: its worker claimed it
+    assert kube.deleted == []
+
+
+def test_a_blind_reaper_judges_nobody():
+    clock, seen = stale_watch("u1")
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, FakeKube(), seen, clock)
+    r._leases.went_blind()
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == []
