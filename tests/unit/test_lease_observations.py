@@ -38,7 +38,7 @@ def test_a_watch_that_keeps_failing_still_expires_a_dead_worker_after_its_durati
         clock.now += 1
         leases.relisted([lease(R1)])
     # 20 s after the last renewal, 4 of them blind: 16 s seen > 15 s duration.
-    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.EXPIRED
 
 
 def test_a_long_blind_spot_gives_a_live_worker_its_grace_back():
@@ -49,9 +49,9 @@ def test_a_long_blind_spot_gives_a_live_worker_its_grace_back():
     leases.went_blind()  # the API server restarts: nobody can renew for 30 s
     clock.now += 30
     leases.relisted([lease(R1)])
-    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.HELD
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.HELD
     clock.now += 6  # 10 s seen before the outage + 6 s after: past the duration
-    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.EXPIRED
 
 
 def test_a_get_that_shows_a_renewal_the_stalled_watch_missed_keeps_the_worker_alive():
@@ -59,8 +59,8 @@ def test_a_get_that_shows_a_renewal_the_stalled_watch_missed_keeps_the_worker_al
     leases = observer(clock)
     leases.relisted([lease(R1)])
     clock.now += 40  # the watch stalled (or the operator was paused): nothing seen for 40 s
-    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.EXPIRED
-    assert hold_of(leases.confirm("uid-1", lease(R9)), 1, clock.now) is Hold.HELD
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.EXPIRED
+    assert hold_of(leases.confirm("ns", "t-abc", "uid-1", lease(R9)), 1, clock.now) is Hold.HELD
 
 
 def test_the_same_renewal_read_by_get_is_not_mistaken_for_a_new_one():
@@ -69,7 +69,7 @@ def test_the_same_renewal_read_by_get_is_not_mistaken_for_a_new_one():
     leases.relisted([lease("2026-12-02T16:33:00.123456Z")])  # as a watch event spells it
     clock.now += 16
     # As the client's serializer spells the same instant after a GET:
-    confirmed = leases.confirm("uid-1", lease("2026-12-02T16:33:00.123456+00:00"))
+    confirmed = leases.confirm("ns", "t-abc", "uid-1", lease("2026-12-02T16:33:00.123456+00:00"))
     assert hold_of(confirmed, 1, clock.now) is Hold.EXPIRED
 
 
@@ -78,8 +78,8 @@ def test_a_get_that_shows_no_renewal_confirms_the_expiry():
     leases = observer(clock)
     leases.relisted([lease(R1)])
     clock.now += 16
-    assert hold_of(leases.confirm("uid-1", lease(R1)), 1, clock.now) is Hold.EXPIRED
-    assert leases.confirm("uid-1", None) is None  # the Lease is gone
+    assert hold_of(leases.confirm("ns", "t-abc", "uid-1", lease(R1)), 1, clock.now) is Hold.EXPIRED
+    assert leases.confirm("ns", "t-abc", "uid-1", None) is None  # the Lease is gone
 
 
 def test_a_lease_deleted_while_the_watch_was_blind_is_forgotten_at_the_relist():
@@ -88,14 +88,31 @@ def test_a_lease_deleted_while_the_watch_was_blind_is_forgotten_at_the_relist():
     leases.relisted([lease(R1)])
     leases.went_blind()
     leases.relisted([])
-    assert leases.get("uid-1") is None
+    assert leases.get("ns", "t-abc", "uid-1") is None
 
 
 def test_released_and_other_epochs_are_told_apart():
     clock = Clock()
     leases = observer(clock)
     leases.relisted([lease(R1)])
-    leases.confirm("uid-1", lease(R2, holder=None))
-    assert hold_of(leases.get("uid-1"), 1, clock.now) is Hold.RELEASED
-    assert hold_of(leases.get("uid-1"), 2, clock.now) is Hold.NEVER
+    leases.confirm("ns", "t-abc", "uid-1", lease(R2, holder=None))
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.RELEASED
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 2, clock.now) is Hold.NEVER
     assert hold_of(None, 1, clock.now) is Hold.NEVER
+
+
+def forged(renew: str) -> dict:
+    """A Lease another namespace's tenant made: same name, the victim's task-uid label, renewed."""
+    body = lease(renew)
+    body["metadata"]["namespace"] = "attacker"
+    return body
+
+
+def test_a_lease_forged_in_another_namespace_with_the_victims_label_does_not_keep_its_dead_worker_alive():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])  # the victim's worker renews for the last time, then dies
+    for renew in (R2, R9):  # the attacker keeps renewing a Lease labelled as the victim's
+        clock.now += 8
+        leases.relisted([lease(R1), forged(renew)])
+    assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.EXPIRED

@@ -5,6 +5,10 @@ seen no change of the lease's holder or renewTime for the lease duration, measur
 operator's own monotonic clock. The worker's renewTime is never compared with our clock. The watch
 only updates a table; a reaper reads it, so lease renewals cause no handler storms.
 
+Observations are keyed by the Lease's namespace and name, and read back only for the task uid
+its label names: a Lease anyone else creates (in another namespace, with a victim's label) is
+another key, so it can neither keep a dead worker looking alive nor make a live one look gone.
+
 Blind spots: while the watch is down nothing is seen, so the time it was down is not counted
 against a lease (a relist moves an unchanged lease's timer forward by the blind time only, never
 resets it: a watch that fails often still expires a dead worker after its duration plus the time
@@ -32,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LeaseObservation:
-    task_uid: str
+    task_uid: str  # the Lease's retex.dev/task-uid label
     holder_pod: str | None  # None: free or released
     holder_epoch: int | None
     last_epoch: int | None  # the epoch of the latest holder ever seen (survives a release)
@@ -47,6 +51,13 @@ class LeaseObservation:
         return self.holder_epoch is None and self.last_epoch == epoch
 
 
+LeaseKey = tuple[str, str]  # (namespace, name)
+
+
+def _key(lease: dict) -> LeaseKey:
+    return lease["metadata"].get("namespace") or "", lease["metadata"]["name"]
+
+
 def _instant(renew_time: str | None) -> datetime | None:
     """renewTime as an instant: a watch event spells it `...Z`, a GET or LIST through the client's
     serializer `...+00:00`; the same renewal must compare equal (else a GET looks like one)."""
@@ -57,23 +68,24 @@ class LeaseObserver:
     def __init__(self, api: client.ApiClient, *, clock: Callable[[], float] = time.monotonic):
         self._coordination = client.CoordinationV1Api(api)
         self._clock = clock
-        self._by_task: dict[str, LeaseObservation] = {}
-        self._renewals: dict[str, tuple[str | None, datetime | None]] = {}
+        self._by_key: dict[LeaseKey, LeaseObservation] = {}
+        self._renewals: dict[LeaseKey, tuple[str | None, datetime | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._blind_since: float | None = None  # when the watch last went down
         self.synced = threading.Event()
 
-    def confirm(self, task_uid: str, lease: dict | None) -> LeaseObservation | None:
-        """Record a Lease just read with a GET (None: it is gone) and return the observation:
-        a renewal the watch has not delivered (stalled stream, paused operator) counts as one."""
+    def confirm(self, namespace: str, name: str, task_uid: str, lease: dict | None) -> LeaseObservation | None:
+        """Record the Lease `namespace/name` just read with a GET (None: it is gone) and return the
+        observation: a renewal the watch has not delivered (stalled stream, paused operator)
+        counts as one."""
         if lease is None:
             with self._lock:
-                self._by_task.pop(task_uid, None)
-                self._renewals.pop(task_uid, None)
+                self._by_key.pop((namespace, name), None)
+                self._renewals.pop((namespace, name), None)
         else:
             self._observe(lease)
-        return self.get(task_uid)
+        return self.get(namespace, name, task_uid)
 
     def relisted(self, leases: list[dict]) -> None:
         """A fresh LIST after a blind spot. While we could not watch we could not see renewals
@@ -81,11 +93,11 @@ class LeaseObserver:
         one), but the time we could see is (a watch that keeps failing still expires the dead)."""
         blind = self._clock() - self._blind_since if self._blind_since is not None else 0.0
         self._blind_since = None
-        listed = {(lease["metadata"].get("labels") or {}).get(LABEL_TASK_UID) for lease in leases}
+        listed = {_key(lease) for lease in leases}
         with self._lock:  # deleted while we were blind
-            for uid in set(self._by_task) - listed:
-                self._by_task.pop(uid, None)
-                self._renewals.pop(uid, None)
+            for key in set(self._by_key) - listed:
+                self._by_key.pop(key, None)
+                self._renewals.pop(key, None)
         for lease in leases:
             self._observe(lease, relisted=True, blind=blind)
 
@@ -95,9 +107,11 @@ class LeaseObserver:
         if self._blind_since is None:
             self._blind_since = self._clock()
 
-    def get(self, task_uid: str) -> LeaseObservation | None:
+    def get(self, namespace: str, name: str, task_uid: str) -> LeaseObservation | None:
+        """What was seen of the Lease `namespace/name`, if it is labelled for `task_uid`."""
         with self._lock:
-            return self._by_task.get(task_uid)
+            seen = self._by_key.get((namespace, name))
+        return seen if seen is not None and seen.task_uid == task_uid else None
 
     def stop(self) -> None:
         self._stop.set()
@@ -107,25 +121,28 @@ class LeaseObserver:
         uid = (meta.get("labels") or {}).get(LABEL_TASK_UID)
         if not uid:
             return
+        key = _key(lease)
         with self._lock:
             if deleted:
-                self._by_task.pop(uid, None)
-                self._renewals.pop(uid, None)
+                self._by_key.pop(key, None)
+                self._renewals.pop(key, None)
                 return
             holder = spec.get("holderIdentity") or None
             seen = (holder, _instant(spec.get("renewTime")))
-            previous = self._by_task.get(uid)
-            if previous and self._renewals.get(uid) == seen:
+            previous = self._by_key.get(key)
+            if previous and previous.task_uid != uid:
+                previous = None  # relabelled: what was seen belonged to another task
+            if previous and self._renewals.get(key) == seen:
                 if relisted and blind:  # unchanged across a blind spot: forgive the blind time only
-                    self._by_task[uid] = replace(previous, changed_at=min(self._clock(), previous.changed_at + blind))
+                    self._by_key[key] = replace(previous, changed_at=min(self._clock(), previous.changed_at + blind))
                 return  # an update that is not a renewal (labels, owner refs): not a sign of life
             try:
                 parsed = parse_holder(holder)
             except ValueError:  # not written by a retex worker: nobody we know holds it
                 parsed = None
             pod, epoch = (parsed.pod, parsed.epoch) if parsed else (None, None)
-            self._renewals[uid] = seen
-            self._by_task[uid] = LeaseObservation(
+            self._renewals[key] = seen
+            self._by_key[key] = LeaseObservation(
                 task_uid=uid, holder_pod=pod, holder_epoch=epoch,
                 last_epoch=epoch if epoch is not None else (previous.last_epoch if previous else None),
                 duration_seconds=int(spec.get("leaseDurationSeconds") or 15),

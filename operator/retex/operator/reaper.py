@@ -133,7 +133,7 @@ class Reaper(Loop):
         hold = self._observed(attempt)
         if hold is Hold.HELD or not self._confirmed(attempt, hold):
             return
-        if self._leases.get(attempt.uid) is None:
+        if self._leases.get(attempt.namespace, _lease(attempt), attempt.uid) is None:
             # No Lease at all (deleted with its Task or namespace): dead once its pods are.
             pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
             if any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed") for p in pods):
@@ -144,14 +144,15 @@ class Reaper(Loop):
         self._on_replaced()
 
     def _observed(self, attempt: WatchedAttempt) -> Hold:
-        return hold_of(self._leases.get(attempt.uid), attempt.epoch, time.monotonic())
+        return hold_of(self._leases.get(attempt.namespace, _lease(attempt), attempt.uid), attempt.epoch, time.monotonic())
 
     def _confirmed(self, attempt: WatchedAttempt, hold: Hold) -> bool:
         """Before acting on what the watch showed, read the Lease itself: True if it still says
         `hold`. A renewal the watch missed (a stalled stream, a paused operator) is recorded and
         the attempt is judged again next round, so no live worker is condemned on stale news."""
-        lease = self._kube.get_lease(attempt.namespace, lease_name(attempt.name, attempt.uid))
-        return hold_of(self._leases.confirm(attempt.uid, lease), attempt.epoch, time.monotonic()) is hold
+        lease = self._kube.get_lease(attempt.namespace, _lease(attempt))
+        seen = self._leases.confirm(attempt.namespace, _lease(attempt), attempt.uid, lease)
+        return hold_of(seen, attempt.epoch, time.monotonic()) is hold
 
     # -- actions ---------------------------------------------------------------------------
 
@@ -192,3 +193,8 @@ class Reaper(Loop):
     @staticmethod
     def _job(attempt: WatchedAttempt) -> str:
         return attempt.job_name or job_name(attempt.name, attempt.uid, attempt.epoch)
+
+
+def _lease(attempt: WatchedAttempt) -> str:
+    """The name of the attempt's Lease: looked up by namespace and name, never by label alone."""
+    return lease_name(attempt.name, attempt.uid)

@@ -22,6 +22,7 @@ from retex.api import REFUSED, ConditionType, LeaseStatus, StepStatus, TaskStatu
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
+from retex.kube.objects import lease_name
 from retex.ledger import Ledger, TaskRecord
 from retex.logs import event
 from retex.machine import TaskPhase
@@ -256,7 +257,8 @@ class StatusMirror(Loop):
         if shown.get("ledgerVersion", -1) >= record.version:
             return  # never write a status older than (or the same as) the one shown
         previous = TaskStatus.model_validate(shown) if shown else None
-        status = compute_status(record, lease=self._leases.get(uid), generation=task["metadata"].get("generation"),
+        lease = self._leases.get(record.namespace, lease_name(record.name, uid), uid)
+        status = compute_status(record, lease=lease, generation=task["metadata"].get("generation"),
                                 previous=previous, now=datetime.now(UTC))
         failpoint("in-status-mirror", task=record.name, uid=uid)
         try:
