@@ -42,9 +42,10 @@ def test_a_value_that_is_not_a_number_is_refused_by_name(name):
 
 @pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_HISTORY_RETENTION_DAYS", "RETEX_LEDGER_PORT",
                                   "RETEX_WORKER_GRACE_SECONDS", "RETEX_RESYNC_SECONDS"])
-@pytest.mark.parametrize("value", ["0", "-3"])
-def test_zero_or_a_negative_value_is_refused(name, value):
-    assert refusal(DSN | {name: value}).startswith(f"{name} must be positive")
+@pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
+def test_zero_a_negative_or_an_infinite_value_is_refused(name, value):
+    assert refusal(DSN | {name: value}) in (f"{name} must be positive (unset it for the default)",
+                                            f"{name}={value!r} is not a number")
 
 
 def test_limits_and_the_workers_ledger_url_are_taken_as_given():
@@ -53,3 +54,7 @@ def test_limits_and_the_workers_ledger_url_are_taken_as_given():
                                                 "RETEX_METRICS_PORT": ""})
     assert settings.max_running == 7 and settings.ledger_port == 9443 and settings.metrics_port is None
     assert settings.worker.ledger_url == "http://retex-ledger.ops.svc:9443"
+
+
+def test_a_port_above_65535_is_refused():
+    assert refusal(DSN | {"RETEX_LEDGER_PORT": "70000"}) == "RETEX_LEDGER_PORT='70000' is not a port (1 to 65535)"

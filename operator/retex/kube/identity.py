@@ -7,7 +7,9 @@ deleted). The pod's labels and controlling Job then say which task and epoch it 
 endpoint checks that claim against the ledger (retex.operator.ledger_endpoint).
 
 Reviews are cached briefly by the token's hash: a step makes several ledger calls, and the epoch
-fence, not the token's freshness, is what refuses a stale worker.
+fence, not the token's freshness, is what refuses a stale worker (so a deleted pod's token may act
+for up to a minute more, fenced as any late write). Refusals are cached too, for less, so a caller
+repeating a bad token costs the API server one review per ten seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ _POD_UID = "authentication.kubernetes.io/pod-uid"
 _SA_PREFIX = "system:serviceaccount:"
 REQUEST_TIMEOUT = 10
 CACHE_SECONDS = 60.0
+REFUSAL_CACHE_SECONDS = 10.0  # a token refused once is refused again without asking the API server
 _CACHE_LIMIT = 4096
 
 
@@ -70,7 +73,7 @@ class WorkerIdentities:
         self._auth = client.AuthenticationV1Api(api)
         self._core = client.CoreV1Api(api)
         self._cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[float, WorkerIdentity]] = {}
+        self._cache: dict[str, tuple[float, WorkerIdentity | NotAWorker]] = {}
         self._lock = threading.Lock()
 
     def resolve(self, token: str) -> WorkerIdentity:
@@ -78,14 +81,24 @@ class WorkerIdentities:
         now = time.monotonic()
         with self._lock:
             hit = self._cache.get(key)
-            if hit and hit[0] > now:
-                return hit[1]
-        identity = self._review(token)
+        if hit and hit[0] > now:
+            if isinstance(hit[1], NotAWorker):
+                raise hit[1]
+            return hit[1]
+        try:
+            found: WorkerIdentity | NotAWorker = self._review(token)
+        except NotAWorker as refused:
+            found = refused
         with self._lock:
             if len(self._cache) >= _CACHE_LIMIT:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-            self._cache[key] = (now + self._cache_seconds, identity)
-        return identity
+                if len(self._cache) >= _CACHE_LIMIT:
+                    self._cache.clear()
+            seconds = REFUSAL_CACHE_SECONDS if isinstance(found, NotAWorker) else self._cache_seconds
+            self._cache[key] = (now + seconds, found)
+        if isinstance(found, NotAWorker):
+            raise found
+        return found
 
     def _review(self, token: str) -> WorkerIdentity:
         review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[TOKEN_AUDIENCE]))

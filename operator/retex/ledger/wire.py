@@ -73,15 +73,21 @@ _TIMES = ("not_before", "deadline_at", "created_at", "updated_at", "started_at",
 
 
 def step_from_json(data: dict[str, Any]) -> StepRecord:
-    return StepRecord(**(data | {"state": StepState(data["state"]),
-                                 "started_at": _time(data["started_at"]),
-                                 "finished_at": _time(data["finished_at"])}))
+    return StepRecord(**(_known(StepRecord, data) | {"state": StepState(data["state"]),
+                                                     "started_at": _time(data["started_at"]),
+                                                     "finished_at": _time(data["finished_at"])}))
 
 
 def task_from_json(data: dict[str, Any]) -> TaskRecord:
-    return TaskRecord(**(data | {name: _time(data[name]) for name in _TIMES}
+    return TaskRecord(**(_known(TaskRecord, data) | {name: _time(data[name]) for name in _TIMES}
                          | {"phase": TaskPhase(data["phase"]),
                             "steps": tuple(step_from_json(s) for s in data["steps"])}))
+
+
+def _known(record: type, data: dict[str, Any]) -> dict[str, Any]:
+    """The fields this worker knows: an endpoint newer than a Task's own worker image may send more."""
+    names = {f.name for f in fields(record)}
+    return {k: v for k, v in data.items() if k in names}
 
 
 def time_from_json(value: str | None) -> datetime | None:
@@ -102,11 +108,12 @@ _ERRORS: dict[str, tuple[type[Exception], tuple[str, ...]]] = {
     "UnstorableValue": (UnstorableValue, ()),
     "LedgerUnavailable": (LedgerUnavailable, ()),
     "IllegalTransition": (IllegalTransition, ()),
+    "LedgerError": (LedgerError, ()),  # any other: the worker sees the base type and the message
 }
 
 
 def error_to_json(exc: Exception) -> dict[str, Any]:
-    name = type(exc).__name__
+    name = type(exc).__name__ if type(exc).__name__ in _ERRORS else "LedgerError"
     cls, attrs = _ERRORS[name]
     return {"error": name, "message": str(exc), "args": {a: getattr(exc, a) for a in attrs}}
 

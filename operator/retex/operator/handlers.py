@@ -64,7 +64,7 @@ class Runtime:
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
         # Workers' calls get a ledger of their own: a short Postgres retry window, so an outage is
         # answered 503 (the worker retries) before the worker's request times out.
-        self.worker_ledger = Ledger(settings.database_url, max_connections=4,
+        self.worker_ledger = Ledger(settings.database_url, max_connections=8,
                                     retry_for_seconds=ENDPOINT_RETRY_SECONDS).open(migrate_schema=False)
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
         self._loops = [self.leases, self.relay, self.promoter, self.reaper, self.mirror]
@@ -97,6 +97,7 @@ class Runtime:
         for thread in self._threads:
             thread.join(timeout=5)
         self._endpoint_server.shutdown()
+        self._endpoint_server.server_close()
         self.worker_ledger.close()
         self.ledger.close()
 

@@ -14,17 +14,22 @@ import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 from retex.kube.identity import IdentityUnavailable, NotAWorker, WorkerIdentities, WorkerIdentity
 from retex.kube.objects import job_name
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskNotFound
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable
 from retex.ledger.wire import OPERATIONS, PATH_PREFIX, UNFENCED, error_to_json, time_from_json, to_json
 from retex.logs import event
 from retex.machine import IllegalTransition
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 1 << 20  # a step result is at most 64 KiB; errors are cut to 4 KiB
+# Requests served at once; past it, 503 at once (the worker retries). Each holds a thread and, for
+# its transaction, a connection of the endpoint's pool.
+MAX_CONCURRENT_REQUESTS = 32
+SOCKET_TIMEOUT_SECONDS = 30
 
 
 class Refusal(Exception):
@@ -33,20 +38,51 @@ class Refusal(Exception):
         self.status = status
 
 
+# What each argument of a request must be; a request with anything else is refused (400) before
+# it reaches the ledger, so a missing `result` never commits null and a stray key is no option.
+_ARGUMENTS: dict[str, Callable[[Any], bool]] = {
+    "idx": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "node": lambda v: v is None or isinstance(v, str),
+    "begun_at": lambda v: v is None or isinstance(v, str),
+    "after_seconds": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e7,
+    "result": lambda v: True,
+    "error": lambda v: isinstance(v, str),
+    "retryable": lambda v: isinstance(v, bool),
+    "why": lambda v: isinstance(v, str),
+}
+
+
+def parse_request(operation: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The Ledger method's keyword arguments from a request body, strictly; Refusal(400) else."""
+    expected = set(OPERATIONS[operation]) | {"uid"} | (set() if operation in UNFENCED else {"epoch"})
+    if set(body) != expected:
+        raise Refusal(400, f"{operation} takes exactly {sorted(expected)}, got {sorted(body)}")
+    for name in OPERATIONS[operation]:
+        if not _ARGUMENTS[name](body[name]):
+            raise Refusal(400, f"{operation}: {name}={body[name]!r} is not valid")
+    kwargs = {name: body[name] for name in OPERATIONS[operation]}
+    if "begun_at" in kwargs:
+        try:
+            kwargs["begun_at"] = time_from_json(kwargs["begun_at"])
+        except ValueError:
+            raise Refusal(400, f"{operation}: begun_at is not an ISO time") from None
+    return kwargs
+
+
 class LedgerEndpoint:
     """Authorises a call and runs it; the HTTP plumbing is `serve`."""
 
     def __init__(self, ledger: Ledger, identities: WorkerIdentities):
         self._ledger = ledger
         self._identities = identities
-        self._verified: set[WorkerIdentity] = set()  # a task's namespace and name never change
+        # (pod, task, epoch) already checked against the ledger: a task's namespace and name never
+        # change. Bounded: cleared when full (a re-check costs one read).
+        self._verified: set[WorkerIdentity] = set()
         self._lock = threading.Lock()
 
-    def call(self, operation: str, token: str | None, body: dict[str, Any]) -> Any:
+    def call(self, operation: str, token: str, body: dict[str, Any]) -> Any:
         if operation not in OPERATIONS:
             raise Refusal(404, f"no operation {operation!r}")
-        if not token:
-            raise Refusal(401, "no bearer token: workers present their projected ServiceAccount token")
         try:
             identity = self._identities.resolve(token)
         except NotAWorker as exc:
@@ -54,12 +90,7 @@ class LedgerEndpoint:
         except IdentityUnavailable as exc:
             raise Refusal(503, str(exc)) from None
         self._authorise(identity, operation, body)
-        try:
-            kwargs = {name: body.get(name) for name in OPERATIONS[operation]}
-        except AttributeError:
-            raise Refusal(400, "the body must be a JSON object") from None
-        if "begun_at" in kwargs:
-            kwargs["begun_at"] = time_from_json(kwargs["begun_at"])
+        kwargs = parse_request(operation, body)
         method = getattr(self._ledger, operation)
         if operation in UNFENCED:
             return to_json(method(identity.task_uid, **kwargs))
@@ -74,45 +105,71 @@ class LedgerEndpoint:
         with self._lock:
             if identity in self._verified:
                 return
-        try:
-            record = self._ledger.get(identity.task_uid)
-        except TaskNotFound:
-            raise Refusal(403, f"no task {identity.task_uid} in the ledger") from None
-        expected = job_name(record.name, record.uid, identity.epoch)
-        if record.namespace != identity.namespace or identity.job_name != expected:
+        record = self._ledger.get(identity.task_uid)  # TaskNotFound: 409, the worker exits as stale
+        if record.namespace != identity.namespace or identity.job_name != job_name(record.name, record.uid,
+                                                                                    identity.epoch):
+            # Says nothing of the task itself: a caller may name any uid.
             raise Refusal(403, f"pod {identity.namespace}/{identity.pod} (Job {identity.job_name}) is not a worker "
-                               f"of task {record.namespace}/{record.name}: its attempt {identity.epoch} runs as "
-                               f"Job {record.namespace}/{expected}")
+                               f"of task {identity.task_uid}")
         with self._lock:
+            if len(self._verified) >= _VERIFIED_LIMIT:
+                self._verified.clear()
             self._verified.add(identity)
+
+
+_VERIFIED_LIMIT = 10_000
 
 
 class _Handler(BaseHTTPRequestHandler):
     endpoint: LedgerEndpoint
+    slots: threading.BoundedSemaphore
     protocol_version = "HTTP/1.1"
+    timeout = SOCKET_TIMEOUT_SECONDS  # a client that stops sending (or never sends) is dropped
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        # Cheap refusals first, before reading anything of the body: any pod of the cluster can
+        # reach this port, and none may tie up the operator.
+        if not self.slots.acquire(blocking=False):
+            self._refuse(503, "the ledger endpoint is busy: try again")
+            return
+        try:
+            self._serve()
+        finally:
+            self.slots.release()
+
+    def _serve(self) -> None:
         if not self.path.startswith(PATH_PREFIX):
-            self._reply(404, {"message": f"unknown path {self.path}"})
+            self._refuse(404, f"unknown path {self.path}")
             return
         operation = self.path[len(PATH_PREFIX):]
         header = self.headers.get("Authorization", "")
-        token = header[len("Bearer "):].strip() if header.startswith("Bearer ") else None
+        token = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
+        if not token:
+            self._refuse(401, "no bearer token: workers present their projected ServiceAccount token")
+            return
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > MAX_BODY_BYTES:
-                raise Refusal(413, f"request body above {MAX_BODY_BYTES} bytes")
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise Refusal(400, "the body must be a JSON object")
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._refuse(411, "a Content-Length is required")
+            return
+        if not 0 < length <= MAX_BODY_BYTES:
+            self._refuse(413 if length > 0 else 400, f"the body must be 1 to {MAX_BODY_BYTES} bytes")
+            return
+        try:
+            body = json.loads(self.rfile.read(length))
+        except ValueError as exc:
+            self._refuse(400, f"the body is not JSON: {exc}")
+            return
+        if not isinstance(body, dict):
+            self._refuse(400, "the body must be a JSON object")
+            return
+        try:
             self._reply(200, {"result": self.endpoint.call(operation, token, body)})
         except Refusal as exc:
             if exc.status in (401, 403):
                 event(log, logging.WARNING, "ledger endpoint refused a caller", operation=operation,
                       status=exc.status, why=str(exc))
-            self._reply(exc.status, {"message": str(exc)})
-        except (ValueError, TypeError) as exc:
-            self._reply(400, {"message": f"bad request: {exc}"})
+            self._refuse(exc.status, str(exc))
         except LedgerUnavailable as exc:
             self._reply(503, error_to_json(exc))
         except (LedgerError, IllegalTransition) as exc:
@@ -121,11 +178,17 @@ class _Handler(BaseHTTPRequestHandler):
             log.exception("ledger endpoint: %s failed", operation)
             self._reply(500, {"message": f"{type(exc).__name__}: {exc}"})
 
+    def _refuse(self, status: int, message: str) -> None:
+        self.close_connection = True  # whatever the caller sent after this is not read
+        self._reply(status, {"message": message})
+
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
@@ -133,8 +196,9 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # one structured line per refusal is logged above; successes are counted, not logged
 
 
-def serve(endpoint: LedgerEndpoint, port: int) -> ThreadingHTTPServer:
-    handler = type("LedgerHandler", (_Handler,), {"endpoint": endpoint})
+def serve(endpoint: LedgerEndpoint, port: int, *, max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> ThreadingHTTPServer:
+    handler = type("LedgerHandler", (_Handler,), {"endpoint": endpoint,
+                                                  "slots": threading.BoundedSemaphore(max_concurrent)})
     server = ThreadingHTTPServer(("0.0.0.0", port), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="ledger-endpoint", daemon=True).start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ def _number(env: dict[str, str], name: str, kind: type):
         parsed = kind(value)
     except ValueError:
         raise SystemExit(f"{name}={value!r} is not a number") from None
-    if parsed <= 0:
+    if not math.isfinite(parsed) or parsed <= 0:
         raise SystemExit(f"{name} must be positive (unset it for the default)")
+    if name.endswith("_PORT") and parsed > 65535:
+        raise SystemExit(f"{name}={value!r} is not a port (1 to 65535)")
     return parsed

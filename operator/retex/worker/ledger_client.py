@@ -3,9 +3,11 @@ operator's ledger endpoint with the pod's projected ServiceAccount token. Worker
 credentials (docs/security.md).
 
 Same contract as the Ledger methods: the same records, the same typed errors, and an outage
-(the operator restarting, Postgres down behind it) retried for `retry_for_seconds`, then
-`LedgerUnavailable`. Every operation is idempotent when repeated by the same attempt (the Ledger's
-"a repeated call" rules), so a request whose reply was lost is simply sent again.
+(the operator restarting, Postgres down behind it) retried for `retry_for_seconds`, and past that
+for as long as `keep_trying()` says (the worker: while it holds its Lease, so an operator outage
+of any length costs a running attempt nothing), then `LedgerUnavailable`. Every operation is
+idempotent when repeated by the same attempt (the Ledger's "a repeated call" rules), so a request
+whose reply was lost is simply sent again.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -27,7 +30,9 @@ log = logging.getLogger(__name__)
 # Longer than the endpoint's own Postgres retry window (retex.operator.ledger_endpoint), so a slow
 # answer is waited for rather than sent again while it is still being worked on.
 REQUEST_TIMEOUT = urllib3.Timeout(connect=5.0, read=30.0)
-_TRANSIENT_STATUSES = frozenset({500, 502, 503, 504})
+_TRANSIENT_STATUSES = frozenset({502, 503, 504})
+_SERVER_ERROR_TRIES = 3  # a 500 is a bug until shown otherwise: a few tries, then a refusal
+ERROR_MAX_CHARS = 4096  # as the ledger keeps them: a longer text would only be cut there
 
 
 class LedgerClient:
@@ -36,6 +41,7 @@ class LedgerClient:
         self._token_file = Path(token_file)
         self._retry_for = retry_for_seconds
         self._http = urllib3.PoolManager(maxsize=2, retries=False, timeout=REQUEST_TIMEOUT)
+        self.keep_trying: Callable[[], bool] = lambda: False
 
     def close(self) -> None:
         self._http.clear()
@@ -64,10 +70,11 @@ class LedgerClient:
         self._call("commit_step", uid=uid, epoch=epoch, idx=idx, result=result)
 
     def fail_step(self, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str) -> TaskRecord:
-        return task_from_json(self._call("fail_step", uid=uid, epoch=epoch, idx=idx, error=error, retryable=retryable))
+        return task_from_json(self._call("fail_step", uid=uid, epoch=epoch, idx=idx, error=error[:ERROR_MAX_CHARS],
+                                         retryable=retryable))
 
     def flag_step(self, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
-        return task_from_json(self._call("flag_step", uid=uid, epoch=epoch, idx=idx, why=why))
+        return task_from_json(self._call("flag_step", uid=uid, epoch=epoch, idx=idx, why=why[:ERROR_MAX_CHARS]))
 
     def complete_task(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
         return task_from_json(self._call("complete_task", uid=uid, epoch=epoch))
@@ -84,11 +91,11 @@ class LedgerClient:
         except ValueError as exc:
             raise UnstorableValue(f"the ledger refused the value: {exc}") from exc
         deadline = time.monotonic() + self._retry_for
-        delay = 0.1
+        delay, server_errors = 0.1, 0
         while True:
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token()}"}
             try:
-                reply = self._http.request("POST", self._url + operation, body=data, headers={
-                    "Content-Type": "application/json", "Authorization": f"Bearer {self._token()}"})
+                reply = self._http.request("POST", self._url + operation, body=data, headers=headers)
                 status, payload = reply.status, _payload(reply.data)
                 why = f"{status} {payload.get('message', '')}"
             except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -97,17 +104,21 @@ class LedgerClient:
                 return payload["result"]
             if status == 409:
                 raise error_from_json(payload)
-            if status and status not in _TRANSIENT_STATUSES:
+            server_errors += status == 500
+            if status and (status not in _TRANSIENT_STATUSES and status != 500 or server_errors >= _SERVER_ERROR_TRIES):
                 raise RequestRefused(status, str(payload.get("message", payload)))
-            if time.monotonic() + delay > deadline:
-                raise LedgerUnavailable(f"{operation}: ledger endpoint unavailable for {self._retry_for:.0f}s: {why}")
+            if time.monotonic() + delay > deadline and not self.keep_trying():
+                raise LedgerUnavailable(f"{operation}: ledger endpoint unavailable: {why}")
             log.warning("ledger %s: endpoint unavailable, retrying in %.2fs: %s", operation, delay, why)
             time.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, 2.0)
 
     def _token(self) -> str:
         # Read at every call: the kubelet rotates projected tokens in place.
-        return self._token_file.read_text().strip()
+        try:
+            return self._token_file.read_text().strip()
+        except OSError as exc:  # no projected token: a set-up fault no retry cures
+            raise RequestRefused(0, f"cannot read the ledger token {self._token_file}: {exc}") from exc
 
 
 def _payload(data: bytes) -> dict[str, Any]:

@@ -98,6 +98,9 @@ def run(config: WorkerConfig, ledger: LedgerClient, drain: Drain, tagger: logs.T
         return AttemptEnd(ExitCode.DISRUPTED, str(exc))
     failpoint("after-lease", task=config.name, uid=config.task_uid)
     lease.start_renewing()
+    # Past its first minute, an unreachable endpoint (the operator restarting, however long) is
+    # waited out for as long as this attempt holds its Lease: nobody can replace it meanwhile.
+    ledger.keep_trying = lease.still_held
     end: AttemptEnd | None = None
     try:
         actor = f"worker:{config.pod_name}"
