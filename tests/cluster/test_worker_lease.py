@@ -88,6 +88,8 @@ class Task:
         steps = [{"timeoutSeconds": 2, **s} if "verify" in s else s for s in steps]
         spec = {"steps": steps,
                 "lease": {"durationSeconds": 5}}
+        # As admission stores it (the Job carries this spec's hash; the worker runs no other).
+        spec = TaskSpec.model_validate(spec).as_admitted()
         ledger.admit(TaskAdmission(uid=self.uid, namespace=NAMESPACE, name=self.name, spec=spec,
                                    step_names=[s["name"] for s in steps],
                                    backoff=Backoff(initial_seconds=0.01, max_seconds=0.05)))
