@@ -4,6 +4,7 @@ first deletes a Job a dead relay may have left, a ledger spec that differs from 
 gets no Job, a transient error defers that record alone until the limit, and an error repeating
 cannot cure fails the task at once."""
 
+import itertools
 from contextlib import contextmanager
 
 import pytest
@@ -17,10 +18,11 @@ from retex.operator.dispatch import Relay
 
 SPEC = TaskSpec.model_validate({"steps": [{"name": "only", "exec": {"command": ["true"]}}]}).as_admitted()
 DEFER_LIMIT = 300.0
+_ids = itertools.count(1)
 
 
 def record(uid, *, spec=SPEC, deferred=None, cancel=None, epoch=1):
-    return Dispatch(id=hash(uid) % 10_000, task_uid=uid, epoch=epoch, namespace="ns", name=f"t-{uid}",
+    return Dispatch(id=next(_ids), task_uid=uid, epoch=epoch, namespace="ns", name=f"t-{uid}",
                     spec=spec, deferred_seconds=deferred, cancel_reason=cancel)
 
 
