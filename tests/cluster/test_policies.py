@@ -3,12 +3,15 @@ requeue, permanent errors, delayed tasks, concurrency keys, run limits, cancel, 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from e2e.system import wait_for
+import yaml
+
+from e2e.system import task_manifest, wait_for
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
 
@@ -39,6 +42,45 @@ def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it
     record = retex.ledger.find(retex.namespace, "flaky")
     assert ("annotation:first", "requeue") in [(h.actor, h.event) for h in retex.ledger.history(record.uid)]
     assert retex.kubectl("get", "tasks", "-l", "retex.dev/dead-letter=true", "-o", "name").stdout.strip() == ""
+
+
+def test_a_requeue_annotation_is_refused_while_a_step_awaits_a_human_and_the_task_ends_after_resolve(retex, stubs):
+    _, notifier = stubs  # executes every delivery: a second run of the effect would count twice
+    # Attempt 1's worker dies right after the notify effect (neither idempotent nor verifiable),
+    # so attempt 2 finds it started and stops the task for a human.
+    manifest = yaml.safe_load(task_manifest("needs-human", [
+        {"name": "notify", "http": {"method": "POST", "url": f"{notifier.url}/effects/notify"}, "timeoutSeconds": 5},
+        sh("after", "echo after", idempotent=True)], lease={"durationSeconds": 5}))
+    manifest["metadata"]["annotations"] = {"retex.dev/failpoint": "after-effect:notify"}
+    retex.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    wait_for(lambda: phase_is(retex, "needs-human", "NeedsAttention"), timeout=90, what="NeedsAttention")
+    uid = task(retex, "needs-human")["metadata"]["uid"]
+    assert notifier.for_task(uid)["notify"] == {"deliveries": 1, "executions": 1}
+
+    retex.kubectl("annotate", "task", "needs-human", "retex.dev/requeue=too-early")
+    refusals = wait_for(lambda: events_of(retex, "needs-human", "RequeueRefused"), timeout=30,
+                        what="the RequeueRefused Warning")
+    assert "requeue before resolving step(s) notify" in refusals[0]["message"], refusals[0]["message"]
+    record = retex.ledger.get(uid)
+    assert (record.phase, record.epoch, str(record.steps[0].state)) == ("NeedsAttention", 2, "needs-attention")
+    assert "annotation:too-early" not in {h.actor for h in retex.ledger.history(uid)}
+
+    # The human finds the effect at the notifier and marks the step done: that requeues the task.
+    key = record.steps[0].idempotency_key
+    retex.ledger.resolve_step(uid, "notify", mark_done=True,
+                              result={"status": 200, "body": notifier.stored("notify", key)}, actor="cli:test")
+    wait_for(lambda: phase_is(retex, "needs-human", "Succeeded"), timeout=60, what="Succeeded after resolve")
+    assert notifier.for_task(uid)["notify"] == {"deliveries": 1, "executions": 1}, "the effect ran once"
+    record = retex.ledger.get(uid)
+    assert [str(s.state) for s in record.steps] == ["done", "done"]
+    assert [(a.epoch, a.cause) for a in retex.ledger.attempts(uid)] == [(1, "first"), (2, "lease-expired"),
+                                                                       (3, "requeue")]
+    assert [h.actor for h in retex.ledger.history(uid) if h.event == "requeue"] == ["cli:test"]
+
+
+def events_of(system, name, reason) -> list[dict]:
+    return json.loads(system.kubectl("get", "events", "--field-selector", f"involvedObject.name={name},reason={reason}",
+                                     "-o", "json").stdout)["items"]
 
 
 def test_a_permanent_exit_code_fails_at_once_without_retry(retex):

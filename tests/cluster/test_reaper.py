@@ -1,5 +1,6 @@
-"""The attempt lifecycle on the rig: purged tasks are not run again, worker pods that never start
-end their attempt with Kubernetes' reason, cancel and delete without a worker end at once, a
+"""The attempt lifecycle on the rig: purged tasks are not run again, a Job that fails before its
+worker takes the lease is a disruption (up to the cap), worker pods that never start end their
+attempt with Kubernetes' reason, cancel and delete without a worker end at once, a
 deleted namespace finishes terminating, and a timed-out task keeps its key until its old attempt
 is known dead."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from e2e.system import wait_for
+from retex.kube.objects import job_name, lease_name
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
 START_DEADLINE = 8  # RETEX_WORKER_START_DEADLINE_SECONDS for these tests
@@ -40,6 +43,21 @@ def test_a_task_purged_by_history_retention_is_not_run_again_after_an_operator_r
     again = retex.ledger.find(retex.namespace, "once")
     assert again is None, f"admitted again: {again.phase} at epoch {again.epoch}"
     assert notifier.for_task(uid)["notify"]["executions"] == 1
+
+
+def worker_ends(system, job: str) -> list[tuple[int | None, str]]:
+    """(exit code, log) of each pod of `job`, from the node agents' records: the reaper deletes a
+    replaced attempt's Job, and its pods with it. Exit code None: still running."""
+    ends = []
+    for node in system.rig.nodes:
+        agent_log = (system.rig.state_dir / "logs" / f"agent-{node}.log").read_text(errors="replace")
+        for pod_dir in sorted((system.rig.node_dir(node) / "pods").glob(f"{system.namespace}_{job}-*")):
+            pod = pod_dir.name.split("_")[1]
+            codes = re.findall(rf"pod {re.escape(system.namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
+                               agent_log)
+            log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
+            ends.append((int(codes[-1]) if codes else None, log))
+    return ends
 
 
 def _missing_service_account(retex):
@@ -84,6 +102,33 @@ def test_a_worker_pod_that_never_starts_fails_its_attempt_with_the_reason_kubern
     assert expected in described
     record = retex.ledger.find(retex.namespace, "stuck")
     assert [a.outcome for a in retex.ledger.attempts(record.uid)] == ["failed"]
+    assert not retex.ledger.running()  # its run slot is free
+
+
+def test_a_job_that_fails_before_its_worker_takes_the_lease_is_a_disruption_up_to_the_cap(retex):
+    # The worker runs as a ServiceAccount with no rights on Leases: it reads its task from the
+    # ledger endpoint, is refused the Lease (403), exits 1, and its Job fails (backoffLimit 0)
+    # without the attempt ever holding the Lease. Long before the start deadline (120 s).
+    retex.kubectl("create", "serviceaccount", "no-lease-rights")
+    apply(retex, "unleased", [sh("only", "echo never")], worker={"serviceAccountName": "no-lease-rights"},
+          retry={"maxDisruptions": 1})
+    wait_for(lambda: phase_is(retex, "unleased", "Failed"), timeout=90, what="Failed at the disruption cap")
+    shown = status(retex, "unleased")
+    conditions = {c["type"]: c for c in shown["conditions"]}
+    assert conditions["Failed"]["reason"] == "DisruptionBudgetExhausted"
+    assert conditions["DeadLettered"]["status"] == "True"
+    assert shown["lastError"] == "attempt 2 lost (disruption); disruption cap reached", shown["lastError"]
+    assert (shown["attempt"], shown["retries"], shown["disruptions"]) == (2, 0, 2)
+    uid = task(retex, "unleased")["metadata"]["uid"]
+    assert [(a.epoch, a.cause, a.outcome) for a in retex.ledger.attempts(uid)] == [
+        (1, "first", "lost"), (2, "disruption", "lost")]
+    # The path taken: each attempt's worker was refused the Lease and exited 1, never holding it.
+    for epoch in (1, 2):
+        ends = worker_ends(retex, job_name("unleased", uid, epoch))
+        assert [code for code, _ in ends] == [1], ends
+        assert "worker crashed" in ends[0][1] and "Forbidden" in ends[0][1], ends[0][1][-2000:]
+    lease = json.loads(retex.kubectl("get", "lease", lease_name("unleased", uid), "-o", "json").stdout)
+    assert not lease["spec"].get("holderIdentity"), lease["spec"]
     assert not retex.ledger.running()  # its run slot is free
 
 

@@ -322,6 +322,7 @@ def test_killed_after_the_effect_the_next_attempt_verifies_and_commits_without_r
 
 
 # (in-commit is no worker point: the commit transaction runs in the operator's ledger endpoint.)
+@pytest.mark.slow
 @pytest.mark.parametrize("point", ["after-lease", "before-step", "after-begin", "after-effect",
                                    "after-commit", "before-complete"])
 def test_a_worker_killed_at_any_failpoint_is_recovered_by_the_next_attempt_with_one_execution_per_step(
@@ -339,6 +340,7 @@ def test_a_worker_killed_at_any_failpoint_is_recovered_by_the_next_attempt_with_
     assert sorted(task.deliveries()) == sorted([task.key(0), task.key(1)])  # each step really ran once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point, ship", [
     # begun, never run: attempt 3's verify finds nothing and runs it once
     ("after-begin", {"exec": {"command": EFFECT}, "verify": {"exec": {"command": VERIFY}}}),

@@ -242,8 +242,10 @@ def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
     if new:
         try:
             runtime.ledger.requeue(uid, actor=f"annotation:{new}")
-        except IllegalTransition as refused:
+        except IllegalTransition as refused:  # not Failed or NeedsAttention, or a step awaits a human
             event(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
+            runtime.mirror.warn(dict(body), "RequeueRefused", f"requeue refused: {refused}")
+            return
         except TaskNotFound:  # not in the ledger: retrying (kopf's default) would loop for ever
             refusal = runtime.ledger.refusal(uid)
             why = (f"the Task was refused at admission ({refusal.reason}), it never runs" if refusal else

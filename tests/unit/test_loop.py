@@ -1,0 +1,97 @@
+"""What every operator loop shares: a round runs again at once when woken, stop() ends the loop
+even in a long pause, and a round that raises (the ledger away, the API server refusing, a bug) is
+counted and retried rather than ending the loop."""
+
+import threading
+
+import pytest
+
+from retex.ledger import LedgerUnavailable
+from retex.operator import loop as loop_module
+from retex.operator.loop import Loop
+from retex.operator.metrics import REGISTRY
+
+LONG = 3600.0  # a round's own interval: far longer than any wait below
+
+
+def failed_rounds(name: str) -> float:
+    return REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": name}) or 0.0
+
+
+class Rounds(Loop):
+    """Runs the scripted rounds in turn (an exception is raised, a number returned as the delay),
+    then returns LONG; `ran` counts rounds and `rounds_done` signals each one."""
+
+    name = "test-loop"
+
+    def __init__(self, *script):
+        super().__init__()
+        self._script = list(script)
+        self.ran = 0
+        self._cond = threading.Condition()
+
+    def round(self) -> float:
+        with self._cond:
+            self.ran += 1
+            self._cond.notify_all()
+        step = self._script.pop(0) if self._script else LONG
+        if isinstance(step, Exception):
+            raise step
+        return step
+
+    def wait_for_rounds(self, n: int, timeout: float = 10.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.ran >= n, timeout=timeout)
+
+
+@pytest.fixture
+def running():
+    started = []
+
+    def start(loop: Loop) -> threading.Thread:
+        thread = threading.Thread(target=loop.run, daemon=True)
+        thread.start()
+        started.append((loop, thread))
+        return thread
+
+    yield start
+    for loop, thread in started:
+        loop.stop()
+        thread.join(timeout=5)
+
+
+def test_a_woken_loop_runs_its_next_round_at_once_not_after_its_interval(running):
+    loop = Rounds(LONG)
+    running(loop)
+    assert loop.wait_for_rounds(1)
+    loop.wake.set()
+    assert loop.wait_for_rounds(2), "the wake did not cut the pause short"
+
+
+def test_stop_ends_the_loop_during_a_long_pause_without_another_round(running):
+    loop = Rounds(LONG)
+    thread = running(loop)
+    assert loop.wait_for_rounds(1)
+    loop.stop()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert loop.ran == 1
+
+
+def test_a_loop_stopped_before_it_starts_runs_no_round():
+    loop = Rounds()
+    loop.stop()
+    loop.run()  # returns at once
+    assert loop.ran == 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug"), LedgerUnavailable("postgres down")],
+                         ids=["any-exception", "ledger-unavailable"])
+def test_a_round_that_raises_is_counted_and_retried_and_the_loop_goes_on(running, monkeypatch, error):
+    monkeypatch.setattr(loop_module, "RETRY_AFTER_FAILURE_SECONDS", 0.01)
+    before = failed_rounds(Rounds.name)
+    loop = Rounds(error, error, LONG)
+    thread = running(loop)
+    assert loop.wait_for_rounds(3), "a failed round ended the loop"
+    assert thread.is_alive()
+    assert failed_rounds(Rounds.name) - before == 2

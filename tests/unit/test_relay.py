@@ -1,0 +1,210 @@
+"""The outbox relay's decisions, driven with small fakes of the ledger's batch and the API calls:
+each record is settled on its own (sent, dropped, rejected, deferred), a record that ends unsent
+first deletes a Job a dead relay may have left, a ledger spec that differs from the live Task's
+gets no Job, a transient error defers that record alone until the limit, and an error repeating
+cannot cure fails the task at once."""
+
+import itertools
+from contextlib import contextmanager
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from retex.api import TaskSpec
+from retex.kube.calls import NamespaceTerminating, Refused
+from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, job_name
+from retex.ledger import Dispatch, LedgerUnavailable
+from retex.operator.dispatch import Relay
+
+SPEC = TaskSpec.model_validate({"steps": [{"name": "only", "exec": {"command": ["true"]}}]}).as_admitted()
+DEFER_LIMIT = 300.0
+_ids = itertools.count(1)
+
+
+def record(uid, *, spec=SPEC, deferred=None, cancel=None, epoch=1):
+    return Dispatch(id=next(_ids), task_uid=uid, epoch=epoch, namespace="ns", name=f"t-{uid}",
+                    spec=spec, deferred_seconds=deferred, cancel_reason=cancel)
+
+
+def live(uid, *, spec=SPEC, **metadata):
+    return {"metadata": {"uid": uid, "name": f"t-{uid}", "namespace": "ns", **metadata}, "spec": spec}
+
+
+def job_of(uid, epoch=1):
+    return job_name(f"t-{uid}", uid, epoch)
+
+
+class FakeOutcomes:
+    """What the relay settled, by task uid."""
+
+    def __init__(self, claimed):
+        self.claimed = claimed
+        self.settled = {}
+
+    def sent(self, dispatch, job_name):
+        self.settled[dispatch.task_uid] = ("sent", job_name)
+
+    def dropped(self, dispatch, *, reason, job_name=None):
+        self.settled[dispatch.task_uid] = ("dropped", reason, job_name)
+
+    def rejected(self, dispatch, message, *, reason, job_name=None):
+        self.settled[dispatch.task_uid] = ("rejected", reason, message, job_name)
+
+    def deferred(self, dispatch, error):
+        self.settled[dispatch.task_uid] = ("deferred", error)
+        return 1.0
+
+
+class FakeLedger:
+    def __init__(self, batch, *, attempts_error=None):
+        self.batch, self.outcomes = batch, FakeOutcomes(len(batch))
+        self._attempts_error = attempts_error
+
+    @contextmanager
+    def dispatch_batch(self, *, limit):
+        yield self.batch, self.outcomes
+
+    def attempts(self, uid):
+        if self._attempts_error:
+            raise self._attempts_error
+        return []
+
+
+class FakeKube:
+    """Tasks by name (a value that is an exception is raised by the GET); `refuse`: task uid →
+    the exception its Job's create raises; `jobs`: the Jobs that exist."""
+
+    def __init__(self, tasks, *, refuse=None, lease_error=None, jobs=(), delete_error=None):
+        self.tasks, self.refuse = tasks, refuse or {}
+        self.lease_error, self.delete_error = lease_error, delete_error
+        self.jobs = set(jobs)
+
+    def get_task(self, namespace, name):
+        task = self.tasks.get(name)
+        if isinstance(task, Exception):
+            raise task
+        return task
+
+    def create_lease(self, body):
+        if self.lease_error:
+            raise self.lease_error
+
+    def create_job(self, body):
+        error = self.refuse.get(body["metadata"]["labels"][LABEL_TASK_UID])
+        if error:
+            raise error
+        self.jobs.add(body["metadata"]["name"])
+
+    def delete_job_of(self, namespace, name, task_uid):
+        if self.delete_error:
+            raise self.delete_error
+        found = name in self.jobs
+        self.jobs.discard(name)
+        return found
+
+
+def relay(ledger, kube):
+    defaults = WorkerDefaults(image="retex-worker:test", service_account="retex-worker", ledger_url="http://ledger")
+    return Relay(ledger, kube, defaults, interval=1.0, defer_limit_seconds=DEFER_LIMIT)
+
+
+def settle(batch, kube, **ledger_options):
+    ledger = FakeLedger(batch, **ledger_options)
+    claimed = relay(ledger, kube).relay_once()
+    assert claimed == len(batch)
+    return ledger.outcomes.settled
+
+
+def test_one_refused_job_fails_its_own_task_and_the_records_around_it_are_sent():
+    refused = Refused('jobs.batch "x" is forbidden: exceeded quota', 403)
+    kube = FakeKube({f"t-{u}": live(u) for u in ("a", "b", "c")}, refuse={"b": refused})
+    settled = settle([record("a"), record("b"), record("c")], kube)
+    assert settled == {
+        "a": ("sent", job_of("a")),
+        "b": ("rejected", "JobRejected", 'jobs.batch "x" is forbidden: exceeded quota', None),
+        "c": ("sent", job_of("c")),
+    }
+    assert kube.jobs == {job_of("a"), job_of("c")}
+
+
+@pytest.mark.parametrize("reason", ["Cancelled", "TaskDeleted"])
+def test_a_record_of_a_task_whose_cancel_was_requested_is_dropped_with_its_reason(reason):
+    kube = FakeKube({"t-a": live("a")})
+    assert settle([record("a", cancel=reason)], kube) == {"a": ("dropped", reason, None)}
+    assert kube.jobs == set()
+
+
+@pytest.mark.parametrize("task", [
+    None,
+    live("a", deletionTimestamp="2026-12-03T09:00:00Z"),
+    {"metadata": {"uid": "another-uid", "name": "t-a", "namespace": "ns"}, "spec": SPEC},
+], ids=["gone", "being-deleted", "a-new-task-with-its-name"])
+def test_a_record_whose_task_object_is_gone_is_dropped_as_task_deleted(task):
+    kube = FakeKube({"t-a": task})
+    assert settle([record("a")], kube) == {"a": ("dropped", "TaskDeleted", None)}
+    assert kube.jobs == set()
+
+
+def test_a_cancel_on_the_live_task_the_handler_has_not_seen_yet_drops_the_record():
+    kube = FakeKube({"t-a": live("a", spec=SPEC | {"cancel": True})})
+    assert settle([record("a")], kube) == {"a": ("dropped", "Cancelled", None)}
+
+
+def test_a_record_for_a_terminating_namespace_is_dropped_as_task_deleted():
+    kube = FakeKube({"t-a": live("a")}, lease_error=NamespaceTerminating("namespace ns is being terminated", 403))
+    assert settle([record("a")], kube) == {"a": ("dropped", "TaskDeleted", None)}
+
+
+def test_a_record_ending_unsent_deletes_the_job_a_dead_relay_left_and_says_so():
+    kube = FakeKube({"t-a": live("a")}, jobs={job_of("a")})
+    assert settle([record("a", cancel="Cancelled")], kube) == {"a": ("dropped", "Cancelled", job_of("a"))}
+    assert kube.jobs == set()
+
+
+def test_a_record_is_not_ended_while_it_is_unknown_whether_a_job_of_it_exists():
+    kube = FakeKube({"t-a": live("a")}, delete_error=ApiException(status=503, reason="Service Unavailable"))
+    assert settle([record("a", cancel="Cancelled")], kube)["a"][0] == "deferred"
+
+
+def test_a_ledger_spec_that_differs_from_the_live_tasks_gets_no_job_and_fails_the_task():
+    forged = SPEC | {"steps": [{"name": "only", "exec": {"command": ["sh", "-c", "curl evil"]}}]}
+    kube = FakeKube({"t-a": live("a")})
+    settled = settle([record("a", spec=forged)], kube)
+    outcome, reason, message, job = settled["a"]
+    assert (outcome, reason, job) == ("rejected", "SpecMismatch", None)
+    assert "differs from the Task's" in message
+    assert kube.jobs == set()
+
+
+def test_a_transient_error_defers_that_record_alone():
+    busy = ApiException(status=429, reason="Too Many Requests")
+    kube = FakeKube({"t-a": live("a"), "t-b": live("b")}, refuse={"a": busy})
+    settled = settle([record("a"), record("b")], kube)
+    assert settled["a"][0] == "deferred" and "Too Many Requests" in settled["a"][1]
+    assert settled["b"] == ("sent", job_of("b"))
+
+
+def test_a_record_deferred_up_to_the_limit_fails_the_task_with_dispatch_failed():
+    busy = ApiException(status=503, reason="Service Unavailable")
+    kube = FakeKube({"t-a": live("a"), "t-b": live("b")}, refuse={"a": busy, "b": busy})
+    settled = settle([record("a", deferred=DEFER_LIMIT), record("b", deferred=DEFER_LIMIT - 1)], kube)
+    outcome, reason, message, _ = settled["a"]
+    assert (outcome, reason) == ("rejected", "DispatchFailed")
+    assert message.startswith(f"not dispatched for {DEFER_LIMIT:.0f}s; last error: ApiException")
+    assert settled["b"][0] == "deferred"
+
+
+def test_an_error_repeating_cannot_cure_fails_the_task_at_once_without_deferring():
+    bad = live("a", spec={"steps": "not a list"})  # the models refuse it: the same every time
+    kube = FakeKube({"t-a": bad})
+    outcome, reason, message, _ = settle([record("a")], kube)["a"]
+    assert (outcome, reason) == ("rejected", "DispatchFailed")
+    assert message.startswith("the attempt could not be dispatched: ValidationError")
+
+
+def test_a_ledger_error_mid_batch_is_raised_so_the_whole_batch_rolls_back():
+    kube = FakeKube({"t-a": live("a")})
+    ledger = FakeLedger([record("a", epoch=2)], attempts_error=LedgerUnavailable("postgres down"))
+    with pytest.raises(LedgerUnavailable):
+        relay(ledger, kube).relay_once()
+    assert ledger.outcomes.settled == {}

@@ -1,0 +1,159 @@
+"""The status mirror's decisions, driven with small fakes of the ledger and the API calls (what
+status it computes is tests/unit/test_status.py's): it writes only when the ledger is ahead of the
+version shown, never onto another Task, keeps the marks of a failed round, resyncs only the Tasks
+that lag, keeps the dead-letter label in step, posts a task's final Event whatever the limiter
+says, and shows a refusal once per generation."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from retex.machine import TaskPhase
+from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
+from tests.unit.test_status import record
+
+
+def rec(uid, **extra):
+    return record(uid=uid, name=f"t-{uid}", **extra)
+
+
+def task_object(uid, *, shown_version=None, labels=None, name=None):
+    return {"metadata": {"uid": uid, "name": name or f"t-{uid}", "namespace": "ns", "generation": 1,
+                         "labels": labels or {}},
+            "status": {} if shown_version is None else {"ledgerVersion": shown_version}}
+
+
+class FakeLedger:
+    def __init__(self, *records):
+        self.records = {r.uid: r for r in records}
+        self.read = []
+
+    def get(self, uid):
+        self.read.append(uid)
+        return self.records[uid]
+
+    def versions(self):
+        return {uid: r.version for uid, r in self.records.items()}
+
+
+class FakeKube:
+    def __init__(self, *tasks, patch_error=None, event_error=None):
+        self.tasks = {t["metadata"]["name"]: t for t in tasks}
+        self.patch_error, self.event_error = patch_error, event_error
+        self.written, self.labels, self.events = [], [], []
+
+    def get_task(self, namespace, name):
+        return self.tasks.get(name)
+
+    def list_tasks(self):
+        return list(self.tasks.values())
+
+    def patch_task_status(self, namespace, name, uid, status):
+        if self.patch_error and self.patch_error[0] == uid:
+            raise self.patch_error[1]
+        self.written.append((uid, status.get("ledgerVersion"), status.get("phase")))
+
+    def patch_task_labels(self, namespace, name, uid, labels):
+        self.labels.append((uid, labels))
+
+    def post_event(self, task, *, reason, message, warning):
+        if self.event_error:
+            raise self.event_error
+        self.events.append(reason)
+
+
+NO_LEASES = SimpleNamespace(get=lambda uid: None)
+
+
+def mirror(ledger, kube):
+    return StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600)
+
+
+@pytest.mark.parametrize("shown, written", [(None, True), (6, True), (7, False), (8, False)])
+def test_a_status_is_written_only_when_the_ledger_is_ahead_of_the_version_shown(shown, written):
+    kube = FakeKube(task_object("u", shown_version=shown))
+    mirror(FakeLedger(rec("u", version=7)), kube).mirror("u")
+    assert kube.written == ([("u", 7, "Running")] if written else [])
+
+
+@pytest.mark.parametrize("task", [None, task_object("other-uid", name="t-u")], ids=["gone", "a-new-task-with-its-name"])
+def test_nothing_is_written_onto_a_task_that_is_gone_or_is_another_with_its_name(task):
+    kube = FakeKube(*([task] if task else []))
+    mirror(FakeLedger(rec("u")), kube).mirror("u")
+    assert kube.written == [] and kube.events == []
+
+
+@pytest.mark.parametrize("code", [404, 409, 422])
+def test_a_write_refused_as_gone_replaced_or_older_than_shown_is_let_go(code):
+    kube = FakeKube(task_object("u"), patch_error=("u", ApiException(status=code)))
+    mirror(FakeLedger(rec("u")), kube).mirror("u")  # does not raise: nothing to retry
+    assert kube.events == []
+
+
+def test_a_failed_round_keeps_the_marks_it_did_not_write_and_the_next_round_writes_them():
+    ledger = FakeLedger(rec("u1"), rec("u2"), rec("u3"))
+    kube = FakeKube(*(task_object(u, shown_version=7) for u in ("u1", "u2", "u3")),
+                    patch_error=("u2", ApiException(status=500, reason="etcdserver: request timed out")))
+    m = mirror(ledger, kube)
+    for uid in ("u1", "u2", "u3"):  # the ledger moved on: each is now ahead of what is shown
+        ledger.records[uid] = replace(ledger.records[uid], version=8)
+        m.mark(uid)
+    with pytest.raises(ApiException):
+        m.round()
+    kube.patch_error = None
+    m.round()
+    assert sorted(uid for uid, _, _ in kube.written) == ["u1", "u2", "u3"], "each written once, none lost"
+
+
+def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():
+    ledger = FakeLedger(rec("behind", version=7), rec("current", version=7))
+    refused = task_object("refused")  # never admitted: not in the ledger
+    kube = FakeKube(task_object("behind", shown_version=6), task_object("current", shown_version=7), refused)
+    mirror(ledger, kube).round()
+    assert ledger.read == ["behind"], "only the lagging Task is marked"
+    assert [uid for uid, _, _ in kube.written] == ["behind"]
+
+
+@pytest.mark.parametrize("dead_lettered, label, patched", [
+    (True, None, {DEAD_LETTER_LABEL: "true"}),
+    (False, "true", {DEAD_LETTER_LABEL: None}),  # requeued: the label goes
+    (True, "true", None),
+    (False, None, None),
+])
+def test_the_dead_letter_label_follows_the_ledger(dead_lettered, label, patched):
+    phase = TaskPhase.FAILED if dead_lettered else TaskPhase.RUNNING
+    kube = FakeKube(task_object("u", labels={DEAD_LETTER_LABEL: label} if label else {}))
+    mirror(FakeLedger(rec("u", phase=phase, dead_lettered=dead_lettered)), kube).mirror("u")
+    assert kube.labels == ([("u", patched)] if patched else [])
+
+
+def test_the_event_of_a_tasks_end_is_posted_even_when_its_attempt_events_spent_the_limit():
+    # A crash-looping task first seen at attempt 12, already Failed: 14 Events, the limit is 10.
+    failed = rec("u", phase=TaskPhase.FAILED, epoch=12, reason="RetriesExhausted", last_error="exit 1")
+    kube = FakeKube(task_object("u"))
+    mirror(FakeLedger(failed), kube).mirror("u")
+    assert kube.events == ["Accepted", *["AttemptStarted"] * 9, "Failed"]
+
+
+def test_an_event_the_api_server_refuses_does_not_undo_the_status_write():
+    kube = FakeKube(task_object("u"), event_error=ApiException(status=403, reason="Forbidden"))
+    mirror(FakeLedger(rec("u")), kube).mirror("u")
+    assert kube.written == [("u", 7, "Running")]
+
+
+def test_a_refusal_is_written_and_announced_once_per_generation():
+    kube = FakeKube()
+    m = mirror(FakeLedger(), kube)
+    task = task_object("u")
+    m.refuse(task, "InvalidSpec", "steps: at least one")
+    assert [(uid, phase) for uid, _, phase in kube.written] == [("u", "Refused")]
+    assert kube.events == ["InvalidSpec"]
+    shown = {**task, "status": {"phase": "Refused", "observedGeneration": 1, "conditions": [
+        {"type": "Accepted", "status": "False", "reason": "InvalidSpec", "message": "steps: at least one",
+         "observedGeneration": 1, "lastTransitionTime": "2026-12-03T09:00:00Z"}]}}
+    m.refuse(shown, "InvalidSpec", "steps: at least one")  # admission again: an operator restart
+    assert len(kube.written) == 1 and kube.events == ["InvalidSpec"]
+    m.refuse({**shown, "metadata": {**shown["metadata"], "generation": 2}}, "InvalidSpec", "steps: at least one")
+    assert len(kube.written) == 2 and kube.events == ["InvalidSpec", "InvalidSpec"]
