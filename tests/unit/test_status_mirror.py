@@ -64,7 +64,7 @@ class FakeKube:
         self.events.append(reason)
 
 
-NO_LEASES = SimpleNamespace(get=lambda uid: None)
+NO_LEASES = SimpleNamespace(get=lambda namespace, name, uid: None)
 
 
 def mirror(ledger, kube):
