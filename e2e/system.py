@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -107,3 +109,25 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.25, what: str = "
     """The rig's poller (progress every few seconds, RigError on timeout) with the keyword order
     scenarios read best in."""
     return rig_wait_for(what, predicate, timeout, interval=interval)
+
+
+@dataclass(frozen=True)
+class PodEnd:
+    pod: str
+    exit_code: int | None  # None while it runs
+    log: str
+
+
+def job_pod_ends(rig, namespace: str, job: str) -> list[PodEnd]:
+    """How each pod of `job` ended (exit code and output), from the rig's node agents' records:
+    kept after the pod and its Job are deleted (the reaper deletes a replaced attempt's Job)."""
+    ends = []
+    for node in rig.nodes:
+        agent_log = (rig.state_dir / "logs" / f"agent-{node}.log").read_text(errors="replace")
+        for pod_dir in sorted((rig.node_dir(node) / "pods").glob(f"{namespace}_{job}-*")):
+            pod = pod_dir.name.split("_")[1]
+            codes = re.findall(rf"pod {re.escape(namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
+                               agent_log)
+            log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
+            ends.append(PodEnd(pod, int(codes[-1]) if codes else None, log))
+    return ends

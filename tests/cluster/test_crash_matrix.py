@@ -12,7 +12,6 @@ terminal within the bound measured from submission, and the row's own behaviour.
 from __future__ import annotations
 
 import json
-import re
 import signal
 import tempfile
 import time
@@ -24,7 +23,7 @@ import psycopg
 import pytest
 import yaml
 
-from e2e.system import task_manifest, wait_for
+from e2e.system import PodEnd, job_pod_ends, task_manifest, wait_for
 from retex.kube.objects import job_name
 from tests.cluster.test_operator import status, task
 
@@ -193,25 +192,8 @@ def operator_died_at(system, spec: str, submitted: Submitted) -> None:
 # -- worker pods, read from the node agents' records: a replaced attempt's Job (and pod) is deleted --
 
 
-@dataclass(frozen=True)
-class PodEnd:
-    pod: str
-    exit_code: int | None  # None while it runs
-    log: str
-
-
 def attempt_pods(system, submitted: Submitted, epoch: int) -> list[PodEnd]:
-    prefix = f"{system.namespace}_{job_name(submitted.name, submitted.uid, epoch)}-"
-    ends = []
-    for node in system.rig.nodes:
-        agent_log = (system.rig.state_dir / "logs" / f"agent-{node}.log").read_text(errors="replace")
-        for pod_dir in sorted((system.rig.node_dir(node) / "pods").glob(f"{prefix}*")):
-            pod = pod_dir.name.split("_")[1]
-            codes = re.findall(rf"pod {re.escape(system.namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
-                               agent_log)
-            log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
-            ends.append(PodEnd(pod, int(codes[-1]) if codes else None, log))
-    return ends
+    return job_pod_ends(system.rig, system.namespace, job_name(submitted.name, submitted.uid, epoch))
 
 
 def worker_died_at(system, spec: str, submitted: Submitted) -> PodEnd:
@@ -480,12 +462,9 @@ def pod_exit_code(system, job_name):
     return int(wait_for(terminated, timeout=60, what=f"{job_name} pod to exit"))
 
 
-def pod_log(system, job_name: str) -> str:
-    """What the pods of `job_name` printed, read from the node agents' pod directories."""
-    prefix = f"{system.namespace}_{job_name}-"
-    return "".join(log.read_text(errors="replace") for node in system.rig.nodes
-                   for pod_dir in (system.rig.node_dir(node) / "pods").glob(f"{prefix}*")
-                   for log in sorted(pod_dir.glob("*.log")))
+def pod_log(system, job: str) -> str:
+    """What the pods of `job` printed."""
+    return "".join(end.log for end in job_pod_ends(system.rig, system.namespace, job))
 
 
 def test_R10_a_second_pod_for_the_attempt_never_executes_and_the_first_goes_on(retex, stubs, gates):

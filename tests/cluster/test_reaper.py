@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 import uuid
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.system import wait_for
+from e2e.system import job_pod_ends, wait_for
 from retex.kube.objects import job_name, lease_name
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
@@ -43,21 +42,6 @@ def test_a_task_purged_by_history_retention_is_not_run_again_after_an_operator_r
     again = retex.ledger.find(retex.namespace, "once")
     assert again is None, f"admitted again: {again.phase} at epoch {again.epoch}"
     assert notifier.for_task(uid)["notify"]["executions"] == 1
-
-
-def worker_ends(system, job: str) -> list[tuple[int | None, str]]:
-    """(exit code, log) of each pod of `job`, from the node agents' records: the reaper deletes a
-    replaced attempt's Job, and its pods with it. Exit code None: still running."""
-    ends = []
-    for node in system.rig.nodes:
-        agent_log = (system.rig.state_dir / "logs" / f"agent-{node}.log").read_text(errors="replace")
-        for pod_dir in sorted((system.rig.node_dir(node) / "pods").glob(f"{system.namespace}_{job}-*")):
-            pod = pod_dir.name.split("_")[1]
-            codes = re.findall(rf"pod {re.escape(system.namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
-                               agent_log)
-            log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
-            ends.append((int(codes[-1]) if codes else None, log))
-    return ends
 
 
 def _missing_service_account(retex):
@@ -124,9 +108,9 @@ def test_a_job_that_fails_before_its_worker_takes_the_lease_is_a_disruption_up_t
         (1, "first", "lost"), (2, "disruption", "lost")]
     # The path taken: each attempt's worker was refused the Lease and exited 1, never holding it.
     for epoch in (1, 2):
-        ends = worker_ends(retex, job_name("unleased", uid, epoch))
-        assert [code for code, _ in ends] == [1], ends
-        assert "worker crashed" in ends[0][1] and "Forbidden" in ends[0][1], ends[0][1][-2000:]
+        ends = job_pod_ends(retex.rig, retex.namespace, job_name("unleased", uid, epoch))
+        assert [end.exit_code for end in ends] == [1], ends
+        assert "worker crashed" in ends[0].log and "Forbidden" in ends[0].log, ends[0].log[-2000:]
     lease = json.loads(retex.kubectl("get", "lease", lease_name("unleased", uid), "-o", "json").stdout)
     assert not lease["spec"].get("holderIdentity"), lease["spec"]
     assert not retex.ledger.running()  # its run slot is free
