@@ -116,11 +116,13 @@ class PostgresServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
             # Backends die a moment after the postmaster; a new postmaster refuses to start
-            # while any of them still holds the old shared memory.
+            # while any of them still holds the old shared memory. Signal the group again until
+            # it is empty: a backend forked while the first signal went out escaped it (seen once:
+            # "pre-existing shared memory block ... is still in use").
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 try:
-                    os.killpg(self.proc.pid, 0)
+                    os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     break
                 time.sleep(0.05)
