@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -181,6 +181,20 @@ def wait_until(what: str, check, timeout: float = 15):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def renewal_stopped(task) -> str | None:
+    """The renewTime, once it has not moved for two retry periods (a renewal already in flight
+    when the pause landed may still arrive)."""
+    seen = task.lease()["spec"]["renewTime"]
+    time.sleep(2 * LeaseTiming.of(DURATION).retry_period)
+    return seen if task.lease()["spec"]["renewTime"] == seen else None
+
+
+def lease_expired(lease: dict) -> bool:
+    spec = lease["spec"]
+    renewed = datetime.fromisoformat(spec["renewTime"].replace("Z", "+00:00"))
+    return datetime.now(UTC) > renewed + timedelta(seconds=spec["leaseDurationSeconds"])
+
+
 @pytest.fixture
 def new_task(ledger, api, tmp_path):
     return lambda steps, **kwargs: Task(ledger, api, tmp_path, steps, **kwargs)
@@ -251,8 +265,11 @@ def test_paused_zombie_is_fenced_after_a_new_attempt_every_write_rejected(new_ta
     # Paused inside the step (its process has started), not between the begin and the run.
     wait_until("step 1 to run", running.exists)
     zombie.signal_group(signal.SIGSTOP)  # the worker and its step: alive, doing nothing
-    # The operator sees no renewal for the lease duration and starts attempt 2.
-    time.sleep(DURATION + 0.5)
+    # The operator sees no renewal for the lease duration and starts attempt 2. The pause fired:
+    # the renewal seen once the pause took hold is still the last one when the lease expires.
+    paused_renewal = wait_until("the lease to stop renewing", lambda: renewal_stopped(task))
+    wait_until("the lease to expire", lambda: lease_expired(task.lease()), timeout=DURATION * 3)
+    assert task.lease()["spec"]["renewTime"] == paused_renewal
     epoch = task.ledger.replace_attempt(task.uid, 1, cause="lease-expired").epoch
     successor = task.worker("pod-new", epoch, endpoint, rig.kubeconfig)
     assert successor.wait() == 0, successor.log()
