@@ -54,6 +54,20 @@ MUTANTS = (
             "tests/cluster/test_policies.py::test_one_task_per_concurrency_key_runs_at_a_time_in_creation_order_across_a_restart")),
     Mutant("status-monotonic-version", "the status mirror's monotonic ledgerVersion (mirror check and CRD rule)",
            (f"{MATRIX}::test_R4_a_status_written_by_a_newer_mirror_is_never_overwritten_by_an_older_version",)),
+    Mutant("relay-record-isolation", "one refused Job fails its own task only (the relay's per-record outcome)",
+           ("tests/cluster/test_relay.py::test_one_task_whose_job_the_api_server_refuses_fails_alone_and_thirty_behind_it_finish",)),
+    Mutant("start-deadline", "the start deadline (a worker pod that can never start fails its attempt)",
+           ("tests/cluster/test_reaper.py::test_a_worker_pod_that_never_starts_fails_its_attempt_with_the_reason_kubernetes_gives",)),
+    Mutant("purge-tombstone", "the tombstone that keeps a purged task from being admitted again",
+           ("tests/integration/test_ledger_lifecycle.py::test_a_purged_task_is_never_admitted_again",
+            "tests/cluster/test_reaper.py::test_a_task_purged_by_history_retention_is_not_run_again_after_an_operator_restart")),
+    Mutant("lease-confirm-get", "the reaper's GET of the Lease before it replaces an attempt",
+           ("tests/cluster/test_reaper.py::test_an_operator_paused_longer_than_a_lease_condemns_no_live_worker",)),
+    Mutant("spec-mismatch", "the relay's check of the ledger's spec against the live Task",
+           ("tests/cluster/test_relay.py::test_a_spec_changed_in_the_ledger_is_never_dispatched_the_task_fails_as_spec_mismatch",)),
+    Mutant("endpoint-pod-binding", "the ledger endpoint's check that the calling pod is a worker of the task",
+           ("tests/cluster/test_tenancy.py::test_a_forged_worker_in_one_namespace_for_a_task_of_another_is_refused",
+            "tests/cluster/test_tenancy.py::test_a_pod_with_the_labels_but_no_job_is_refused")),
 )
 
 
