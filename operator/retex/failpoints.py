@@ -32,8 +32,9 @@ POINTS = frozenset({
     "before-admit", "after-admit", "after-job-create", "in-status-mirror",
     # worker
     "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",
-    # ledger, inside a worker's commit transaction: it runs in the operator's ledger endpoint
-    "in-commit",
+    # ledger, on a worker's behalf: it runs in the operator's ledger endpoint. in-commit: inside
+    # the commit transaction; after-begin-commit: a begin committed, its reply not yet sent
+    "in-commit", "after-begin-commit",
 })
 ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
 _SPEC = re.compile(r"(?P<point>[a-z-]+)(?::(?P<step>[a-z0-9-]+))?(?:@(?P<task>[A-Za-z0-9.-]+))?(?:=(?P<action>[a-z]+))?")

@@ -389,6 +389,40 @@ def test_R8_the_commit_transaction_dies_with_the_operator_and_the_worker_sends_i
     assert commits_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3]}
 
 
+@pytest.mark.parametrize("step", ["notify", "charge"])
+def test_R8b_the_reply_to_a_begin_is_lost_and_the_worker_runs_the_step_once_without_flagging_it(retex, stubs, step):
+    """The operator commits a worker's begin_step and dies before it replies. The worker sends the
+    same begin again (the same request id): the restarted endpoint answers with the state the
+    step had before that begin, so the step runs once as if the reply had arrived — not judged
+    an interrupted step of its own attempt (for `notify`, neither idempotent nor verifiable, that
+    would stop the task for a human although nothing was sent)."""
+    payments, notifier = stubs
+    steps = order_steps(payments, notifier)
+    expected = control(retex, steps, lease=LEASE)
+    spec = f"after-begin-commit:{step}@crash"
+    retex.operator.restart(RETEX_FAILPOINT=spec)
+    crash = submit(retex, "crash", steps, lease=LEASE)
+    operator_died_at(retex, spec, crash)
+    idx = [s["name"] for s in steps].index(step)
+    # At death: the begin of `step` is committed, nothing of it ran.
+    assert begun_by_epoch(retex, crash.uid) == {1: list(range(idx + 1))}
+    assert commits_by_epoch(retex, crash.uid) == ({1: list(range(idx))} if idx else {})
+    assert effects_of(payments, notifier, crash.uid).get(step, {}).get("deliveries", 0) == 0
+    retex.operator.start()
+    settle(retex, crash)
+    assert outcome(retex, crash.uid) == expected
+    counts = effects_of(payments, notifier, crash.uid)
+    assert_exactly_once(counts)
+    assert counts[step] == {"deliveries": 1, "executions": 1}, "run once, not verified, not re-sent"
+    assert [a.epoch for a in retex.ledger.attempts(crash.uid)] == [1], "the worker rode out the operator's death"
+    assert begun_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3]}
+    worker_log = "".join(end.log for end in job_pod_ends(retex.rig, "tenant-0", job_name("crash", crash.uid, 1)))
+    assert "step was begun and never recorded" not in worker_log, "the step was judged interrupted"
+    # The begin waited out the operator's death: the run's start is recorded again before it runs,
+    # so a later attempt would wait out this run's deadline, and the run gets its whole timeout.
+    assert [h.step_idx for h in retex.ledger.history(crash.uid) if h.event == "step-run"] == [idx]
+
+
 def test_R7_worker_killed_after_a_commit_never_runs_the_committed_step_again(retex, stubs):
     payments, notifier = stubs
     # The charge goes to the notifier, which executes every delivery: a re-run would count twice.

@@ -80,6 +80,30 @@ def test_begin_returns_the_step_as_it_was_so_the_worker_sees_an_ambiguous_start(
     assert (prior.state, prior.attempt) == (StepState.STARTED, 1)
 
 
+def test_a_begin_sent_again_with_its_request_id_gets_the_first_answer_and_writes_nothing(ledger):
+    uid = admitted(ledger)
+    first = ledger.begin_step(uid, 1, 0, actor="worker", request="r1")
+    version = ledger.get(uid).version
+    again = ledger.begin_step(uid, 1, 0, actor="worker", request="r1")
+    assert again == first and first.state == StepState.PENDING
+    assert ledger.get(uid).version == version
+    # Another call (another process of the attempt, or one that kept no id) is told the truth.
+    assert ledger.begin_step(uid, 1, 0, actor="worker", request="r2").state == StepState.STARTED
+    assert ledger.begin_step(uid, 1, 0, actor="worker").state == StepState.STARTED
+
+
+def test_a_begin_of_an_interrupted_step_sent_again_still_names_the_attempt_that_began_it(ledger):
+    uid = admitted(ledger)
+    begun = ledger.begin_step(uid, 1, 0, actor="worker")
+    started_at = ledger.get(uid).steps[0].started_at
+    ledger.replace_attempt(uid, 1, cause="lease-expired")
+    first = ledger.begin_step(uid, 2, 0, actor="worker", request="r1")
+    again = ledger.begin_step(uid, 2, 0, actor="worker", request="r1")
+    assert (first.state, first.attempt, first.started_at) == (StepState.STARTED, 1, started_at) != \
+        (begun.state, begun.attempt, begun.started_at)
+    assert again == first
+
+
 def test_a_step_cannot_begin_before_the_steps_ahead_of_it_are_done(ledger):
     uid = admitted(ledger)
     with pytest.raises(StepOutOfOrder):

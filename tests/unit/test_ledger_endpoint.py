@@ -41,8 +41,8 @@ class FakeLedger:
         self.calls.append(("get", uid))
         return self.tasks[uid]
 
-    def begin_step(self, uid, epoch, *, idx, actor):
-        self.calls.append(("begin_step", uid, epoch, idx, actor))
+    def begin_step(self, uid, epoch, *, idx, actor, request=None):
+        self.calls.append(("begin_step", uid, epoch, idx, actor) + ((request,) if request else ()))
         return None
 
     def claim_attempt(self, uid, epoch, *, pod, node):
@@ -119,6 +119,8 @@ def test_a_token_that_is_not_a_workers_is_refused_401():
     ("begin_step", {"uid": UID, "epoch": 2, "idx": -1}),
     ("begin_step", {"uid": UID, "epoch": 2, "idx": True}),
     ("begin_step", {"uid": UID, "epoch": 2, "idx": 0, "actor": "cli:root"}),  # no option to pass
+    ("begin_step", {"uid": UID, "epoch": 2, "idx": 0, "request": ""}),
+    ("begin_step", {"uid": UID, "epoch": 2, "idx": 0, "request": "x" * 65}),
     ("seconds_until_step_deadline", {"uid": UID, "idx": 0, "begun_at": "yesterday", "after_seconds": 5}),
 ])
 def test_a_request_missing_an_argument_or_carrying_a_wrong_or_extra_one_is_refused_400(operation, body):
@@ -131,6 +133,9 @@ def test_a_well_formed_request_becomes_the_ledger_methods_arguments():
                                                          "after_seconds": 2.5}) == \
         {"idx": 1, "begun_at": at, "after_seconds": 2.5}
     assert parse_request("commit_step", {"uid": UID, "epoch": 2, "idx": 0, "result": None}) == {"idx": 0, "result": None}
+    assert parse_request("begin_step", {"uid": UID, "epoch": 2, "idx": 0, "request": "r1"}) == {"idx": 0, "request": "r1"}
+    # A worker of the release before request ids sends none.
+    assert parse_request("begin_step", {"uid": UID, "epoch": 2, "idx": 0}) == {"idx": 0}
 
 
 # -- the HTTP plumbing: nobody can tie it up -------------------------------------------------------

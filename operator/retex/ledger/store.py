@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
@@ -726,28 +726,42 @@ class Ledger:
 
         return self._tx(op, op="claim_attempt")
 
-    def begin_step(self, uid: str, epoch: int, idx: int, *, actor: str) -> StepRecord:
-        """Mark step `idx` started by this attempt; returns it as it was before. Fenced."""
+    def begin_step(self, uid: str, epoch: int, idx: int, *, actor: str, request: str | None = None) -> StepRecord:
+        """Mark step `idx` started by this attempt; returns it as it was before. Fenced.
 
-        def op(cur: psycopg.Cursor) -> StepRecord:
+        `request` names this call: the same call sent again (its reply was lost) gets the same
+        answer. Without it, or with another, a repeat finds the step started by this attempt and
+        returns that: the caller treats the step as interrupted (another process of the attempt,
+        or a begin whose answer nobody kept)."""
+
+        def op(cur: psycopg.Cursor) -> tuple[StepRecord, str]:
             task = self._lock_task(cur, uid)
             self._fence(task, epoch)
             if task["cancel_requested"]:
                 raise CancelRequested(uid)
             steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
-            prior = _step_record(steps[idx])
+            row = steps[idx]
+            prior = _step_record(row)
             if prior.state == StepState.STARTED and prior.attempt == epoch:
-                return prior  # a repeated call
+                if request is not None and row["begin_request"] == request:  # the same call again
+                    return replace(prior, state=StepState(row["prior_state"]), attempt=row["prior_attempt"],
+                                   started_at=row["prior_started_at"]), task["name"]
+                return prior, task["name"]  # a repeated call
             if any(s["state"] != StepState.DONE for s in steps[:idx]):
                 raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
             self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
             # The moment of this write, not the transaction's start (now(), before the lock wait):
             # a later attempt's deadline wait counts from it.
-            cur.execute("UPDATE retex.steps SET started_at = clock_timestamp() WHERE task_uid = %s AND idx = %s",
-                        (uid, idx))
-            return prior
+            cur.execute(
+                """UPDATE retex.steps SET started_at = clock_timestamp(), begin_request = %s,
+                          prior_state = %s, prior_attempt = %s, prior_started_at = %s
+                   WHERE task_uid = %s AND idx = %s""",
+                (request, prior.state, prior.attempt, prior.started_at, uid, idx))
+            return prior, task["name"]
 
-        return self._tx(op, op="begin_step")
+        prior, name = self._tx(op, op="begin_step")
+        failpoint("after-begin-commit", prior.name, task=name, uid=uid)  # crash-matrix R8b: committed, no reply
+        return prior
 
     def start_run(self, uid: str, epoch: int, idx: int, *, actor: str) -> None:
         """Step `idx`, begun by this attempt and found `started` from an earlier one, is about to

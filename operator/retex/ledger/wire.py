@@ -34,7 +34,7 @@ PATH_PREFIX = "/v1/attempt/"
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "get": (),
     "claim_attempt": ("node",),
-    "begin_step": ("idx",),
+    "begin_step": ("idx", "request"),
     "start_run": ("idx",),
     "seconds_until_step_deadline": ("idx", "begun_at", "after_seconds"),
     "commit_step": ("idx", "result"),

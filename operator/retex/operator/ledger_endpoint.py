@@ -49,18 +49,21 @@ _ARGUMENTS: dict[str, Callable[[Any], bool]] = {
     "error": lambda v: isinstance(v, str),
     "retryable": lambda v: isinstance(v, bool),
     "why": lambda v: isinstance(v, str),
+    "request": lambda v: isinstance(v, str) and 0 < len(v) <= 64,
 }
+# A worker of the release before request ids sends none: it is served as before.
+_OPTIONAL = frozenset({"request"})
 
 
 def parse_request(operation: str, body: dict[str, Any]) -> dict[str, Any]:
     """The Ledger method's keyword arguments from a request body, strictly; Refusal(400) else."""
     expected = set(OPERATIONS[operation]) | {"uid"} | (set() if operation in UNFENCED else {"epoch"})
-    if set(body) != expected:
+    if not expected - _OPTIONAL <= set(body) <= expected:
         raise Refusal(400, f"{operation} takes exactly {sorted(expected)}, got {sorted(body)}")
-    for name in OPERATIONS[operation]:
-        if not _ARGUMENTS[name](body[name]):
-            raise Refusal(400, f"{operation}: {name}={body[name]!r} is not valid")
-    kwargs = {name: body[name] for name in OPERATIONS[operation]}
+    kwargs = {name: body[name] for name in OPERATIONS[operation] if name in body}
+    for name, value in kwargs.items():
+        if not _ARGUMENTS[name](value):
+            raise Refusal(400, f"{operation}: {name}={value!r} is not valid")
     if "begun_at" in kwargs:
         try:
             kwargs["begun_at"] = time_from_json(kwargs["begun_at"])

@@ -61,6 +61,9 @@ log = logging.getLogger(__name__)
 # rate differences. The begin is read before the write that stores started_at (StepCall.begun).
 DEADLINE_MARGIN_SECONDS = 5.0
 _DEADLINE_POLL_SECONDS = 1.0
+# A begin that took longer than this (retried through an operator restart) has spent part of the
+# step's timeout before anything ran: the run's start is recorded again (start_run).
+SLOW_BEGIN_SECONDS = 1.0
 
 
 class ExitCode(enum.IntEnum):
@@ -136,11 +139,13 @@ class Attempt:
             ended = _RUN_IT
             if prior.state == StepState.STARTED:
                 ended = self._resolve_interrupted(idx, step, call, prior)
-                if ended is _RUN_IT:
-                    # Recorded before it runs (fenced): a later attempt waits out this run, which
-                    # may start long after this attempt's begin_step (after waiting and verifying).
-                    call = dataclasses.replace(call, begun=time.monotonic())
-                    self._ledger.start_run(uid, self._epoch, idx, actor=self._actor)
+            if ended is _RUN_IT and (prior.state == StepState.STARTED
+                                     or time.monotonic() - begun > SLOW_BEGIN_SECONDS):
+                # Recorded before it runs (fenced): a later attempt waits out this run, which may
+                # start long after the begin was stored (after waiting and verifying, or after
+                # retrying a begin whose reply was lost), and the run gets its whole timeout.
+                call = dataclasses.replace(call, begun=time.monotonic())
+                self._ledger.start_run(uid, self._epoch, idx, actor=self._actor)
             if ended is _RUN_IT:
                 event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
                 outcome = self._run_step(step, call)

@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -56,7 +57,9 @@ class LedgerClient:
         return task_from_json(self._call("claim_attempt", uid=uid, epoch=epoch, node=node))
 
     def begin_step(self, uid: str, epoch: int, idx: int, *, actor: str) -> StepRecord:
-        return step_from_json(self._call("begin_step", uid=uid, epoch=epoch, idx=idx))
+        # One id for this call and every retry of it: a repeat whose first reply was lost gets the
+        # first answer (Ledger.begin_step), not "started by your own attempt".
+        return step_from_json(self._call("begin_step", uid=uid, epoch=epoch, idx=idx, request=uuid.uuid4().hex))
 
     def start_run(self, uid: str, epoch: int, idx: int, *, actor: str) -> None:
         self._call("start_run", uid=uid, epoch=epoch, idx=idx)
