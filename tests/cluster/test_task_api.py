@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from e2e.system import install_policies, prepare_namespace
 from retex.api import (
     Condition,
     ConditionType,
@@ -79,7 +80,8 @@ def tasks(rig) -> Tasks:
     while rig.kubectl("explain", "task.spec.steps", check=False).returncode != 0:
         assert time.monotonic() < deadline, "the Task schema never appeared in the OpenAPI document"
         time.sleep(0.5)
-    rig.kubectl("create", "namespace", NAMESPACE)
+    install_policies(rig.kubectl)  # the shipped admission policies judge these Tasks too
+    prepare_namespace(rig.kubectl, NAMESPACE)  # with a TaskPolicy allowing any image, ServiceAccount, placement
     yield Tasks(rig)
     rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
