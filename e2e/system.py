@@ -25,9 +25,10 @@ from e2e.rig.controlplane import wait_for as rig_wait_for
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
 WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
-# The admission policy shipped in manifests/base: the TaskPolicy CRD and what it enforces on
-# Tasks (docs/security.md).
+# The admission policies shipped in manifests/base: the TaskPolicy CRD and what it enforces on
+# Tasks, and the one that keeps a worker to its own Lease (docs/security.md).
 TASK_POLICY = REPO / "manifests" / "base" / "task-policy.yaml"
+LEASE_POLICY = REPO / "manifests" / "base" / "lease-policy.yaml"
 # The suite's tenant namespaces: their tests choose images, ServiceAccounts and placement freely
 # (an unpullable image, a ServiceAccount without Lease rights, a node that does not exist).
 # tests/cluster/test_tenancy_policy.py proves the policy with namespaces of its own.
@@ -46,7 +47,7 @@ def install_crd(kubectl) -> None:
 
 
 def install_policies(kubectl) -> None:
-    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TASK_POLICY))
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TASK_POLICY), "-f", str(LEASE_POLICY))
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/taskpolicies.retex.dev")
 
 

@@ -7,14 +7,20 @@ object squatting on the name of a task's Lease or Job ends the task instead of b
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
+import kubernetes.config
 import pytest
 import yaml
+from kubernetes import client
 
+from e2e.attempt_identity import pending_attempt_pod
 from e2e.system import NO_TASK_POLICY, install_crd, prepare_namespace, task_manifest, wait_for
-from retex.kube.objects import lease_name
+from retex.api.models import TaskSpec
+from retex.kube.leases import Holder, acquired, read_lease, released, renewed, replace_lease
+from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, lease_name
 from retex.operator.admission import admission_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,3 +172,141 @@ def test_no_taskpolicy_lets_an_http_step_call_link_local_or_metadata_addresses(p
         {"name": "a", "http": {"method": "GET", "url": "http://127.0.0.1:8080/"}},
         {"name": "b", "http": {"method": "GET", "url": "http://10.0.0.1/"}}])
 
+
+# --- item 4: a worker may update only its own task's Lease --------------------------------------
+
+LEASES, OTHER_LEASES = "lease-tenant", "lease-other"
+
+
+@pytest.fixture(scope="module")
+def lease_api(rig):
+    install_crd(rig.kubectl)
+    for namespace in (LEASES, OTHER_LEASES):
+        prepare_namespace(rig.kubectl, namespace)
+    with rig.api_client() as api:
+        yield api
+    for namespace in (LEASES, OTHER_LEASES):
+        rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@dataclass
+class Attempt:
+    """A task with its Lease as the operator creates it, and a worker pod of one of its attempts
+    holding the token the kubelet gives it (bound to the pod, for the API server). No operator
+    runs here: nothing else touches the Lease."""
+
+    namespace: str
+    name: str
+    uid: str
+    pod: str
+    api: client.ApiClient  # as the worker pod
+
+    @property
+    def lease(self) -> str:
+        return lease_name(self.name, self.uid)
+
+    @property
+    def me(self) -> Holder:
+        return Holder(self.pod, int(self.pod.split("-")[-2]))
+
+
+def attempt(rig, admin: client.ApiClient, namespace: str, name: str, tmp_path: Path, epoch: int = 1,
+            uid: str | None = None) -> Attempt:
+    if uid is None:
+        rig.kubectl("create", "-n", namespace, "-f", "-", input=task_manifest(name, EXEC))
+        uid = json.loads(rig.kubectl("get", "-n", namespace, "task", name, "-o", "json").stdout)["metadata"]["uid"]
+        client.CoordinationV1Api(admin).create_namespaced_lease(namespace, build_lease(
+            task_name=name, task_uid=uid, namespace=namespace, duration_seconds=15))
+    job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=epoch,
+                    spec=TaskSpec.model_validate({"steps": EXEC}),
+                    defaults=WorkerDefaults(image="retex-worker:local", service_account="retex-worker",
+                                            ledger_url="http://unused"))
+    pod = pending_attempt_pod(admin, job)
+    token = client.CoreV1Api(admin).create_namespaced_service_account_token(
+        "retex-worker", namespace, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
+            audiences=[], bound_object_ref=client.V1BoundObjectReference(
+                kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)))).status.token
+    return Attempt(namespace, name, uid, pod.metadata.name, token_client(rig, token, tmp_path / f"{pod.metadata.name}.kubeconfig"))
+
+
+def token_client(rig, token: str, path: Path) -> client.ApiClient:
+    admin = yaml.safe_load(Path(rig.kubeconfig).read_text())
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "worker",
+        "clusters": [{"name": "rig", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": "worker", "user": {"token": token}}],
+        "contexts": [{"name": "worker", "context": {"cluster": "rig", "user": "worker"}}]}))
+    return kubernetes.config.new_client_from_config(config_file=str(path))
+
+
+def write(by: Attempt, of: Attempt, change) -> dict:
+    """`by`'s pod reads `of`'s Lease and writes `change(lease)` back, as the worker does."""
+    body = read_lease(by.api, of.namespace, of.lease, timeout=10)
+    return replace_lease(by.api, of.namespace, of.lease, change(body), timeout=10)
+
+
+def forbidden(by: Attempt, of: Attempt, change) -> str:
+    with pytest.raises(client.ApiException) as refusal:
+        write(by, of, change)
+    assert refusal.value.status == 403, refusal.value
+    return json.loads(refusal.value.body)["message"]
+
+
+def holder(admin: client.ApiClient, of: Attempt) -> str | None:
+    return client.CoordinationV1Api(admin).read_namespaced_lease(of.lease, of.namespace).spec.holder_identity
+
+
+def now():
+    return datetime.now(UTC)
+
+
+def test_a_worker_pod_cannot_take_renew_or_release_another_tasks_lease_but_keeps_its_own(rig, lease_api, tmp_path):
+    x = attempt(rig, lease_api, LEASES, "order-x", tmp_path)
+    y = attempt(rig, lease_api, LEASES, "order-y", tmp_path)
+    write(y, y, lambda body: acquired(body, y.me, 15, now()))  # Y's worker holds its Lease
+
+    not_its_task = f"pod {x.pod} is not a worker of the task that owns Lease {y.lease}"
+    assert not_its_task in forbidden(x, y, lambda body: acquired(body, x.me, 15, now()))  # take it
+    assert not_its_task in forbidden(x, y, lambda body: renewed(body, now()))  # keep a dead Y looking alive
+    assert not_its_task in forbidden(x, y, lambda body: released(body, now()))  # condemn a live Y
+    assert holder(lease_api, y) == y.me.identity
+
+    # Its own Lease, as the worker's protocol writes it: taken, renewed, released.
+    write(x, x, lambda body: acquired(body, x.me, 15, now()))
+    write(x, x, lambda body: renewed(body, now()))
+    write(x, x, lambda body: released(body, now()))
+    assert holder(lease_api, x) is None
+
+
+def test_a_worker_pod_writes_only_itself_as_holder_and_leaves_labels_owner_and_newer_attempts_alone(
+        rig, lease_api, tmp_path):
+    x = attempt(rig, lease_api, LEASES, "order-z", tmp_path)
+    message = forbidden(x, x, lambda body: acquired(body, Holder("order-y-0123abcd-1-abcde", 1), 15, now()))
+    assert f"pod {x.pod} may write only itself ({x.me.identity}) as the Lease's holder" in message, message
+
+    def relabelled(body):
+        body["metadata"]["labels"][LABEL_TASK_UID] = "another-task"
+        return acquired(body, x.me, 15, now())
+    assert "a worker may not change its Lease's labels or owner" in forbidden(x, x, relabelled)
+
+    second = attempt(rig, lease_api, LEASES, "order-z", tmp_path, epoch=2, uid=x.uid)
+    write(second, second, lambda body: acquired(body, second.me, 15, now()))
+    message = forbidden(x, x, lambda body: acquired(body, x.me, 15, now()))
+    assert f"is held by a newer attempt: {second.me.identity}" in message, message
+    assert holder(lease_api, x) == second.me.identity
+
+
+def test_a_worker_pod_cannot_touch_another_namespaces_lease_and_an_unbound_token_touches_none(
+        rig, lease_api, tmp_path):
+    x = attempt(rig, lease_api, LEASES, "order-w", tmp_path)
+    elsewhere = attempt(rig, lease_api, OTHER_LEASES, "order-w", tmp_path)
+    with pytest.raises(client.ApiException) as refusal:  # the worker Role is its own namespace's only
+        replace_lease(x.api, OTHER_LEASES, elsewhere.lease, read_lease(lease_api, OTHER_LEASES, elsewhere.lease,
+                                                                       timeout=10), timeout=10)
+    assert refusal.value.status == 403 and "cannot update resource" in refusal.value.body
+    # A token of the worker ServiceAccount that names no pod (kubectl create token) cannot stand in.
+    unbound = token_client(rig, rig.kubectl("create", "token", "retex-worker", "-n", LEASES).stdout.strip(),
+                           tmp_path / "unbound.kubeconfig")
+    anyone = Attempt(LEASES, x.name, x.uid, "none", unbound)
+    message = forbidden(anyone, x, lambda body: acquired(body, x.me, 15, now()))
+    assert "a retex Lease may be updated only with a worker pod's own token" in message, message
