@@ -18,7 +18,7 @@ from kubernetes import client
 
 from e2e.attempt_identity import pending_attempt_pod
 from e2e.system import NO_TASK_POLICY, install_crd, prepare_namespace, task_manifest, wait_for
-from retex.api.models import TaskSpec
+from retex.api.models import MSG_SPEC_TOO_LARGE, SPEC_MAX_BYTES, TaskSpec
 from retex.kube.leases import Holder, acquired, read_lease, released, renewed, replace_lease
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, lease_name
 from retex.operator.admission import admission_for
@@ -65,6 +65,19 @@ def test_a_lease_name_held_by_a_lease_not_of_this_task_ends_the_task_and_is_left
     lease = json.loads(retex.kubectl("get", "lease", name, "-o", "json").stdout)
     assert not lease["metadata"].get("ownerReferences") and lease["spec"]["holderIdentity"] == "someone-else:1"
 
+
+
+def test_a_spec_over_the_size_cap_in_python_args_is_stored_by_the_api_server_and_refused_by_the_operator(retex):
+    """CEL cannot measure free-form JSON: the API server stores the Task, the operator refuses it
+    with a message saying what to do, and nothing runs."""
+    steps = [{"name": "big", "python": {"callable": "m:f", "args": {"blob": "x" * (SPEC_MAX_BYTES + 1)}}}]
+    retex.kubectl("create", "-f", "-", input=task_manifest("too-big", steps))  # create: apply's annotation is capped
+    wait_for(lambda: condition(retex, "too-big", "Accepted").get("reason") == "InvalidSpec", timeout=60,
+             what="too-big refused as InvalidSpec")
+    assert (task(retex, "too-big").get("status") or {}).get("phase") == "Refused"
+    assert MSG_SPEC_TOO_LARGE in condition(retex, "too-big", "Accepted")["message"]
+    uid = task(retex, "too-big")["metadata"]["uid"]
+    assert not retex.kubectl("get", "jobs", "-l", f"{LABEL_TASK_UID}={uid}", "-o", "name").stdout.strip()
 
 # --- item 3: what a Task may ask for is its namespace's TaskPolicy ------------------------------
 
