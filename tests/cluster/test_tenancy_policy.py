@@ -211,6 +211,7 @@ class Attempt:
     namespace: str
     name: str
     uid: str
+    epoch: int
     pod: str
     api: client.ApiClient  # as the worker pod
 
@@ -220,7 +221,7 @@ class Attempt:
 
     @property
     def me(self) -> Holder:
-        return Holder(self.pod, int(self.pod.split("-")[-2]))
+        return Holder(self.pod, self.epoch)
 
 
 def attempt(rig, admin: client.ApiClient, namespace: str, name: str, tmp_path: Path, epoch: int = 1,
@@ -239,7 +240,7 @@ def attempt(rig, admin: client.ApiClient, namespace: str, name: str, tmp_path: P
         "retex-worker", namespace, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
             audiences=[], bound_object_ref=client.V1BoundObjectReference(
                 kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)))).status.token
-    return Attempt(namespace, name, uid, pod.metadata.name, token_client(rig, token, tmp_path / f"{pod.metadata.name}.kubeconfig"))
+    return Attempt(namespace, name, uid, epoch, pod.metadata.name, token_client(rig, token, tmp_path / f"{pod.metadata.name}.kubeconfig"))
 
 
 def token_client(rig, token: str, path: Path) -> client.ApiClient:
@@ -291,6 +292,16 @@ def test_a_worker_pod_cannot_take_renew_or_release_another_tasks_lease_but_keeps
     assert holder(lease_api, x) is None
 
 
+def test_a_worker_pod_of_a_task_with_a_long_name_keeps_its_own_lease(rig, lease_api, tmp_path):
+    """Task names of up to 253 characters are cut to fit 63 in the Lease name and, shorter still,
+    in the Job name (which has the epoch to carry): the pod's name need not start with the Lease's."""
+    long = attempt(rig, lease_api, LEASES, "a-very-long-order-name-" + "x" * 40, tmp_path)
+    assert not long.pod.startswith(long.lease)
+    write(long, long, lambda body: acquired(body, long.me, 15, now()))
+    write(long, long, lambda body: renewed(body, now()))
+    assert holder(lease_api, long) == long.me.identity
+
+
 def test_a_worker_pod_writes_only_itself_as_holder_and_leaves_labels_owner_and_newer_attempts_alone(
         rig, lease_api, tmp_path):
     x = attempt(rig, lease_api, LEASES, "order-z", tmp_path)
@@ -320,6 +331,6 @@ def test_a_worker_pod_cannot_touch_another_namespaces_lease_and_an_unbound_token
     # A token of the worker ServiceAccount that names no pod (kubectl create token) cannot stand in.
     unbound = token_client(rig, rig.kubectl("create", "token", "retex-worker", "-n", LEASES).stdout.strip(),
                            tmp_path / "unbound.kubeconfig")
-    anyone = Attempt(LEASES, x.name, x.uid, "none", unbound)
+    anyone = Attempt(LEASES, x.name, x.uid, 1, "none", unbound)
     message = forbidden(anyone, x, lambda body: acquired(body, x.me, 15, now()))
     assert "a retex Lease may be updated only with a worker pod's own token" in message, message
