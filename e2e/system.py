@@ -35,6 +35,17 @@ LEASE_POLICY = REPO / "manifests" / "base" / "lease-policy.yaml"
 ANY_TASK_POLICY = {"apiVersion": "retex.dev/v1alpha1", "kind": "TaskPolicy", "metadata": {"name": "default"},
                    "spec": {"images": ["*"], "serviceAccountNames": ["*"], "tolerationKeys": ["*"],
                             "nodeSelectorKeys": ["*"]}}
+DEFAULT_TASK_POLICY = REPO / "manifests" / "base" / "task-policy-default.yaml"
+
+
+def default_task_policy(*, images: list[str] | None = None) -> dict[str, Any]:
+    """The shipped default TaskPolicy of a tenant namespace, allowing `images` besides."""
+    policy = yaml.safe_load(DEFAULT_TASK_POLICY.read_text())
+    if images:
+        policy["spec"] = {**policy["spec"], "images": images}
+    return policy
+
+
 # How the API server refuses a Task in a namespace without a TaskPolicy `default`.
 NO_TASK_POLICY = "no params found for policy binding"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.system import apply_task_policy, install_crd
+from e2e.system import apply_task_policy, default_task_policy, install_crd
 from retex.api import TaskSpec
 from retex.kube.objects import WorkerDefaults, build_job
 
@@ -53,8 +53,7 @@ def namespaces(rig):
     rig.kubectl("create", "namespace", "examples-check", check=False)
     # The shipped default TaskPolicy, plus the custom worker example's image: the examples ask for
     # nothing else.
-    policy = yaml.safe_load((MANIFESTS / "base" / "task-policy-default.yaml").read_text())
-    apply_task_policy(rig.kubectl, "examples-check", {**policy, "spec": {**policy["spec"], "images": ["shop-worker:"]}})
+    apply_task_policy(rig.kubectl, "examples-check", default_task_policy(images=["shop-worker:"]))
     yield
     rig.kubectl("delete", "namespace", "examples-check", "--wait=false", check=False)
 

@@ -17,13 +17,11 @@ import yaml
 from kubernetes import client
 
 from e2e.attempt_identity import pending_attempt_pod
-from e2e.system import NO_TASK_POLICY, install_crd, prepare_namespace, task_manifest, wait_for
+from e2e.system import NO_TASK_POLICY, default_task_policy, install_crd, prepare_namespace, task_manifest, wait_for
 from retex.api.models import MSG_SPEC_TOO_LARGE, SPEC_MAX_BYTES, TaskSpec
 from retex.kube.leases import Holder, acquired, read_lease, released, renewed, replace_lease
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, lease_name
 from retex.operator.admission import admission_for
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def task(system, name) -> dict:
@@ -81,7 +79,6 @@ def test_a_spec_over_the_size_cap_in_python_args_is_stored_by_the_api_server_and
 
 # --- item 3: what a Task may ask for is its namespace's TaskPolicy ------------------------------
 
-DEFAULT_POLICY = ROOT / "manifests" / "base" / "task-policy-default.yaml"
 STRICT, PLAIN, ANY = "policy-strict", "policy-plain", "policy-any"
 EXEC = [{"name": "only", "exec": {"command": ["true"]}}]
 
@@ -92,7 +89,7 @@ def policies(rig):
     policy allowing any image, ServiceAccount and placement."""
     install_crd(rig.kubectl)
     prepare_namespace(rig.kubectl, STRICT, task_policy=None)
-    prepare_namespace(rig.kubectl, PLAIN, task_policy=yaml.safe_load(DEFAULT_POLICY.read_text()))
+    prepare_namespace(rig.kubectl, PLAIN, task_policy=default_task_policy())
     prepare_namespace(rig.kubectl, ANY)
     yield rig
     for namespace in (STRICT, PLAIN, ANY):
