@@ -32,7 +32,7 @@ import yaml
 from e2e.postgres import PostgresServer, free_port
 from e2e.rig import procs
 from e2e.rig.controlplane import Rig, wait_for
-from e2e.system import OperatorProcess, prepare_namespace
+from e2e.system import OperatorProcess, default_task_policy, prepare_namespace
 
 REPO = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("RETEX_DEV_DIR", "/tmp/retex-dev"))
@@ -128,8 +128,9 @@ def up(state: Path) -> int:
     say("[3/7] installing the CRD and the operator's RBAC (kubectl apply -k manifests/overlays/local)")
     kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_OVERLAY))
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
-    say(f"      tenant namespace {EXAMPLES_NAMESPACE}: worker RBAC (manifests/base/worker-rbac.yaml), no credentials")
-    prepare_namespace(kubectl, EXAMPLES_NAMESPACE)
+    say(f"      tenant namespace {EXAMPLES_NAMESPACE}: worker RBAC (manifests/base/worker-rbac.yaml), no credentials,")
+    say("      the default TaskPolicy (manifests/base/task-policy-default.yaml) and the custom worker's image")
+    prepare_namespace(kubectl, EXAMPLES_NAMESPACE, task_policy=default_task_policy(images=["shop-worker:"]))
 
     say(f"[4/7] starting the counting stub on 127.0.0.1:{STUB_PORT} (the http examples' endpoint)")
     if not _port_free(STUB_PORT):

@@ -25,19 +25,63 @@ from e2e.rig.controlplane import wait_for as rig_wait_for
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
 WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
+# The admission policies shipped in manifests/base: the TaskPolicy CRD and what it enforces on
+# Tasks, and the one that keeps a worker to its own Lease (docs/security.md).
+TASK_POLICY = REPO / "manifests" / "base" / "task-policy.yaml"
+LEASE_POLICY = REPO / "manifests" / "base" / "lease-policy.yaml"
+# The suite's tenant namespaces: their tests choose images, ServiceAccounts and placement freely
+# (an unpullable image, a ServiceAccount without Lease rights, a node that does not exist).
+# tests/cluster/test_tenancy_policy.py proves the policy with namespaces of its own.
+ANY_TASK_POLICY = {"apiVersion": "retex.dev/v1alpha1", "kind": "TaskPolicy", "metadata": {"name": "default"},
+                   "spec": {"images": ["*"], "serviceAccountNames": ["*"], "tolerationKeys": ["*"],
+                            "nodeSelectorKeys": ["*"]}}
+DEFAULT_TASK_POLICY = REPO / "manifests" / "base" / "task-policy-default.yaml"
+
+
+def default_task_policy(*, images: list[str] | None = None) -> dict[str, Any]:
+    """The shipped default TaskPolicy of a tenant namespace, allowing `images` besides."""
+    policy = yaml.safe_load(DEFAULT_TASK_POLICY.read_text())
+    if images:
+        policy["spec"] = {**policy["spec"], "images": images}
+    return policy
+
+
+# How the API server refuses a Task in a namespace without a TaskPolicy `default`.
+NO_TASK_POLICY = "no params found for policy binding"
 
 
 def install_crd(kubectl) -> None:
+    """The Task CRD and, as every cluster runs retex, the admission policies of manifests/base."""
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
+    install_policies(kubectl)
 
 
-def prepare_namespace(kubectl, namespace: str) -> None:
-    """A namespace where Tasks may run: the worker ServiceAccount and its Role. No credentials:
-    workers reach the ledger through the operator's endpoint with their own pod's token."""
+def install_policies(kubectl) -> None:
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TASK_POLICY), "-f", str(LEASE_POLICY))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/taskpolicies.retex.dev")
+
+
+def prepare_namespace(kubectl, namespace: str, task_policy: dict[str, Any] | None = ANY_TASK_POLICY) -> None:
+    """A namespace where Tasks may run: the worker ServiceAccount and its Role, and its TaskPolicy
+    (None: none). No credentials: workers reach the ledger through the operator's endpoint with
+    their own pod's token."""
     manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
     kubectl("apply", "-f", "-", input=json.dumps(manifest))
     kubectl("apply", "-n", namespace, "-f", str(WORKER_RBAC))
+    if task_policy is not None:
+        apply_task_policy(kubectl, namespace, task_policy)
+
+
+def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
+    """Apply `policy` in a namespace that had none, and wait until the API server judges Tasks by
+    it: its admission plugin reads TaskPolicies from a cache, a moment behind. Until then a Task
+    (here a dry run) is refused for having none."""
+    install_policies(kubectl)  # the TaskPolicy kind, and what judges Tasks by it
+    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(policy))
+    probe = task_manifest("policy-probe", [{"name": "only", "exec": {"command": ["true"]}}])
+    rig_wait_for(f"the TaskPolicy of {namespace} in force", lambda: NO_TASK_POLICY not in kubectl(
+        "create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False).stderr, 30)
 
 
 class OperatorProcess:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.system import install_crd
+from e2e.system import apply_task_policy, default_task_policy, install_crd
 from retex.api import TaskSpec
 from retex.kube.objects import WorkerDefaults, build_job
 
@@ -51,6 +51,9 @@ def namespaces(rig):
     for namespace in (o for o in kustomize(rig, "dev") if o["kind"] == "Namespace"):
         rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(namespace))
     rig.kubectl("create", "namespace", "examples-check", check=False)
+    # The shipped default TaskPolicy, plus the custom worker example's image: the examples ask for
+    # nothing else.
+    apply_task_policy(rig.kubectl, "examples-check", default_task_policy(images=["shop-worker:"]))
     yield
     rig.kubectl("delete", "namespace", "examples-check", "--wait=false", check=False)
 

@@ -203,3 +203,26 @@ def test_the_renew_deadline_defaults_to_two_thirds_and_must_leave_the_kill_time_
     for broken in ({"durationSeconds": 10, "renewDeadlineSeconds": 9}, {"renewDeadlineSeconds": 14}):
         with pytest.raises(ValidationError, match=re.escape(models.MSG_RENEW_DEADLINE)):
             TaskSpec.model_validate({"steps": [{"name": "a", "exec": {"command": ["true"]}}], "lease": broken})
+
+
+@pytest.mark.parametrize("carrier", ["http-body", "python-args", "spread-over-steps"])
+def test_a_spec_over_the_size_cap_is_refused_whatever_part_of_it_carries_the_bytes(carrier):
+    """Only the payload had a cap; http bodies and python args rode on the object unbounded (the
+    API server's request limit is megabytes, and every byte goes to the ledger and each worker)."""
+    big = "x" * (models.SPEC_MAX_BYTES + 1)
+    steps = {
+        "http-body": [{"name": "a", "http": {"method": "POST", "url": "https://x.example/", "body": {"blob": big}}}],
+        "python-args": [{"name": "a", "python": {"callable": "m:f", "args": {"blob": big}}}],
+        # Each part well under any single limit (the payload's 64 KiB included), together over the cap.
+        "spread-over-steps": [{"name": f"s{i}", "python": {"callable": "m:f", "args": {"blob": "x" * 60_000}}}
+                              for i in range(5)],
+    }[carrier]
+    with pytest.raises(ValueError, match=re.escape(models.MSG_SPEC_TOO_LARGE)):
+        TaskSpec.model_validate({"steps": steps})
+
+
+def test_a_spec_just_under_the_size_cap_with_a_full_payload_is_accepted():
+    payload = {"blob": "x" * (models.PAYLOAD_MAX_BYTES - 20)}
+    steps = [{"name": "a", "python": {"callable": "m:f", "args": {"blob": "y" * 150_000}}}]
+    spec = TaskSpec.model_validate({"steps": steps, "payload": payload})
+    assert models.payload_bytes(spec.as_admitted()) < models.SPEC_MAX_BYTES

@@ -137,3 +137,13 @@ def test_a_replacement_attempt_prefers_a_node_other_than_the_lost_one():
                      avoid_node="node-a")
     preferred = body["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert preferred[0]["preference"]["matchFields"] == [{"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]}]
+
+
+@pytest.mark.parametrize("name", ["a", "order-1", "x" * 253, "a.b.c." * 42 + "z"])
+def test_a_job_name_survives_whole_in_its_pods_names_so_they_name_the_tasks_lease_and_epoch(name):
+    """The Job controller names pods `<job>-<5 chars>` and cuts the base at 58 characters: the
+    lease policy (manifests/base/lease-policy.yaml) knows a worker pod's task and epoch only from
+    a pod name ending in `-<the Lease name's hash>-<epoch>-<5 chars>`."""
+    built = job_name(name, UID, 12345)
+    assert len(built + "-") <= 58, built
+    assert built.endswith(f"-{lease_name(name, UID)[-8:]}-12345")

@@ -203,3 +203,25 @@ def test_a_request_the_worker_gave_up_on_while_resolving_is_never_sent_afterward
     assert time.monotonic() - started < 1.4, outcome
     exchange_threads_done()
     assert stub.requests == [], f"sent after run() returned {outcome}"
+
+
+@pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://2852039166/",
+                                 "http://0xa9fea9fe/", "http://[fe80::1]:8080/", "http://[::ffff:169.254.169.254]/",
+                                 "http://[fd00:ec2::254]/"])
+def test_a_destination_resolving_to_a_link_local_or_metadata_address_fails_for_good_and_nothing_is_sent(url):
+    """The API server refuses such URLs written as addresses; 2852039166 and 0xa9fea9fe are names it
+    cannot judge, which resolve to 169.254.169.254 here."""
+    s = step(http={"method": "GET", "url": url}, idempotent=True)
+    outcome = http_step.run(s.http, s, call(), supervision())
+    assert isinstance(outcome, Failed) and outcome.retryable is False, outcome
+    assert "http steps may not reach link-local or cloud metadata addresses" in outcome.error, outcome
+    assert "nothing was sent" in outcome.error
+    verified = http_step.verify(s.http, s, call(), supervision())
+    assert isinstance(verified, VerifyFailed) and "may not reach link-local" in verified.error, verified
+
+
+def test_a_destination_on_loopback_or_a_private_network_is_not_refused(stub):
+    assert not http_step.forbidden_destination("127.0.0.1") and not http_step.forbidden_destination("10.1.2.3")
+    assert not http_step.forbidden_destination("::1") and not http_step.forbidden_destination("fd00::1")
+    stub.reply = lambda h: (200, {"ok": True})
+    assert run(stub, method="GET", path="/x") == Succeeded({"status": 200, "body": {"ok": True}})

@@ -41,6 +41,9 @@ CATEGORY = "retex"
 MAX_STEPS = 64
 # CEL can compare free-form JSON but not measure it, so the operator enforces this through the model.
 PAYLOAD_MAX_BYTES = 64 * 1024
+# The whole spec, for the same reason: http bodies and python args are free-form JSON too, and every
+# byte goes to the ledger and to each attempt's worker. The API server's own limit is megabytes.
+SPEC_MAX_BYTES = 256 * 1024
 # The API server's limit on an object's annotations together: UTF-8 bytes of every key and value.
 ANNOTATIONS_MAX_BYTES = 256 * 1024
 # Room kept for the operator's own annotations (kopf's progress records and its diff base, which
@@ -90,6 +93,10 @@ MSG_HEADER_VALUE = "header values must not contain CR, LF or NUL"
 MSG_BACKOFF_ORDER = "maxSeconds must be at least initialSeconds"
 MSG_LEDGER_VERSION_MONOTONIC = "status.ledgerVersion never goes backwards"
 MSG_PAYLOAD_TOO_LARGE = f"payload must be at most {PAYLOAD_MAX_BYTES} bytes as compact JSON"
+MSG_SPEC_TOO_LARGE = (
+    f"the spec must be at most {SPEC_MAX_BYTES} bytes as compact JSON, http bodies, python args and the "
+    "payload included: pass large data by reference (a URL or object-store key)"
+)
 MSG_ANNOTATIONS_TOO_LARGE = (
     "the Task's annotations take {size} bytes (kubectl apply's last-applied-configuration holds a copy "
     "of the whole Task); at most {room} are allowed, so that the operator's own "
@@ -509,8 +516,8 @@ class TaskSpec(ApiModel):
     """The steps, run in order (1 to 64, names unique)."""
     payload: FreeJsonObject | None = None
     """Input data for the steps: a free-form JSON object, at most 64 KiB as compact JSON (checked by
-    the operator when it accepts the task). Pass large data by reference (a URL or object-store
-    key)."""
+    the operator when it accepts the task; the whole spec, http bodies and python args included, at
+    most 256 KiB). Pass large data by reference (a URL or object-store key)."""
     retry: RetryPolicy = defaulted(RetryPolicy)
     lease: LeasePolicy = defaulted(LeasePolicy)
     timeout_seconds: Annotated[int, Field(ge=1, le=604800)] | None = None
@@ -545,6 +552,12 @@ class TaskSpec(ApiModel):
         if payload is not None and payload_bytes(payload) > PAYLOAD_MAX_BYTES:
             raise ValueError(MSG_PAYLOAD_TOO_LARGE)
         return payload
+
+    @model_validator(mode="after")
+    def _spec_size(self) -> TaskSpec:
+        if payload_bytes(self.as_admitted()) > SPEC_MAX_BYTES:
+            raise ValueError(MSG_SPEC_TOO_LARGE)
+        return self
 
     def as_admitted(self) -> dict[str, Any]:
         """The spec as the ledger keeps it, and as the relay compares it with the live Task: JSON

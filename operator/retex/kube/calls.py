@@ -92,13 +92,14 @@ class KubeCalls:
     # -- attempts --------------------------------------------------------------------------
 
     def create_lease(self, body: dict[str, Any]) -> None:
-        """AlreadyExists is success without a look: the Lease is shared by the task's attempts and
-        its name carries a hash of the task's uid (and the operator may not get Leases)."""
-        try:
-            self._coordination.create_namespaced_lease(body["metadata"]["namespace"], body)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise refusal(exc) or exc
+        """The Lease is shared by the task's attempts, so AlreadyExists is the normal case from the
+        second attempt on; it is success only when the Lease there is owned by this Task. Anyone
+        who may create Leases in the namespace can take the name first, and a Lease renewed by
+        them would keep the task's dead workers looking alive. (A LIST of the name, like
+        `get_lease`: the operator may not get Leases.)"""
+        namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+        _created_or_ours(body, lambda: self._coordination.create_namespaced_lease(namespace, body),
+                         lambda: self.get_lease(namespace, name) or {"metadata": {}})
 
     def create_job(self, body: dict[str, Any]) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]

@@ -22,9 +22,12 @@ LABEL_EPOCH = "retex.dev/epoch"
 FAILPOINT_ANNOTATION = "retex.dev/failpoint"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "retex"}
 
-# The Job controller copies the Job's name into a pod label (job-name), and label values are at
-# most 63 characters, so Job names must fit 63 even though a Task name may have 253.
+# Lease names are DNS labels (a Task name may have 253 characters). Job names are shorter still:
+# the Job controller names its pods `<job>-<5 chars>` with the base cut at 58 characters, and the
+# lease policy (manifests/base/lease-policy.yaml) reads a worker pod's task and epoch from the end
+# of that name, so the whole Job name and its dash must fit 58.
 _NAME_LIMIT = 63
+_JOB_NAME_LIMIT = 57
 # The worker's token for the ledger endpoint: projected, bound to the pod, for one audience only,
 # rotated by the kubelet. The worker reads it at every call (retex.worker.ledger_client).
 LEDGER_TOKEN_DIR = "/var/run/secrets/retex"
@@ -70,7 +73,7 @@ def lease_name(task_name: str, task_uid: str) -> str:
 def job_name(task_name: str, task_uid: str, epoch: int) -> str:
     """One Job per attempt, deterministic so a repeated dispatch meets AlreadyExists."""
     suffix = f"-{_short(task_uid)}-{epoch}"
-    return _prefix(task_name, _NAME_LIMIT - len(suffix)) + suffix
+    return _prefix(task_name, _JOB_NAME_LIMIT - len(suffix)) + suffix
 
 
 def owner_reference(task_name: str, task_uid: str) -> dict[str, Any]:

@@ -11,14 +11,19 @@ beginning as text with "bodyTruncated": true). A non-2xx status is a failure, re
 idempotent those statuses are unknown unless a list declares them (`status_outcome`). No
 connection (refused, DNS, TLS handshake) = retryable failure: nothing was sent. A request that
 cannot be put together (a header value http.client cannot encode; CR, LF and NUL are refused by
-the models before any step runs) = permanent failure, nothing sent. Lost after sending or
-timed out = unknown.
+the models before any step runs) = permanent failure, nothing sent. A destination that resolves
+only to link-local addresses (169.254.0.0/16, fe80::/10, also IPv4-mapped; and fd00:ec2::254),
+where cloud metadata services hand out the node's credentials = permanent failure, nothing
+sent: the API server refuses such URLs written as addresses, but a name (or 2852039166) can
+resolve there. The connection goes to the address that was checked, never to a second lookup's.
+Lost after sending or timed out = unknown.
 Verify convention: 2xx = found (that response is the result), 404 = not found, other = error.
 """
 
 from __future__ import annotations
 
 import http.client
+import ipaddress
 import json
 import socket
 import ssl
@@ -54,6 +59,35 @@ _POLL_SECONDS = 0.05
 # all: name resolution, connect and TLS handshake together. The server is then allowed the step's
 # timeoutSeconds to finish with it, so a verify waits begin + this + timeoutSeconds + margin.
 SEND_WITHIN_SECONDS = 10.0
+
+
+# Link-local addresses are refused by ip_address(...).is_link_local; AWS's IPv6 metadata address is not one.
+_METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254")})
+
+
+def forbidden_destination(address: str) -> bool:
+    """Whether a resolved address is one no http step may reach: link-local or a metadata service."""
+    ip = ipaddress.ip_address(address.split("%")[0])  # an IPv6 zone (fe80::1%eth0) is not part of the address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_link_local or ip in _METADATA_ADDRESSES
+
+
+def _destination(host: str, port: int) -> str:
+    """The first address `host` resolves to that a step may reach. Raises OSError when it does not
+    resolve, `ForbiddenDestination` when every address it resolves to is forbidden."""
+    addresses = [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    allowed = [address for address in addresses if not forbidden_destination(address)]
+    if not allowed:
+        raise ForbiddenDestination(
+            f"{host} resolves to {', '.join(dict.fromkeys(addresses))}: http steps may not reach link-local or "
+            "cloud metadata addresses (169.254.0.0/16, fe80::/10), where a node's credentials are served; "
+            "nothing was sent")
+    return allowed[0]
+
+
+class ForbiddenDestination(Exception):
+    pass
 
 
 def send_within_seconds(step: Step) -> float:
@@ -159,6 +193,13 @@ class _Exchange:
         if content_type and not any(h.lower() == "content-type" for h in headers):
             headers["Content-Type"] = content_type
         url = urlsplit(self._action.url)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            address = _destination(url.hostname, port)
+        except ForbiddenDestination as refusal:
+            return _NotSent(str(refusal))
+        except OSError as exc:  # the name does not resolve (now)
+            return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
         connect_within = max(0.001, self._send_by - time.monotonic())
         if url.scheme == "https":
             connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=connect_within,
@@ -166,6 +207,9 @@ class _Exchange:
         else:
             connection = http.client.HTTPConnection(url.hostname, url.port, timeout=connect_within)
         connection.auto_open = 0  # a connection closed under it must fail, never be reopened and sent on
+        # To the address checked above (TLS still verifies the name): a second lookup could answer otherwise.
+        connection._create_connection = lambda _, timeout, source: socket.create_connection(
+            (address, port), timeout, source)
         with self._lock:
             if self._aborted:
                 return _NotSent(_GAVE_UP)
