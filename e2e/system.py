@@ -24,7 +24,7 @@ from e2e.rig.controlplane import wait_for as rig_wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
-WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
+TENANT = REPO / "manifests" / "tenant"
 
 
 def install_crd(kubectl) -> None:
@@ -33,11 +33,12 @@ def install_crd(kubectl) -> None:
 
 
 def prepare_namespace(kubectl, namespace: str) -> None:
-    """A namespace where Tasks may run: the worker ServiceAccount and its Role. No credentials:
-    workers reach the ledger through the operator's endpoint with their own pod's token."""
+    """A namespace where Tasks may run, onboarded as docs/install.md says (manifests/tenant): the
+    worker ServiceAccount and its Role, the operator's RoleBinding, the workers' NetworkPolicy. No
+    credentials: workers reach the ledger through the operator's endpoint with their pod's token."""
     manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
     kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    kubectl("apply", "-n", namespace, "-f", str(WORKER_RBAC))
+    kubectl("apply", "-n", namespace, "-k", str(TENANT))
 
 
 class OperatorProcess:

@@ -19,7 +19,7 @@ import pydantic
 
 from retex.api import GROUP, PLURAL, VERSION, TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls, Refused
+from retex.kube.calls import KubeCalls, NotPermitted, Refused
 from retex.kube.client import api_client
 from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
@@ -27,7 +27,8 @@ from retex.kube.objects import build_job
 from retex.ledger import Ledger, Refusal, TaskNotFound
 from retex.logs import event
 from retex.machine import IllegalTransition
-from retex.operator.admission import admission_for, annotations_refusal
+from retex.operator.admission import (NAMESPACE_NOT_ONBOARDED, admission_for, annotations_refusal,
+                                      not_onboarded_message)
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator import ledger_endpoint
 from retex.operator.metrics import serve as serve_metrics
@@ -152,7 +153,8 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
 
     Refused instead (Accepted=False, phase Refused, never run): a spec the models refuse,
     annotations leaving no room for the operator's own, a Job the API server would refuse (a
-    server-side dry run of attempt 1's Job), a duplicate idempotencyKey. A refusal is stored in
+    server-side dry run of attempt 1's Job; NamespaceNotOnboarded when RBAC refuses it: no
+    RoleBinding for the operator there), a duplicate idempotencyKey. A refusal is stored in
     the ledger and final: this handler also runs at every operator start (kopf's resume), and
     must not decide again (a dry run that passes now, a key a purge would otherwise free)."""
     runtime: Runtime = memo.runtime
@@ -201,6 +203,8 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
                         spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults)
         try:
             runtime.kube.dry_run_job(job)
+        except NotPermitted as refused:
+            return refuse(NAMESPACE_NOT_ONBOARDED, not_onboarded_message(namespace, refused.message))
         except Refused as refused:
             return refuse("JobRejected", f"the API server refuses its Job: {refused.message}")
         except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
