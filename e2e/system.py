@@ -56,6 +56,8 @@ class OperatorProcess:
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
             "RETEX_DATABASE_URL": self.dsn,
+            # The throwaway Postgres of tests and `make dev` serves no TLS (docs/security.md).
+            "RETEX_DATABASE_INSECURE": "1",
             "RETEX_WORKER_IMAGE": "retex-worker:local",
             # Pods on the rig are processes on this host; on kind, the operator's Service name.
             "RETEX_LEDGER_PORT": str(self.ledger_port),
