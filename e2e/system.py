@@ -103,6 +103,15 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
 
+def request_requeue(kubectl, task: str, value: str) -> str:
+    """Annotate a Task for a requeue as the kubeconfig's user, naming that user as the policy
+    retex-requested-by (manifests/base) requires; returns the name, which the ledger records as
+    `kube:<name>`."""
+    user = kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout.strip()
+    kubectl("annotate", "--overwrite", "task", task, f"retex.dev/requeue={value}", f"retex.dev/requested-by={user}")
+    return user
+
+
 def task_manifest(name: str, steps: list[dict[str, Any]], **spec: Any) -> str:
     return yaml.safe_dump({"apiVersion": "retex.dev/v1alpha1", "kind": "Task", "metadata": {"name": name},
                            "spec": {"steps": steps, **spec}})
