@@ -94,3 +94,30 @@ def test_a_requeue_naming_another_user_is_refused_by_the_api_server(retex, faile
     assert retex.kubectl("annotate", "task", "broken", "retex.dev/requeue=x",
                          "retex.dev/requested-by=someone-else", check=False).returncode != 0
     assert requeues(retex, failed_task) == []
+
+
+def test_a_user_resolves_a_step_through_the_api_and_the_task_ends_with_their_name_in_the_ledger(
+        retex, stubs, tmp_path):
+    _, notifier = stubs
+    retex.rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(POLICY))
+    # Attempt 1's worker dies right after the notify effect (neither idempotent nor verifiable):
+    # attempt 2 stops the task for a human (as in test_policies).
+    manifest = {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
+                "metadata": {"name": "needs-human", "annotations": {"retex.dev/failpoint": "after-effect:notify"}},
+                "spec": {"lease": {"durationSeconds": 5}, "steps": [
+                    {"name": "notify", "http": {"method": "POST", "url": f"{notifier.url}/effects/notify"},
+                     "timeoutSeconds": 5},
+                    {"name": "after", "idempotent": True, "exec": {"command": ["sh", "-c", "echo after"]}}]}}
+    retex.kubectl("create", "-f", "-", input=json.dumps(manifest))
+    retex.kubectl("wait", "--for=jsonpath={.status.phase}=NeedsAttention", "--timeout=90s", "task/needs-human",
+                  timeout=100)
+    uid = json.loads(retex.kubectl("get", "task", "needs-human", "-o", "json").stdout)["metadata"]["uid"]
+
+    kubeconfig, alice = user(retex, tmp_path, "alice", ["get", "patch"])
+    done = cli(kubeconfig, "resolve", "needs-human", "-n", retex.namespace, "--step", "notify", "--mark-done",
+               "--result", '{"found_by": "support"}')
+    assert done.returncode == 0, done.stderr
+    retex.kubectl("wait", "--for=jsonpath={.status.phase}=Succeeded", "--timeout=60s", "task/needs-human", timeout=70)
+    resolved = [h for h in retex.ledger.history(uid) if h.event == "step-resolve-done"]
+    assert [h.actor for h in resolved] == [f"kube:{alice}"]
+    assert notifier.for_task(uid)["notify"]["executions"] == 1  # marked done, never run again
