@@ -128,8 +128,8 @@ def up(state: Path) -> int:
     say("[3/7] installing the CRD and the operator's RBAC (kubectl apply -k manifests/overlays/local)")
     kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_OVERLAY))
     kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
-    say(f"      tenant namespace {EXAMPLES_NAMESPACE}: worker RBAC (manifests/base/worker-rbac.yaml), no credentials,")
-    say("      the default TaskPolicy (manifests/base/task-policy-default.yaml) and the custom worker's image")
+    say(f"      tenant namespace {EXAMPLES_NAMESPACE}: onboarded (manifests/tenant), no credentials; its")
+    say("      TaskPolicy is the default one (manifests/tenant/task-policy-default.yaml) plus the custom worker's image")
     prepare_namespace(kubectl, EXAMPLES_NAMESPACE, task_policy=default_task_policy(images=["shop-worker:"]))
 
     say(f"[4/7] starting the counting stub on 127.0.0.1:{STUB_PORT} (the http examples' endpoint)")

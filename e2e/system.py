@@ -24,7 +24,7 @@ from e2e.rig.controlplane import wait_for as rig_wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
-WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
+TENANT = REPO / "manifests" / "tenant"
 # The admission policies shipped in manifests/base: the TaskPolicy CRD and what it enforces on
 # Tasks, and the one that keeps a worker to its own Lease (docs/security.md).
 TASK_POLICY = REPO / "manifests" / "base" / "task-policy.yaml"
@@ -35,7 +35,7 @@ LEASE_POLICY = REPO / "manifests" / "base" / "lease-policy.yaml"
 ANY_TASK_POLICY = {"apiVersion": "retex.dev/v1alpha1", "kind": "TaskPolicy", "metadata": {"name": "default"},
                    "spec": {"images": ["*"], "serviceAccountNames": ["*"], "tolerationKeys": ["*"],
                             "nodeSelectorKeys": ["*"]}}
-DEFAULT_TASK_POLICY = REPO / "manifests" / "base" / "task-policy-default.yaml"
+DEFAULT_TASK_POLICY = TENANT / "task-policy-default.yaml"
 
 
 def default_task_policy(*, images: list[str] | None = None) -> dict[str, Any]:
@@ -63,12 +63,15 @@ def install_policies(kubectl) -> None:
 
 
 def prepare_namespace(kubectl, namespace: str, task_policy: dict[str, Any] | None = ANY_TASK_POLICY) -> None:
-    """A namespace where Tasks may run: the worker ServiceAccount and its Role, and its TaskPolicy
-    (None: none). No credentials: workers reach the ledger through the operator's endpoint with
-    their own pod's token."""
+    """A namespace where Tasks may run, onboarded as docs/install.md says (manifests/tenant): the
+    worker ServiceAccount and its Role, the operator's RoleBinding, the workers' NetworkPolicy —
+    and `task_policy` as its TaskPolicy instead of the shipped default (None: no TaskPolicy). No
+    credentials: workers reach the ledger through the operator's endpoint with their pod's token."""
     manifest = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
     kubectl("apply", "-f", "-", input=json.dumps(manifest))
-    kubectl("apply", "-n", namespace, "-f", str(WORKER_RBAC))
+    onboarding = [doc for doc in yaml.safe_load_all(kubectl("kustomize", str(TENANT)).stdout)
+                  if doc and doc.get("kind") != "TaskPolicy"]
+    kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(onboarding))
     if task_policy is not None:
         apply_task_policy(kubectl, namespace, task_policy)
 
@@ -99,6 +102,8 @@ class OperatorProcess:
             **os.environ,
             "KUBECONFIG": str(self.kubeconfig),
             "RETEX_DATABASE_URL": self.dsn,
+            # The throwaway Postgres of tests and `make dev` serves no TLS (docs/security.md).
+            "RETEX_DATABASE_INSECURE": "1",
             "RETEX_WORKER_IMAGE": "retex-worker:local",
             # Pods on the rig are processes on this host; on kind, the operator's Service name.
             "RETEX_LEDGER_PORT": str(self.ledger_port),
@@ -142,6 +147,15 @@ class OperatorProcess:
 
     def log_tail(self, chars: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+def request_requeue(kubectl, task: str, value: str) -> str:
+    """Annotate a Task for a requeue as the kubeconfig's user, naming that user as the policy
+    retex-requested-by (manifests/base) requires; returns the name, which the ledger records as
+    `kube:<name>`."""
+    user = kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout.strip()
+    kubectl("annotate", "--overwrite", "task", task, f"retex.dev/requeue={value}", f"retex.dev/requested-by={user}")
+    return user
 
 
 def task_manifest(name: str, steps: list[dict[str, Any]], **spec: Any) -> str:

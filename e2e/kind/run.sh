@@ -75,10 +75,9 @@ for target in operator worker; do
 done
 kind load docker-image retex-operator:dev retex-worker:dev --name "$CLUSTER"
 
-say "[3/6] applying manifests/overlays/dev and the worker RBAC and TaskPolicy of retex-examples"
+say "[3/6] applying manifests/overlays/dev and onboarding retex-examples (manifests/tenant)"
 kubectl apply --server-side -k manifests/overlays/dev
-kubectl apply -n retex-examples -f manifests/base/worker-rbac.yaml
-kubectl apply -n retex-examples -f manifests/base/task-policy-default.yaml
+kubectl apply -n retex-examples -k manifests/tenant
 kubectl rollout status -n retex-system statefulset/retex-postgres --timeout=180s
 kubectl rollout status -n retex-system deployment/retex-operator --timeout=180s
 

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 import yaml
 
-from e2e.system import PodEnd, job_pod_ends, task_manifest, wait_for
+from e2e.system import PodEnd, job_pod_ends, request_requeue, task_manifest, wait_for
 from retex.kube.objects import job_name
 from tests.cluster.test_operator import status, task
 
@@ -699,7 +699,7 @@ def test_R17_exhausted_retries_dead_letter_with_no_further_attempts_until_requeu
     assert payments.for_task(crash.uid)["charge"] == {"deliveries": 2, "executions": 0}
     shown = settle(retex, crash, phases=("Failed",))
     assert {c["type"]: c["status"] for c in shown["conditions"]}["DeadLettered"] == "True"
-    retex.kubectl("annotate", "task", "crash", "retex.dev/requeue=1")
+    request_requeue(retex.kubectl, "crash", "1")
     wait_for(lambda: len(retex.ledger.attempts(crash.uid)) >= 3, timeout=30, what="a fresh attempt")
     wait_for(lambda: retex.ledger.get(crash.uid).phase == "Failed", timeout=60, what="Failed again")
 

@@ -125,8 +125,13 @@ def test_dev_overlay_wires_generated_secrets_and_local_images(rig):
     assert service["metadata"]["namespace"] == "retex-system" and service["spec"]["ports"][0]["port"] == 8081
 
 
-def test_worker_rbac_applies_to_a_tenant_namespace(rig, namespaces):
-    objects = list(yaml.safe_load_all((MANIFESTS / "base" / "worker-rbac.yaml").read_text()))
+def test_the_tenant_onboarding_applies_to_a_tenant_namespace(rig, namespaces):
+    """manifests/tenant as docs/install.md applies it: worker RBAC, the operator's RoleBinding and
+    the workers' NetworkPolicy, accepted by the API server as rendered."""
+    built = rig.kubectl("kustomize", str(MANIFESTS / "tenant")).stdout
+    objects = [doc for doc in yaml.safe_load_all(built) if doc]
+    assert {("NetworkPolicy", "retex-worker-egress"), ("RoleBinding", "retex-operator"),
+            ("Role", "retex-worker")} <= kinds(objects)
     assert "Warning" not in dry_run(rig, objects, "-n", "examples-check")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from e2e.system import task_manifest, wait_for
+from e2e.system import request_requeue, task_manifest, wait_for
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
 
@@ -35,12 +35,12 @@ def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it
              timeout=10, what="dead-letter label")
     marker.touch()
     try:
-        retex.kubectl("annotate", "task", "flaky", "retex.dev/requeue=first")
+        admin = request_requeue(retex.kubectl, "flaky", "first")
         wait_for(lambda: phase_is(retex, "flaky", "Succeeded"), timeout=60, what="Succeeded after requeue")
     finally:
         marker.unlink()
     record = retex.ledger.find(retex.namespace, "flaky")
-    assert ("annotation:first", "requeue") in [(h.actor, h.event) for h in retex.ledger.history(record.uid)]
+    assert (f"kube:{admin}", "requeue") in [(h.actor, h.event) for h in retex.ledger.history(record.uid)]
     assert retex.kubectl("get", "tasks", "-l", "retex.dev/dead-letter=true", "-o", "name").stdout.strip() == ""
 
 
@@ -57,7 +57,7 @@ def test_a_requeue_annotation_is_refused_while_a_step_awaits_a_human_and_the_tas
     uid = task(retex, "needs-human")["metadata"]["uid"]
     assert notifier.for_task(uid)["notify"] == {"deliveries": 1, "executions": 1}
 
-    retex.kubectl("annotate", "task", "needs-human", "retex.dev/requeue=too-early")
+    request_requeue(retex.kubectl, "needs-human", "too-early")
     refusals = wait_for(lambda: events_of(retex, "needs-human", "RequeueRefused"), timeout=30,
                         what="the RequeueRefused Warning")
     assert "requeue before resolving step(s) notify" in refusals[0]["message"], refusals[0]["message"]

@@ -12,7 +12,7 @@ import psycopg
 import pytest
 import yaml
 
-from e2e.system import task_manifest, wait_for
+from e2e.system import request_requeue, task_manifest, wait_for
 from retex.kube.objects import LABEL_TASK_UID, job_name
 from retex.ledger import TaskNotFound
 from retex.operator.admission import admission_for
@@ -412,7 +412,7 @@ def test_a_dispatch_of_a_task_deleted_before_its_job_existed_ends_it_as_task_del
 def test_a_requeue_of_a_refused_task_is_ignored_once_and_says_why(retex):
     retex.kubectl("apply", "-f", "-", input=task_manifest("refused", echo("no"), worker=REQUESTS_ABOVE_LIMITS))
     retex.kubectl("wait", "--for=condition=Accepted=False", "--timeout=50s", "task/refused")
-    retex.kubectl("annotate", "task", "refused", "retex.dev/requeue=1")
+    request_requeue(retex.kubectl, "refused", "1")
     wait_for(lambda: handled(retex, "refused", "requeue",
                              lambda base: base.get("metadata", {}).get("annotations", {}).get("retex.dev/requeue") == "1"),
              timeout=30, what="the requeue handled")

@@ -41,6 +41,7 @@ def test_every_task_example_in_the_docs_is_valid():
         "order-1042",
         "nightly-etl-2026-12-02",
         "reminder-c-77",
+        "month-end",
     ]
     for example in examples:
         Task.model_validate(example)
@@ -133,6 +134,28 @@ def test_credential_looking_env_names_are_refused(name):
 def test_credential_headers_are_refused(header):
     with pytest.raises(ValidationError, match="headers are refused"):
         HttpAction(method="GET", url="https://x.example/", headers={header: "v"})
+
+
+FROM_SECRET = {"secretKeyRef": {"name": "payments.api", "key": "bearer"}}
+
+
+def test_credentials_are_named_from_a_secret_in_env_and_headers_never_written():
+    spec = TaskSpec.model_validate({"steps": [
+        {"name": "a", "exec": {"command": ["x"], "env": [{"name": "GITHUB_TOKEN", "valueFrom": FROM_SECRET}]}},
+        {"name": "b", "http": {"method": "GET", "url": "https://x.example/",
+                               "headersFrom": [{"name": "Authorization", "valueFrom": FROM_SECRET}]},
+         "verify": {"http": {"method": "GET", "url": "https://x.example/",
+                             "headersFrom": [{"name": "Cookie", "valueFrom": {"secretKeyRef": {"name": "c", "key": "k"}}}]}}},
+    ]})
+    assert [(r.name, r.key) for r in spec.secret_refs()] == [("payments.api", "bearer"), ("c", "k")]
+    assert spec.secret_refs()[0].env_name.startswith("RETEX_SECRET_")
+    assert spec.secret_refs()[0].env_name != spec.secret_refs()[1].env_name
+
+
+def test_an_env_item_has_a_value_or_a_secret_not_both():
+    with pytest.raises(ValidationError, match="set value or valueFrom, not both"):
+        TaskSpec.model_validate({"steps": [{"name": "s", "exec": {"command": ["x"], "env": [
+            {"name": "MODE", "value": "fast", "valueFrom": FROM_SECRET}]}}]})
 
 
 def test_status_progress_is_filled_in_from_the_step_counts():

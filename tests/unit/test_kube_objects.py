@@ -24,6 +24,21 @@ def job(**extra):
                      defaults=DEFAULTS)
 
 
+def test_secret_keys_the_steps_name_reach_the_worker_as_secret_key_refs_never_as_values():
+    built = build_job(task_name="order-1", task_uid=UID, namespace="shop", epoch=1, defaults=DEFAULTS,
+                      spec=TaskSpec.model_validate({"steps": [
+                          {"name": "a", "exec": {"command": ["x"], "env": [
+                              {"name": "API_TOKEN", "valueFrom": {"secretKeyRef": {"name": "shop-api", "key": "token"}}},
+                              {"name": "MODE", "value": "fast"}]}},
+                          {"name": "b", "http": {"method": "GET", "url": "https://x.example/", "headersFrom": [
+                              {"name": "Authorization",
+                               "valueFrom": {"secretKeyRef": {"name": "shop-api", "key": "token"}}}]}}]}))
+    env = built["spec"]["template"]["spec"]["containers"][0]["env"]
+    secrets = [e for e in env if e["name"].startswith("RETEX_SECRET_")]
+    assert secrets == [{"name": secrets[0]["name"], "valueFrom": {"secretKeyRef": {"name": "shop-api", "key": "token"}}}]
+    assert all("value" not in e for e in secrets)
+
+
 @pytest.mark.parametrize("name", ["a", "order-1", "x" * 253, "a.b.c." * 42 + "z", "-weird-"])
 def test_names_fit_a_dns_label_for_any_task_name(name):
     for built in (job_name(name, UID, 12345), lease_name(name, UID)):

@@ -6,6 +6,7 @@ import json
 import kopf
 from kopf._cogs.structs.patches import Patch
 
+from retex.kube.humans import REQUESTED_BY_ANNOTATION, RESOLVE_ANNOTATION
 from retex.operator.handlers import KOPF_PREFIX, REQUEUE_ANNOTATION, ReducedDiffBaseStorage
 
 
@@ -43,3 +44,9 @@ def test_the_diff_base_still_sees_cancel_and_the_requeue_annotation_change():
     assert before == {"spec": {"cancel": False}}
     assert after == {"spec": {"cancel": True}, "metadata": {"annotations": {REQUEUE_ANNOTATION: "1"}}}
     assert KOPF_PREFIX != "retex.dev"  # see handlers.configure: kopf drops its prefixes from diffs
+
+
+def test_the_diff_base_sees_the_resolve_annotation_and_not_who_requested_it():
+    after = storage().build(body=body({"a": 1}, annotations={RESOLVE_ANNOTATION: '{"step":"s"}',
+                                                            REQUESTED_BY_ANNOTATION: "alice"}))
+    assert after["metadata"] == {"annotations": {RESOLVE_ANNOTATION: '{"step":"s"}'}}

@@ -7,7 +7,7 @@ import pytest
 
 from retex.operator.settings import OperatorSettings
 
-DSN = {"RETEX_DATABASE_URL": "host=db dbname=retex"}
+DSN = {"RETEX_DATABASE_URL": "host=db dbname=retex sslmode=verify-full"}
 
 
 def refusal(env: dict[str, str]) -> str:
@@ -18,7 +18,7 @@ def refusal(env: dict[str, str]) -> str:
 
 def test_only_the_dsn_is_required_and_the_rest_are_the_documented_defaults():
     settings = OperatorSettings.from_env(DSN)
-    assert settings.database_url == "host=db dbname=retex"
+    assert settings.database_url == "host=db dbname=retex sslmode=verify-full"
     assert (settings.max_running, settings.max_running_per_namespace, settings.history_retention_days) == (None,) * 3
     assert (settings.worker_start_deadline_seconds, settings.resync_seconds, settings.metrics_port) == (120.0, 30.0, 9090)
     assert settings.dispatch_defer_limit_seconds == 600.0
@@ -30,6 +30,37 @@ def test_only_the_dsn_is_required_and_the_rest_are_the_documented_defaults():
 
 def test_without_a_dsn_the_operator_refuses_to_start_and_says_which_variable():
     assert "RETEX_DATABASE_URL is not set" in refusal({})
+
+
+@pytest.mark.parametrize("dsn", ["host=db dbname=retex", "host=db dbname=retex sslmode=require",
+                                 "host=db sslmode=verify-ca", "postgresql://retex@db/retex?sslmode=prefer",
+                                 "postgresql://retex@db/retex"])
+def test_a_dsn_without_sslmode_verify_full_is_refused_and_the_refusal_says_what_to_do(dsn):
+    message = refusal({"RETEX_DATABASE_URL": dsn})
+    assert "sslmode=verify-full" in message and "RETEX_DATABASE_INSECURE=1" in message
+
+
+@pytest.mark.parametrize("dsn", ["host=db dbname=retex sslmode=verify-full",
+                                 "postgresql://retex:pw@db/retex?sslmode=verify-full"])
+def test_a_dsn_with_sslmode_verify_full_is_accepted(dsn):
+    assert OperatorSettings.from_env({"RETEX_DATABASE_URL": dsn}).database_url == dsn
+
+
+def test_pgsslmode_verify_full_in_the_environment_counts_as_the_dsns_own():
+    assert OperatorSettings.from_env({"RETEX_DATABASE_URL": "host=db", "PGSSLMODE": "verify-full"})
+    assert "sslmode=verify-full" in refusal({"RETEX_DATABASE_URL": "host=db sslmode=disable",
+                                             "PGSSLMODE": "verify-full"})  # the DSN's own wins, as in libpq
+
+
+def test_the_explicit_insecure_flag_accepts_a_dsn_without_tls_verification():
+    env = {"RETEX_DATABASE_URL": "host=127.0.0.1 dbname=retex", "RETEX_DATABASE_INSECURE": "1"}
+    assert OperatorSettings.from_env(env).database_url == "host=127.0.0.1 dbname=retex"
+    assert "sslmode=verify-full" in refusal(env | {"RETEX_DATABASE_INSECURE": "yes"})  # only 1 means it
+
+
+def test_a_dsn_that_does_not_parse_is_refused_without_echoing_it():
+    message = refusal({"RETEX_DATABASE_URL": "password=hunter2 bogus", "RETEX_DATABASE_INSECURE": "1"})
+    assert "RETEX_DATABASE_URL" in message and "hunter2" not in message
 
 
 @pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_MAX_RUNNING_PER_NAMESPACE", "RETEX_HISTORY_RETENTION_DAYS",

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from retex.api.models import SecretKeySelector
 from retex.worker import exec_step
 from retex.worker.calls import step_environment
 from retex.worker.outcomes import Abandoned, Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
@@ -60,6 +61,27 @@ def test_the_worker_plumbing_and_failpoint_never_reach_step_code():
     outcome = run("import os, json; print(json.dumps(sorted(os.environ)))", sup=supervision(env=env))
     names = json.loads(outcome.result["stdout"])
     assert not {"RETEX_LEDGER_URL", "RETEX_LEDGER_TOKEN_FILE", "RETEX_FAILPOINT"} & set(names) and "KEEP" in names
+
+
+def test_a_step_gets_the_secret_keys_it_names_under_its_own_names_and_no_other_secret(monkeypatch):
+    mine = SecretKeySelector(name="shop-api", key="token")
+    other = SecretKeySelector(name="billing", key="key")
+    # As the Job puts them on the worker container (env from secretKeyRef, resolved by the kubelet).
+    monkeypatch.setenv(mine.env_name, "value-of-mine")
+    monkeypatch.setenv(other.env_name, "value-of-other")
+    script = "import os, json; print(json.dumps(dict(os.environ)))"
+    s = step(exec={"command": [PY, "-c", script], "env": [
+        {"name": "API_TOKEN", "valueFrom": {"secretKeyRef": {"name": "shop-api", "key": "token"}}}]})
+    seen = json.loads(exec_step.run(s.exec, s, call(), supervision()).result["stdout"])
+    assert seen["API_TOKEN"] == "value-of-mine"
+    assert "value-of-other" not in seen.values() and not [k for k in seen if k.startswith("RETEX_SECRET_")]
+
+
+def test_a_secret_the_worker_was_not_given_fails_the_step_without_running_it():
+    s = step(exec={"command": ["true"], "env": [
+        {"name": "API_TOKEN", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "k"}}}]})
+    outcome = exec_step.run(s.exec, s, call(), supervision())
+    assert isinstance(outcome, Failed) and not outcome.retryable and "Secret absent key k" in outcome.error
 
 
 def test_output_is_bounded_to_its_last_kibibytes():

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from retex.api.models import SecretKeySelector
 from retex.worker import http_step
 from retex.worker.outcomes import Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
 from tests.unit.worker_steps_helpers import HttpStub, call, step, supervision
@@ -169,6 +170,26 @@ def test_a_header_value_http_client_cannot_encode_fails_before_anything_is_sent(
     assert isinstance(outcome, Failed) and not outcome.retryable
     assert "X-Note" in outcome.error and "nothing was sent" in outcome.error
     assert stub.requests == []
+
+
+def with_secret_header(stub, monkeypatch, value: str):
+    ref = SecretKeySelector(name="payments-api", key="bearer")
+    monkeypatch.setenv(ref.env_name, value)  # as the Job puts it on the worker container
+    s = step(http={"method": "POST", "url": stub.url(), "headersFrom": [
+        {"name": "Authorization", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]})
+    return http_step.run(s.http, s, call(), supervision())
+
+
+def test_a_header_from_a_secret_is_sent_with_the_secrets_value(stub, monkeypatch):
+    assert isinstance(with_secret_header(stub, monkeypatch, "Bearer tok-123"), Succeeded)
+    assert stub.requests[0]["headers"]["Authorization"] == "Bearer tok-123"
+
+
+@pytest.mark.parametrize("value", ["Bearer a\r\nX-Injected: 1", "Bearer 日本-tok"])
+def test_a_secret_header_value_that_cannot_be_sent_fails_without_quoting_the_value(stub, monkeypatch, value):
+    outcome = with_secret_header(stub, monkeypatch, value)
+    assert isinstance(outcome, Failed) and "Authorization" in outcome.error and "nothing was sent" in outcome.error
+    assert "Bearer" not in outcome.error and "tok" not in outcome.error and stub.requests == []
 
 
 def exchange_threads_done() -> None:

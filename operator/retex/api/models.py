@@ -10,6 +10,7 @@ the API server refuses. Transition rules (those comparing with `oldSelf`) exist 
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import re
 from typing import Annotated, Any, Literal
@@ -81,13 +82,17 @@ MSG_EXIT_CODES_EXEC_ONLY = "retryableExitCodes and permanentExitCodes apply to e
 MSG_STATUSES_HTTP_ONLY = "retryableStatuses and permanentStatuses apply to http steps only"
 MSG_SECRET_ENV_NAME = (
     "env names that look like credentials (PASSWORD, PASSWD, SECRET, TOKEN, API_KEY, PRIVATE_KEY, "
-    "CREDENTIAL) are refused: a Task is readable by anyone who can get tasks; give credentials to "
-    "the worker through its image or service account"
+    "CREDENTIAL) take their value from a Secret (valueFrom.secretKeyRef), never a plain value: a Task "
+    "is readable by anyone who can get tasks"
 )
 MSG_SECRET_HEADER = (
-    "Authorization, Proxy-Authorization and Cookie headers are refused: a Task is readable by anyone "
-    "who can get tasks; give credentials to the worker through its image or service account"
+    "Authorization, Proxy-Authorization and Cookie headers are refused in headers: a Task is readable "
+    "by anyone who can get tasks; put them in headersFrom with valueFrom.secretKeyRef"
 )
+MSG_ENV_VALUE_OR_FROM = "set value or valueFrom, not both"
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# The worker container's env var that carries one Secret key (the Job maps it by secretKeyRef).
+SECRET_ENV_PREFIX = "RETEX_SECRET_"
 MSG_HEADER_NAME = "header names must be HTTP tokens (letters, digits and !#$%&'*+.^_`|~-)"
 MSG_HEADER_VALUE = "header values must not contain CR, LF or NUL"
 MSG_BACKOFF_ORDER = "maxSeconds must be at least initialSeconds"
@@ -187,26 +192,65 @@ HttpStatus = Annotated[int, Field(ge=100, le=599)]
 # --- spec -----------------------------------------------------------------------------------
 
 
+class SecretKeySelector(ApiModel):
+    """One key of a Secret in the Task's namespace. Its value never enters the Task nor the ledger:
+    the Job hands it to the worker container (env from secretKeyRef), the worker to the step."""
+
+    name: Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN)]
+    """The Secret's name."""
+    key: Annotated[str, Field(min_length=1, max_length=253, pattern=SECRET_KEY_PATTERN)]
+    """The key in the Secret's data."""
+
+    @property
+    def env_name(self) -> str:
+        """The worker container's variable that holds this key (a hash: Secret names have dots)."""
+        digest = hashlib.sha256(f"{self.name}/{self.key}".encode()).hexdigest()[:16].upper()
+        return f"{SECRET_ENV_PREFIX}{digest}"
+
+
+class ValueSource(ApiModel):
+    """Where a value comes from instead of the Task: a Secret's key."""
+
+    secret_key_ref: SecretKeySelector
+    """A key of a Secret in the Task's namespace (a missing Secret keeps the worker pod from
+    starting: the attempt fails at the start deadline, saying so)."""
+
+
 class EnvVar(ApiModel):
-    """An environment variable for the command. Values are plain text stored in the Task: never put
-    a credential here; the worker gets credentials from its image or service account."""
+    """An environment variable for the command: a plain value stored in the Task, or valueFrom a
+    Secret's key (never stored in the Task nor the ledger)."""
 
     model_config = ConfigDict(
-        json_schema_extra=validations(cel(f"!self.name.matches('{SECRET_ENV_NAME_PATTERN}')", MSG_SECRET_ENV_NAME))
+        json_schema_extra=validations(
+            cel(f"has(self.valueFrom) || !self.name.matches('{SECRET_ENV_NAME_PATTERN}')", MSG_SECRET_ENV_NAME),
+            cel("!has(self.valueFrom) || !has(self.value) || self.value == ''", MSG_ENV_VALUE_OR_FROM),
+        )
     )
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=ENV_NAME_PATTERN)]
     """Variable name. Names that look like credentials (containing PASSWORD, SECRET, TOKEN, API_KEY,
-    PRIVATE_KEY, CREDENTIAL) are refused."""
+    PRIVATE_KEY, CREDENTIAL) must take their value from valueFrom."""
     value: Annotated[str, Field(max_length=4096)] = ""
     """Variable value, plain text."""
+    value_from: ValueSource | None = None
+    """The value from a Secret's key (valueFrom.secretKeyRef), instead of value."""
 
-    @field_validator("name")
-    @classmethod
-    def _not_secret_looking(cls, name: str) -> str:
-        if re.search(SECRET_ENV_NAME_PATTERN, name):
+    @model_validator(mode="after")
+    def _secrets_only_from_secrets(self) -> EnvVar:
+        if self.value_from is not None and self.value:
+            raise ValueError(MSG_ENV_VALUE_OR_FROM)
+        if self.value_from is None and re.search(SECRET_ENV_NAME_PATTERN, self.name):
             raise ValueError(MSG_SECRET_ENV_NAME)
-        return name
+        return self
+
+
+class HeaderFrom(ApiModel):
+    """A request header whose value comes from a Secret's key (e.g. Authorization)."""
+
+    name: Annotated[str, Field(min_length=1, max_length=256, pattern=HEADER_NAME_PATTERN)]
+    """Header name."""
+    value_from: ValueSource
+    """valueFrom.secretKeyRef: the Secret's key holding the header's value."""
 
 
 class ExecAction(ApiModel):
@@ -249,7 +293,16 @@ class HttpAction(ApiModel):
         | None
     ) = None
     """Request headers, plain text, without CR, LF or NUL in values. Authorization,
-    Proxy-Authorization and Cookie are refused."""
+    Proxy-Authorization and Cookie are refused here: use headersFrom."""
+    headers_from: (
+        Annotated[
+            list[HeaderFrom],
+            Field(max_length=16, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}),
+        ]
+        | None
+    ) = None
+    """Request headers whose values come from Secrets (valueFrom.secretKeyRef), unique by name:
+    credentials such as Authorization. A value with CR, LF or NUL is never sent (the step fails)."""
     body: FreeJson = None
     """Request body: any JSON value, sent as JSON (a string as is). Without one, POST, PUT and PATCH
     send {idempotencyKey, taskUid, step, attempt, payload, results}."""
@@ -563,6 +616,20 @@ class TaskSpec(ApiModel):
         """The spec as the ledger keeps it, and as the relay compares it with the live Task: JSON
         without nulls, without `cancel` (the one field that may change after creation)."""
         return self.model_dump(mode="json", by_alias=True, exclude_none=True, exclude={"cancel"})
+
+    def secret_refs(self) -> list[SecretKeySelector]:
+        """Every Secret key the steps (and their verify checks) name, once each, in spec order."""
+        refs: dict[tuple[str, str], SecretKeySelector] = {}
+        for step in self.steps:
+            for action in (step, step.verify):
+                if action is None:
+                    continue
+                sources = [var.value_from for var in (action.exec.env or []) if var.value_from] if action.exec else []
+                sources += [header.value_from for header in (action.http.headers_from or [])] if action.http else []
+                for source in sources:
+                    ref = source.secret_key_ref
+                    refs.setdefault((ref.name, ref.key), ref)
+        return list(refs.values())
 
 
 def annotations_bytes(annotations: dict[str, str] | None) -> int:

@@ -1,8 +1,15 @@
-"""`retex` (and `kubectl retex`): history, requeue, resolve and dead-letters, straight on the ledger.
+"""`retex` (and `kubectl retex`): history, requeue, resolve and dead-letters.
 
-Exit codes: 0 done; 1 refused (unknown task or step, illegal transition, bad input); 2 the ledger
-cannot be reached (no DSN, Postgres unreachable, no retex schema there). Errors are one line on
-stderr, never a traceback.
+Two modes. By default the CLI acts as the Kubernetes user of the kubeconfig (its current
+namespace unless -n): requeue and resolve are annotations on the Task, patched with the user's own
+credentials and naming the user the API server authenticated (SelfSubjectReview; the policy
+`retex-requested-by` refuses any other name); the operator acts on them and records that name in
+the ledger's history. History and dead letters come from Task status and Events. With
+--database-url (or RETEX_DATABASE_URL), for administrators, it works on the ledger directly.
+
+Exit codes: 0 done; 1 refused (unknown task or step, illegal transition, bad input, no right to do
+it); 2 nothing to talk to (no DSN or kubeconfig, Postgres or the API server unreachable, no retex
+schema there). Errors are one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ from collections.abc import Sequence
 import psycopg
 
 from retex.cli import render
+from retex.kube import humans
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskNotFound, TaskRecord
+from retex.ledger.tls import unverified_tls_refusal
 from retex.machine import IllegalTransition
 
 DEFAULT_NAMESPACE = "default"
@@ -48,8 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.command(args)
     except Refused as exc:
         return _fail(1, str(exc))
-    except (Unreachable, LedgerUnavailable) as exc:
+    except (Unreachable, LedgerUnavailable, humans.NoCluster) as exc:
         return _fail(2, str(exc))
+    except (humans.NotAllowed, humans.RefusedByServer, humans.TaskMissing) as exc:
+        return _fail(1, str(exc))
     except TaskNotFound as exc:
         return _fail(1, str(exc))
     except LedgerError as exc:
@@ -64,6 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
+    if not _direct(args):
+        api, namespace = _cluster(args)
+        task = humans.get_task(api, namespace, args.task)
+        events = humans.task_events(api, namespace, task["metadata"]["uid"])
+        print(render.dumps({"task": task, "events": events}) if args.output == "json"
+              else render.task_status_text(task, events))
+        return 0
     with _ledger(args) as ledger:
         task = _task(ledger, args)
         attempts, history = ledger.attempts(task.uid), ledger.history(task.uid)
@@ -75,6 +93,15 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_requeue(args: argparse.Namespace) -> int:
+    if not _direct(args):
+        api, namespace = _cluster(args)
+        user = humans.whoami(api)
+        phase = (humans.get_task(api, namespace, args.task).get("status") or {}).get("phase")
+        if phase not in ("Failed", "NeedsAttention"):
+            raise Refused(f"cannot requeue {namespace}/{args.task}: it is {phase or 'not admitted yet'}; only Failed "
+                          "and NeedsAttention tasks can be requeued")
+        humans.request_requeue(api, namespace, args.task, user)
+        return _requested(args, "requeue", namespace, user)
     with _ledger(args) as ledger:
         task = _task(ledger, args)
         try:
@@ -93,6 +120,13 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             result = json.loads(args.result)
         except json.JSONDecodeError as exc:
             raise Refused(f"--result is not valid JSON: {exc}") from None
+    if not _direct(args):
+        api, namespace = _cluster(args)
+        user = humans.whoami(api)
+        humans.get_task(api, namespace, args.task)  # a missing Task is said before anything is written
+        humans.request_resolve(api, namespace, args.task, user, step=args.step, mark_done=args.mark_done,
+                               result=result)
+        return _requested(args, f"resolve of step {args.step!r}", namespace, user)
     with _ledger(args) as ledger:
         task = _task(ledger, args)
         try:
@@ -104,8 +138,13 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
+    if not _direct(args):
+        api, namespace = _cluster(args)
+        tasks = humans.list_tasks(api, None if args.all_namespaces else namespace, "retex.dev/dead-letter=true")
+        print(render.dumps(tasks) if args.output == "json" else render.tasks_text(tasks))
+        return 0
     with _ledger(args) as ledger:
-        tasks = ledger.dead_letters(None if args.all_namespaces else args.namespace)
+        tasks = ledger.dead_letters(None if args.all_namespaces else (args.namespace or DEFAULT_NAMESPACE))
     if args.output == "json":
         print(render.dumps([{k: v for k, v in render.task_json(t).items() if k != "steps"} for t in tasks]))
     else:
@@ -127,6 +166,26 @@ def actor() -> str:
     return f"cli:{user}"
 
 
+def _direct(args: argparse.Namespace) -> bool:
+    """The administrators' mode: a DSN given, the ledger used directly."""
+    return bool(args.database_url or os.environ.get("RETEX_DATABASE_URL"))
+
+
+def _cluster(args: argparse.Namespace):
+    """The user's API client and the namespace to act in (-n, else the kubeconfig context's)."""
+    found = humans.session(args.kubeconfig, args.context)
+    return found.api, args.namespace or found.namespace
+
+
+def _requested(args: argparse.Namespace, what: str, namespace: str, user: str) -> int:
+    if args.output == "json":
+        print(render.dumps({"namespace": namespace, "task": args.task, "requested": what, "requestedBy": user}))
+    else:
+        print(f"{what} of {namespace}/{args.task} requested as {user}; the operator records it in the task's "
+              f"history (retex history {args.task} -n {namespace})")
+    return 0
+
+
 class _ledger:
     """Open the ledger for one command: a quick probe first, so an unreachable database is a
     one-line error in seconds rather than the ledger's long retry window."""
@@ -136,6 +195,9 @@ class _ledger:
         self.timeout = args.timeout
         if not self.dsn:
             raise Unreachable("no ledger: set RETEX_DATABASE_URL or pass --database-url")
+        insecure = unverified_tls_refusal(self.dsn, os.environ)
+        if insecure:
+            raise Unreachable(insecure)
 
     def __enter__(self) -> Ledger:
         try:
@@ -153,6 +215,7 @@ class _ledger:
 
 
 def _task(ledger: Ledger, args: argparse.Namespace) -> TaskRecord:
+    args.namespace = args.namespace or DEFAULT_NAMESPACE
     task = ledger.find(args.namespace, args.task)
     if task is None and _UID.match(args.task):
         try:
@@ -195,12 +258,13 @@ def _one_line(message: object) -> str:
 def _parser() -> argparse.ArgumentParser:
     plugin = os.path.basename(sys.argv[0]).startswith("kubectl-")
     parser = _Parser(prog="kubectl retex" if plugin else "retex",
-                     description="Inspect and act on retex tasks in the ledger (Postgres).",
+                     description="Inspect and act on retex tasks: as your Kubernetes user (kubeconfig), or on "
+                                 "the ledger directly with --database-url (administrators).",
                      epilog="Exit codes: 0 done, 1 refused (unknown task, illegal transition, bad input), "
                             "2 ledger unreachable.")
     _common_options(parser)
-    parser.set_defaults(namespace=DEFAULT_NAMESPACE, output="table", database_url=None, timeout=10.0,
-                        verbose=False)
+    parser.set_defaults(namespace=None, output="table", database_url=None, timeout=10.0, verbose=False,
+                        kubeconfig=None, context=None)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     def command(name: str, fn, help: str) -> argparse.ArgumentParser:
@@ -234,11 +298,16 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
     not overwritten and one given before it is not reset; the top-level parser's set_defaults
     supplies the defaults."""
     parser.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
-                        help=f"the task's namespace (default: {DEFAULT_NAMESPACE})")
+                        help="the task's namespace (default: the kubeconfig context's; with --database-url: "
+                             f"{DEFAULT_NAMESPACE})")
     parser.add_argument("-o", "--output", choices=["table", "json"], default=argparse.SUPPRESS,
                         help="output format (default: table)")
     parser.add_argument("--database-url", default=argparse.SUPPRESS,
-                        help="the ledger's Postgres DSN (default: $RETEX_DATABASE_URL)")
+                        help="administrators: work on the ledger directly with this Postgres DSN (default: "
+                             "$RETEX_DATABASE_URL; without either, the CLI acts as your Kubernetes user)")
+    parser.add_argument("--kubeconfig", default=argparse.SUPPRESS, help="the kubeconfig (default: $KUBECONFIG, "
+                        "~/.kube/config)")
+    parser.add_argument("--context", default=argparse.SUPPRESS, help="the kubeconfig context (default: current)")
     parser.add_argument("--timeout", type=float, default=argparse.SUPPRESS,
                         help="seconds to keep trying an unreachable ledger (default: 10)")
     parser.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log retries")

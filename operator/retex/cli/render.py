@@ -112,3 +112,34 @@ def _detail(detail: dict[str, Any] | None) -> str:
     if not detail:
         return ""
     return " ".join(f"{k}={brief(v, 40)}" for k, v in detail.items())
+
+
+# -- from the API server (the CLI as a Kubernetes user): Task objects and Events as plain dicts --
+
+
+def task_status_text(task: dict[str, Any], events: list[dict[str, Any]]) -> str:
+    """A Task as its status shows it, then its Events, oldest first."""
+    meta, status = task["metadata"], task.get("status") or {}
+    lines = [f"task {meta['namespace']}/{meta['name']}  uid {meta['uid']}  phase {status.get('phase', '-')}  "
+             f"progress {status.get('progress', '-')}"]
+    steps = status.get("steps") or []
+    if steps:
+        lines += ["", table(["STEP", "STATE", "RESULT"], [(s.get("name"), s.get("state"), brief(s.get("result")))
+                                                         for s in steps])]
+    conditions = status.get("conditions") or []
+    if conditions:
+        lines += ["", table(["CONDITION", "STATUS", "REASON", "MESSAGE"],
+                            [(c["type"], c["status"], c.get("reason"), brief(c.get("message"), 80)) for c in conditions])]
+    ordered = sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+    lines += ["", table(["TIME", "TYPE", "REASON", "MESSAGE"],
+                        [(e.get("lastTimestamp") or e.get("eventTime"), e.get("type"), e.get("reason"),
+                          brief(e.get("message"), 100)) for e in ordered]) if ordered else "no events"]
+    return "\n".join(lines)
+
+
+def tasks_text(tasks: list[dict[str, Any]]) -> str:
+    if not tasks:
+        return "no dead letters"
+    return table(["NAMESPACE", "NAME", "PHASE", "PROGRESS"],
+                 [(t["metadata"]["namespace"], t["metadata"]["name"], (t.get("status") or {}).get("phase"),
+                   (t.get("status") or {}).get("progress")) for t in tasks])

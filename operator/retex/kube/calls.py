@@ -2,14 +2,16 @@
 
 Every call is idempotent the way the relay needs it: create treats AlreadyExists as success when
 the object that exists is owned by the same Task, delete treats NotFound as success. A create the
-API server refuses for good raises `Refused` (with the server's message), or its subclass
-`NamespaceTerminating` when the namespace is being deleted; any other API status or transport
+API server refuses for good raises `Refused` (with the server's message), or its subclasses
+`NamespaceTerminating` when the namespace is being deleted and `NotPermitted` when RBAC does not let
+the operator create it there (a namespace not onboarded); any other API status or transport
 error (429, 5xx, a dropped connection, a quota that is full for now) is transient (`transient`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -30,6 +32,9 @@ PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
 _QUOTA_MESSAGES = ("exceeded quota", "status unknown for quota")
 # The StatusCause NamespaceLifecycle adds to its 403 (its Go field Type is "reason" in JSON).
 _NAMESPACE_TERMINATING_CAUSE = "NamespaceTerminating"
+# The API server's words when the authorizer (not an admission plugin) says no:
+# `jobs.batch is forbidden: User "..." cannot create resource "jobs" in API group "batch" ...`.
+_NOT_AUTHORIZED = re.compile(r'User ".*" cannot [a-z]+ resource "')
 
 
 class Refused(Exception):
@@ -42,6 +47,11 @@ class Refused(Exception):
 
 class NamespaceTerminating(Refused):
     """The namespace is being deleted: nothing new may be created in it, and its Tasks go with it."""
+
+
+class NotPermitted(Refused):
+    """RBAC does not let the operator create this there: the namespace was not onboarded (the
+    operator's write rights come from a RoleBinding per tenant namespace)."""
 
 
 def api_message(exc: ApiException) -> str:
@@ -60,6 +70,8 @@ def refusal(exc: ApiException) -> Refused | None:
             return NamespaceTerminating(message, exc.status)
         if any(text in message for text in _QUOTA_MESSAGES):
             return None
+        if _NOT_AUTHORIZED.search(message):
+            return NotPermitted(message, exc.status)
     return Refused(message, exc.status)
 
 

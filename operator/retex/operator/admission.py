@@ -52,3 +52,14 @@ def annotations_refusal(annotations: dict[str, str] | None, *, own_prefix: str) 
     theirs = {k: v for k, v in (annotations or {}).items() if not k.startswith(f"{own_prefix}/")}
     size, room = annotations_bytes(theirs), ANNOTATIONS_MAX_BYTES - OPERATOR_ANNOTATIONS_RESERVE_BYTES
     return MSG_ANNOTATIONS_TOO_LARGE.format(size=size, room=room) if size > room else None
+
+
+NAMESPACE_NOT_ONBOARDED = "NamespaceNotOnboarded"
+
+
+def not_onboarded_message(namespace: str, server_message: str) -> str:
+    """Why a Task of a namespace nobody onboarded never runs, and what to do about it."""
+    return (f"namespace {namespace} is not onboarded for retex: the operator may not create Jobs, Leases or "
+            f"Events there (no RoleBinding retex-operator to the ClusterRole retex-operator-tenant in "
+            f"{namespace}). An administrator onboards it with `kubectl apply -n {namespace} -k manifests/tenant` "
+            f"(docs/install.md); then create the Task again. The API server said: {server_message}")

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls, NamespaceTerminating, Refused, transient
+from retex.kube.calls import KubeCalls, NamespaceTerminating, NotPermitted, Refused, transient
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease, job_name
 from retex.ledger import Dispatch, Ledger, LedgerError, spec_hash
 from retex.ledger.store import DispatchOutcomes
 from retex.logs import event
+from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, not_onboarded_message
 from retex.operator.loop import Loop
 from retex.operator.metrics import count_failure
 
@@ -120,6 +121,9 @@ class Relay(Loop):
         except NamespaceTerminating:
             # Its namespace is being deleted, the Task with it (perhaps not marked yet).
             return _Unsent("TaskDeleted", "dispatch dropped: namespace terminating")
+        except NotPermitted as refused:  # its RoleBinding was removed after admission
+            return _Unsent(NAMESPACE_NOT_ONBOARDED, "dispatch refused by RBAC: namespace not onboarded",
+                           not_onboarded_message(dispatch.namespace, refused.message))
         except Refused as refused:
             return _Unsent("JobRejected", f"dispatch rejected by the API server ({refused.status}): task failed",
                            refused.message)

@@ -9,6 +9,7 @@ event loop), log lines not posted as Events.
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import datetime
 import threading
@@ -19,15 +20,17 @@ import pydantic
 
 from retex.api import GROUP, PLURAL, VERSION, TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls, Refused
+from retex.kube.calls import KubeCalls, NotPermitted, Refused
 from retex.kube.client import api_client
 from retex.kube.identity import WorkerIdentities
+from retex.kube.humans import REQUESTED_BY_ANNOTATION, REQUEUE_ANNOTATION, RESOLVE_ANNOTATION
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
-from retex.ledger import Ledger, Refusal, TaskNotFound
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable, Refusal, TaskNotFound
 from retex.logs import event
 from retex.machine import IllegalTransition
-from retex.operator.admission import admission_for, annotations_refusal
+from retex.operator.admission import (NAMESPACE_NOT_ONBOARDED, admission_for, annotations_refusal,
+                                      not_onboarded_message)
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator import ledger_endpoint
 from retex.operator.metrics import serve as serve_metrics
@@ -37,7 +40,6 @@ from retex.operator.status import StatusMirror
 
 log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
-REQUEUE_ANNOTATION = "retex.dev/requeue"
 KOPF_PREFIX = "kopf.retex.dev"
 ENDPOINT_RETRY_SECONDS = 10.0  # below the worker's read timeout (retex.worker.ledger_client)
 
@@ -105,7 +107,7 @@ class Runtime:
 class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     """kopf's diff base (its last-handled-configuration annotation) holding only what a handler
     reacts to after creation: `spec.cancel` (the rest of the spec is immutable by CRD rule) and
-    the requeue annotation. kopf's default keeps the whole spec and every annotation, JSON with
+    the requeue and resolve annotations. kopf's default keeps the whole spec and every annotation, JSON with
     non-ASCII escaped: a payload under its 64 KiB limit took up to 6 bytes a character there, next
     to kubectl apply's own copy, and the object outgrew the API server's 256 KiB annotation limit
     — no patch landed again, so the Task could not even be deleted."""
@@ -116,8 +118,9 @@ class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         if "cancel" in (essence.get("spec") or {}):
             reduced["spec"] = {"cancel": essence["spec"]["cancel"]}
         annotations = (essence.get("metadata") or {}).get("annotations") or {}
-        if REQUEUE_ANNOTATION in annotations:
-            reduced["metadata"] = {"annotations": {REQUEUE_ANNOTATION: annotations[REQUEUE_ANNOTATION]}}
+        kept = {key: annotations[key] for key in (REQUEUE_ANNOTATION, RESOLVE_ANNOTATION) if key in annotations}
+        if kept:
+            reduced["metadata"] = {"annotations": kept}
         return reduced
 
 
@@ -152,7 +155,8 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
 
     Refused instead (Accepted=False, phase Refused, never run): a spec the models refuse,
     annotations leaving no room for the operator's own, a Job the API server would refuse (a
-    server-side dry run of attempt 1's Job), a duplicate idempotencyKey. A refusal is stored in
+    server-side dry run of attempt 1's Job; NamespaceNotOnboarded when RBAC refuses it: no
+    RoleBinding for the operator there), a duplicate idempotencyKey. A refusal is stored in
     the ledger and final: this handler also runs at every operator start (kopf's resume), and
     must not decide again (a dry run that passes now, a key a purge would otherwise free)."""
     runtime: Runtime = memo.runtime
@@ -201,6 +205,8 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
                         spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults)
         try:
             runtime.kube.dry_run_job(job)
+        except NotPermitted as refused:
+            return refuse(NAMESPACE_NOT_ONBOARDED, not_onboarded_message(namespace, refused.message))
         except Refused as refused:
             return refuse("JobRejected", f"the API server refuses its Job: {refused.message}")
         except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
@@ -234,14 +240,21 @@ def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
     memo.runtime.reaper.wake.set()
 
 
+def _actor(body: kopf.Body, new: str) -> str:
+    """Who asked: the requested-by annotation (the API server checked it is the user who set it,
+    manifests/base/requested-by-policy.yaml), else the annotation's value as before."""
+    user = (body.get("metadata", {}).get("annotations") or {}).get(REQUESTED_BY_ANNOTATION)
+    return f"kube:{user}" if user else f"annotation:{new}"
+
+
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
 def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Setting (or changing) the annotation gives a Failed or NeedsAttention task a fresh attempt
-    and budget; the ledger records it in history."""
+    and budget; the ledger records it in history, with who asked."""
     runtime: Runtime = memo.runtime
     if new:
         try:
-            runtime.ledger.requeue(uid, actor=f"annotation:{new}")
+            runtime.ledger.requeue(uid, actor=_actor(body, new))
         except IllegalTransition as refused:  # not Failed or NeedsAttention, or a step awaits a human
             event(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
             runtime.mirror.warn(dict(body), "RequeueRefused", f"requeue refused: {refused}")
@@ -254,6 +267,35 @@ def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
             runtime.mirror.warn(dict(body), "RequeueIgnored", f"requeue ignored: {why}; create a new Task")
             return
         runtime.relay.wake.set()
+
+
+@kopf.on.field(*TASKS, field=("metadata", "annotations", RESOLVE_ANNOTATION))
+def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """`retex resolve` through the API: the annotation holds the decision as JSON
+    ({"step", "markDone", "result"?, "requestedAt"}); the ledger records it with who asked."""
+    runtime: Runtime = memo.runtime
+    if not new:
+        return
+    try:
+        decision = json.loads(new)
+        step, mark_done = decision["step"], decision["markDone"]
+        if not isinstance(step, str) or not isinstance(mark_done, bool):
+            raise TypeError("step must be a string and markDone a boolean")
+    except (ValueError, KeyError, TypeError) as bad:
+        runtime.mirror.warn(dict(body), "ResolveIgnored", f"resolve ignored: the annotation {RESOLVE_ANNOTATION} "
+                            f"is not a decision ({bad}); use `retex resolve`")
+        return
+    try:
+        runtime.ledger.resolve_step(uid, step, mark_done=mark_done, result=decision.get("result"),
+                                    actor=_actor(body, new))
+    except LedgerUnavailable:
+        raise  # kopf retries the handler
+    except (IllegalTransition, LedgerError) as refused:  # a step not awaiting a decision, a result too large
+        event(log, logging.WARNING, "resolve refused", uid=uid, why=str(refused))
+        runtime.mirror.warn(dict(body), "ResolveRefused", f"resolve of step {step!r} refused: {refused}")
+        return
+    runtime.relay.wake.set()
+    runtime.mirror.mark(uid)
 
 
 @kopf.on.delete(*TASKS)

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from retex.kube.objects import WorkerDefaults
+from retex.ledger.tls import unverified_tls_refusal
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class OperatorSettings:
             database_url = env["RETEX_DATABASE_URL"]
         except KeyError:
             raise SystemExit("RETEX_DATABASE_URL is not set (the ledger's Postgres DSN)") from None
+        refusal = unverified_tls_refusal(database_url, env)
+        if refusal:
+            raise SystemExit(f"RETEX_DATABASE_URL: {refusal}")
         ledger_port = _number(env, "RETEX_LEDGER_PORT", int) or 8081
         return cls(
             database_url=database_url,

@@ -237,7 +237,11 @@ class StatusMirror(Loop):
         """A Warning Event about the Task that its status does not carry (a refusal, a requeue
         that cannot apply), within the Event limiter."""
         if self._limiter.allow(task["metadata"]["uid"], time.monotonic()):
-            self._kube.post_event(task, reason=reason, message=message, warning=True)
+            try:
+                self._kube.post_event(task, reason=reason, message=message, warning=True)
+            except ApiException as exc:  # 403 in a namespace not onboarded: the status says it all
+                event(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
+                      http_status=exc.status)
 
     def _mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger is marked for a write."""

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from retex.api.models import SECRET_ENV_PREFIX, SecretKeySelector
 from retex.worker.drain import Drain
 
 # Never handed to step code: the worker's plumbing, not the step's business (the token file stays
@@ -17,7 +18,22 @@ WORKER_ONLY_ENV = ("RETEX_LEDGER_URL", "RETEX_LEDGER_TOKEN_FILE", "RETEX_FAILPOI
 
 
 def step_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    return {k: v for k, v in environ.items() if k not in WORKER_ONLY_ENV}
+    """The worker's environment minus its plumbing and every Secret value: a step gets only the
+    Secret keys its own spec names (`secret_value`)."""
+    return {k: v for k, v in environ.items() if k not in WORKER_ONLY_ENV and not k.startswith(SECRET_ENV_PREFIX)}
+
+
+class SecretMissing(Exception):
+    """The worker's container lacks a Secret key the step names: its Job was not built from this
+    spec (the Job builder maps every key the spec names)."""
+
+
+def secret_value(ref: SecretKeySelector, environ: Mapping[str, str] = os.environ) -> str:
+    try:
+        return environ[ref.env_name]
+    except KeyError:
+        raise SecretMissing(f"the worker has no value for Secret {ref.name} key {ref.key} (its Job maps none); "
+                            "nothing was run") from None
 
 
 @dataclass(frozen=True)

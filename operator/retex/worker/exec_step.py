@@ -1,7 +1,8 @@
 """`exec` steps: a command run without a shell, in its own process group, tethered to the worker
 (`retex.worker.tether`: the group dies if the worker does).
 
-Environment: the worker's (minus its credentials), the step's `env`, then RETEX_IDEMPOTENCY_KEY,
+Environment: the worker's (minus its credentials and every Secret value), the step's `env` (a
+valueFrom.secretKeyRef read from the worker's own env, where the Job put it), then RETEX_IDEMPOTENCY_KEY,
 RETEX_TASK_UID, RETEX_STEP, RETEX_ATTEMPT, RETEX_PAYLOAD_FILE and RETEX_RESULTS_FILE (JSON files).
 Result: {"exitCode": 0, "stdout": <last 32 KiB>, "stderr": <last 8 KiB>} (+ "...Truncated": true).
 Verify convention: exit 0 = found (its output is the result); exit 44 = not found (the verify also
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from retex.api.models import ExecAction, Step
-from retex.worker.calls import StepCall, Supervision
+from retex.worker.calls import SecretMissing, StepCall, Supervision, secret_value
 from retex.worker.outcomes import (
     Abandoned,
     Failed,
@@ -73,12 +74,17 @@ class _Ran:
 
 def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
              extra_env: dict[str, str] | None = None) -> _Ran | Failed:
+    try:
+        step_env = {var.name: secret_value(var.value_from.secret_key_ref) if var.value_from else var.value
+                    for var in action.env or []}
+    except SecretMissing as missing:
+        return Failed(str(missing), retryable=False)
     workdir = Path(tempfile.mkdtemp(prefix="retex-step-"))
     try:
         payload_file, results_file = workdir / "payload.json", workdir / "results.json"
         payload_file.write_text(json.dumps(call.payload))
         results_file.write_text(json.dumps(call.results))
-        env = {**sup.env, **{var.name: var.value for var in action.env or []},
+        env = {**sup.env, **step_env,
                "RETEX_IDEMPOTENCY_KEY": call.idempotency_key, "RETEX_TASK_UID": call.task_uid,
                "RETEX_STEP": call.step, "RETEX_ATTEMPT": str(call.attempt),
                "RETEX_PAYLOAD_FILE": str(payload_file), "RETEX_RESULTS_FILE": str(results_file),

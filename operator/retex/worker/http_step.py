@@ -35,7 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from retex.api.models import HttpAction, Step
-from retex.worker.calls import StepCall, Supervision
+from retex.worker.calls import SecretMissing, StepCall, Supervision, secret_value
 from retex.worker.processes import LEASE_LOST
 from retex.worker.outcomes import (
     Abandoned,
@@ -189,7 +189,18 @@ class _Exchange:
 
     def _exchange(self) -> _Response | _NotConnected | _NotSent | _LostAfterSending:
         body, content_type = _request_body(self._action, self._call)
-        headers = {**(self._action.headers or {}), **_retex_headers(self._call)}
+        from_secrets: dict[str, str] = {}
+        for header in self._action.headers_from or ():
+            ref = header.value_from.secret_key_ref
+            try:
+                from_secrets[header.name] = secret_value(ref)
+            except SecretMissing as missing:
+                return _NotSent(str(missing))
+            # Said without the value or http.client's message (which quotes it): errors are stored.
+            if any(c in from_secrets[header.name] for c in "\r\n\x00"):
+                return _NotSent(f"header {header.name} from Secret {ref.name} key {ref.key} contains CR, LF or "
+                                "NUL; nothing was sent")
+        headers = {**(self._action.headers or {}), **from_secrets, **_retex_headers(self._call)}
         if content_type and not any(h.lower() == "content-type" for h in headers):
             headers["Content-Type"] = content_type
         url = urlsplit(self._action.url)
@@ -228,7 +239,8 @@ class _Exchange:
                 try:
                     connection.putheader(name, value)
                 except (ValueError, UnicodeError) as exc:  # a value it cannot encode (latin-1 only)
-                    return _NotSent(f"header {name} cannot be sent: {type(exc).__name__}: {exc}; nothing was sent")
+                    why = type(exc).__name__ if name in from_secrets else f"{type(exc).__name__}: {exc}"
+                    return _NotSent(f"header {name} cannot be sent: {why}; nothing was sent")
             if body is not None:
                 connection.putheader("Content-Length", str(len(body)))
             with self._lock:  # the last moment the request can still be kept unsent
