@@ -32,7 +32,7 @@ import yaml
 from e2e.postgres import PostgresServer, free_port
 from e2e.rig import procs
 from e2e.rig.controlplane import Rig, wait_for
-from e2e.system import OperatorProcess, default_task_policy, prepare_namespace
+from e2e.system import OperatorProcess, default_task_policy, prepare_namespace, wait_established
 
 REPO = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("RETEX_DEV_DIR", "/tmp/retex-dev"))
@@ -127,7 +127,7 @@ def up(state: Path) -> int:
 
     say("[3/7] installing the CRD and the operator's RBAC (kubectl apply -k manifests/overlays/local)")
     kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_OVERLAY))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
+    wait_established(kubectl, "tasks.retex.dev")
     say(f"      tenant namespace {EXAMPLES_NAMESPACE}: onboarded (manifests/tenant), no credentials; its")
     say("      TaskPolicy is the default one (manifests/tenant/task-policy-default.yaml) plus the custom worker's image")
     prepare_namespace(kubectl, EXAMPLES_NAMESPACE, task_policy=default_task_policy(images=["shop-worker:"]))

@@ -53,13 +53,26 @@ NO_TASK_POLICY = "no params found for policy binding"
 def install_crd(kubectl) -> None:
     """The Task CRD and, as every cluster runs retex, the admission policies of manifests/base."""
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/tasks.retex.dev")
+    wait_established(kubectl, "tasks.retex.dev")
     install_policies(kubectl)
 
 
 def install_policies(kubectl) -> None:
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TASK_POLICY), "-f", str(LEASE_POLICY))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/taskpolicies.retex.dev")
+    wait_established(kubectl, "taskpolicies.retex.dev")
+
+
+def wait_established(kubectl, crd: str) -> None:
+    """Poll the CRD until it is Established. Not `kubectl wait`: right after an apply it failed a
+    few times on a fresh rig (three seen across sessions, under load) where a poll of the object
+    itself only waits."""
+    def established():
+        got = kubectl("get", "crd", crd, "-o", "json", check=False)
+        if got.returncode != 0:
+            return None, got.stderr.strip()[:200]
+        conditions = {c["type"]: c for c in json.loads(got.stdout).get("status", {}).get("conditions", [])}
+        return conditions.get("Established", {}).get("status") == "True", str(conditions.get("Established"))
+    rig_wait_for(f"CRD {crd} Established", established, 60)
 
 
 def prepare_namespace(kubectl, namespace: str, task_policy: dict[str, Any] | None = ANY_TASK_POLICY) -> None:

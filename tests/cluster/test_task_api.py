@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e.system import install_policies, prepare_namespace
+from e2e.system import install_policies, prepare_namespace, wait_established
 from retex.api import (
     Condition,
     ConditionType,
@@ -74,7 +74,7 @@ class Tasks:
 @pytest.fixture(scope="module")
 def tasks(rig) -> Tasks:
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-    rig.kubectl("wait", "--for=condition=Established", f"crd/{crd.CRD_NAME}", "--timeout=60s")
+    wait_established(rig.kubectl, crd.CRD_NAME)
     # The OpenAPI document (kubectl explain, field validation) is published a moment after Established.
     deadline = time.monotonic() + 30
     while rig.kubectl("explain", "task.spec.steps", check=False).returncode != 0:
