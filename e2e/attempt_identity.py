@@ -10,6 +10,7 @@ endpoint's audience, is the worker's token.
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,26 +18,34 @@ from typing import Any
 from kubernetes import client
 
 from e2e.postgres import free_port
+from e2e.rig import pki as pkilib
 from retex.kube.identity import WorkerIdentities
 from retex.ledger import Ledger
 from retex.ledger.wire import TOKEN_AUDIENCE
-from retex.operator.ledger_endpoint import LedgerEndpoint, serve
+from retex.operator.ledger_endpoint import LedgerEndpoint, LedgerTls, serve
 
 NOWHERE = {"retex.dev/test-node": "nowhere"}
 
 
 class LocalLedgerEndpoint:
+    """The endpoint as the operator serves it (TLS with a CA of its own), from the test process."""
+
     def __init__(self, ledger: Ledger, api: client.ApiClient):
         self.port = free_port()
-        self._server = serve(LedgerEndpoint(ledger, WorkerIdentities(api)), self.port)
+        self._tls_dir = tempfile.TemporaryDirectory(prefix="retex-ledger-tls-")
+        pki = pkilib.ledger_serving(Path(self._tls_dir.name))
+        tls = LedgerTls(str(pki.crt("ledger")), str(pki.key("ledger")), str(pki.ca_crt))
+        self.ca_pem = tls.ca_pem()  # what a worker is handed to verify it (RETEX_LEDGER_CA)
+        self._server = serve(LedgerEndpoint(ledger, WorkerIdentities(api)), self.port, tls)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"https://127.0.0.1:{self.port}"
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        self._tls_dir.cleanup()
 
 
 def pending_attempt_pod(api: client.ApiClient, job: dict[str, Any]) -> client.V1Pod:

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from e2e.postgres import free_port
+from e2e.rig import pki as pkilib
 from e2e.rig.controlplane import wait_for as rig_wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,6 +110,8 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
         self.metrics_port = free_port()
         self.ledger_port = free_port()
+        # The ledger endpoint serves TLS as deployed; its workers get the CA through their Jobs.
+        self.ledger_tls = pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls")
 
     def start(self, **env: str) -> None:
         environment = {
@@ -120,7 +123,10 @@ class OperatorProcess:
             "RETEX_WORKER_IMAGE": "retex-worker:local",
             # Pods on the rig are processes on this host; on kind, the operator's Service name.
             "RETEX_LEDGER_PORT": str(self.ledger_port),
-            "RETEX_LEDGER_URL": f"http://127.0.0.1:{self.ledger_port}",
+            "RETEX_LEDGER_URL": f"https://127.0.0.1:{self.ledger_port}",
+            "RETEX_LEDGER_TLS_CERT_FILE": str(self.ledger_tls.crt("ledger")),
+            "RETEX_LEDGER_TLS_KEY_FILE": str(self.ledger_tls.key("ledger")),
+            "RETEX_LEDGER_CA_FILE": str(self.ledger_tls.ca_crt),
             "RETEX_WORKER_GRACE_SECONDS": "10",
             "RETEX_RESYNC_SECONDS": "5",
             "RETEX_METRICS_PORT": str(self.metrics_port),

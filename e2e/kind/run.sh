@@ -77,6 +77,7 @@ kind load docker-image retex-operator:dev retex-worker:dev --name "$CLUSTER"
 
 say "[3/6] applying manifests/overlays/dev and onboarding retex-examples (manifests/tenant)"
 kubectl apply --server-side -k manifests/overlays/dev
+manifests/ledger-tls.sh retex-system  # the ledger endpoint's certificate (the operator mounts it)
 kubectl apply -n retex-examples -k manifests/tenant
 kubectl rollout status -n retex-system statefulset/retex-postgres --timeout=180s
 kubectl rollout status -n retex-system deployment/retex-operator --timeout=180s

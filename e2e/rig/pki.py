@@ -91,23 +91,9 @@ def _sign(pki: Pki, name: str, subject: str, extensions: str) -> None:
 
 def create(directory: Path) -> Pki:
     """Generate the whole PKI into `directory` (created if missing, existing files replaced)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    pki = Pki(directory)
-    _genkey(pki.ca_key)
-    _openssl(
-        "req", "-x509", "-new", "-key", str(pki.ca_key), "-subj", "/CN=retex-rig-ca", "-days", DAYS,
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
-        "-out", str(pki.ca_crt),
-    )
+    pki = _new_ca(directory, "retex-rig-ca")
     pki.ca_crt.chmod(0o644)  # pods running as non-root users read it through their kubeconfig
-
-    _genkey(pki.key("apiserver"))
-    _sign(
-        pki, "apiserver", "/CN=kube-apiserver",
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-        f"extendedKeyUsage=serverAuth\nsubjectAltName={','.join(SERVER_SANS)}\n",
-    )
+    _serving(pki, "apiserver", "kube-apiserver", SERVER_SANS)
     for name, (cn, org) in CLIENTS.items():
         _genkey(pki.key(name))
         subject = (f"/O={org}" if org else "") + f"/CN={cn}"
@@ -120,6 +106,36 @@ def create(directory: Path) -> Pki:
     _genkey(pki.sa_key)
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))
     return pki
+
+
+def ledger_serving(directory: Path) -> Pki:
+    """A CA of its own and the ledger endpoint's serving certificate (`ledger`), for an operator
+    run on this host: its workers reach it at 127.0.0.1 and verify it against that CA."""
+    pki = _new_ca(directory, "retex-ledger-ca")
+    _serving(pki, "ledger", "retex-ledger", ("IP:127.0.0.1", "DNS:localhost"))
+    return pki
+
+
+def _new_ca(directory: Path, cn: str) -> Pki:
+    directory.mkdir(parents=True, exist_ok=True)
+    pki = Pki(directory)
+    _genkey(pki.ca_key)
+    _openssl(
+        "req", "-x509", "-new", "-key", str(pki.ca_key), "-subj", f"/CN={cn}", "-days", DAYS,
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
+        "-out", str(pki.ca_crt),
+    )
+    return pki
+
+
+def _serving(pki: Pki, name: str, cn: str, sans: tuple[str, ...]) -> None:
+    _genkey(pki.key(name))
+    _sign(
+        pki, name, f"/CN={cn}",
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+        f"extendedKeyUsage=serverAuth\nsubjectAltName={','.join(sans)}\n",
+    )
 
 
 def _b64(path: Path) -> str:

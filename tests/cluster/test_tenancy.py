@@ -61,8 +61,9 @@ def job(namespace: str, task_name: str, task_uid: str, epoch: int = 1) -> dict:
 
 def call(endpoint: LocalLedgerEndpoint, token: str | None, operation: str, **body) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {token}"} if token else {})
-    reply = urllib3.request("POST", f"{endpoint.url}/v1/attempt/{operation}", body=json.dumps(body).encode(),
-                            headers=headers, retries=False, timeout=30)
+    http = urllib3.PoolManager(ca_cert_data=endpoint.ca_pem, cert_reqs="CERT_REQUIRED")
+    reply = http.request("POST", f"{endpoint.url}/v1/attempt/{operation}", body=json.dumps(body).encode(),
+                         headers=headers, retries=False, timeout=30)
     return reply.status, json.loads(reply.data or b"{}")
 
 

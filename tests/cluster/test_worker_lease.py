@@ -114,13 +114,14 @@ class Task:
     def key(self, idx: int) -> str:
         return self.record().steps[idx].idempotency_key
 
-    def job(self, epoch: int, ledger_url: str = "") -> dict:
+    def job(self, epoch: int, endpoint: LocalLedgerEndpoint | None = None) -> dict:
         """Attempt `epoch`'s Job exactly as the operator builds it (without the Task owner)."""
         return without_owner(build_job(
             task_name=self.name, task_uid=self.uid, namespace=NAMESPACE, epoch=epoch,
             spec=TaskSpec.model_validate(self.record().spec),
             defaults=WorkerDefaults(image="retex-worker:local", service_account="retex-worker",
-                                    ledger_url=ledger_url, termination_grace_seconds=10)))
+                                    ledger_url=endpoint.url if endpoint else "",
+                                    ledger_ca=endpoint.ca_pem if endpoint else None, termination_grace_seconds=10)))
 
     def identity(self, epoch: int, slot: int) -> tuple[str, Path]:
         """(pod name, token file) of pod `slot` of attempt `epoch`'s Job, which has two pods: the
@@ -149,7 +150,7 @@ class Worker:
             **os.environ, "KUBECONFIG": str(kubeconfig), "RETEX_TASK_UID": task.uid,
             "RETEX_TASK_NAMESPACE": NAMESPACE, "RETEX_TASK_NAME": task.name, "RETEX_EPOCH": str(epoch),
             "RETEX_LEASE_NAME": task.lease_name, "RETEX_LEASE_DURATION_SECONDS": str(task.duration),
-            "RETEX_LEDGER_URL": endpoint.url, "RETEX_LEDGER_TOKEN_FILE": str(token),
+            "RETEX_LEDGER_URL": endpoint.url, "RETEX_LEDGER_CA": endpoint.ca_pem, "RETEX_LEDGER_TOKEN_FILE": str(token),
             "RETEX_SPEC_HASH": spec_hash(task.record().spec),
             "POD_NAME": pod, "NODE_NAME": "host", **extra_env,
         }
@@ -393,7 +394,7 @@ def shared_stub_file() -> Path:
 
 def start_job(task: Task, endpoint: LocalLedgerEndpoint, api) -> str:
     """The attempt-1 Job exactly as the operator builds it, in a namespace prepared as it would be."""
-    job = task.job(1, endpoint.url)
+    job = task.job(1, endpoint)
     BatchV1Api(api).create_namespaced_job(NAMESPACE, job)
     return job["metadata"]["name"]
 

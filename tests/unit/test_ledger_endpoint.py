@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import threading
 import time
@@ -19,7 +20,8 @@ from retex.kube.identity import NotAWorker, WorkerIdentity
 from retex.kube.objects import job_name
 from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound
 from retex.ledger.wire import RequestRefused
-from retex.operator.ledger_endpoint import LedgerEndpoint, Refusal, parse_request, serve
+from e2e.rig import pki as pkilib
+from retex.operator.ledger_endpoint import LedgerEndpoint, LedgerTls, Refusal, parse_request, serve
 from retex.worker.ledger_client import LedgerClient
 
 UID, OTHER = "11111111-aaaa", "22222222-bbbb"
@@ -155,7 +157,7 @@ class SlowEndpoint:
 @pytest.fixture
 def server():
     slow = SlowEndpoint()
-    served = serve(slow, 0, max_concurrent=2)
+    served = serve(slow, 0, None, max_concurrent=2)
     yield served.server_address[1], slow
     slow.release.set()
     served.shutdown()
@@ -282,3 +284,65 @@ def test_an_error_text_is_cut_to_what_the_ledger_keeps_before_it_is_sent(canned)
     with pytest.raises(AttributeError):  # the canned result is no task record; only what was sent matters
         client.fail_step(UID, 2, 0, "x" * (3 << 20), retryable=False, actor="w")
     assert len(Canned.bodies[0]["error"]) == 4096
+
+
+# -- TLS: a token goes only to the endpoint whose certificate the operator's CA signed -------------
+
+
+class AnswerGet:
+    def call(self, operation, token, body):
+        return 7.5
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    pki = pkilib.ledger_serving(tmp_path / "tls")
+    tls = LedgerTls(str(pki.crt("ledger")), str(pki.key("ledger")), str(pki.ca_crt))
+    served = serve(AnswerGet(), 0, tls)
+    token = tmp_path / "token"
+    token.write_text("t")
+    yield served.server_address[1], tls, str(token), pki
+    served.shutdown()
+    served.server_close()
+
+
+def test_a_worker_trusting_the_operators_ca_is_served_over_tls(tls_server):
+    port, tls, token, _ = tls_server
+    client = LedgerClient(f"https://127.0.0.1:{port}", token, retry_for_seconds=1, ca_pem=tls.ca_pem())
+    assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
+
+
+def test_a_worker_refuses_an_endpoint_whose_certificate_another_ca_signed_and_sends_no_token(tls_server, tmp_path):
+    port, _, token, _ = tls_server
+    stranger = pkilib.ledger_serving(tmp_path / "stranger")
+    client = LedgerClient(f"https://127.0.0.1:{port}", token, retry_for_seconds=5,
+                          ca_pem=stranger.ca_crt.read_text())
+    started = time.monotonic()
+    with pytest.raises(RequestRefused, match="certificate does not verify"):
+        client.get(UID)
+    assert time.monotonic() - started < 2, "refused at once: no retry cures a certificate"
+
+
+def test_plain_http_to_the_tls_endpoint_gets_no_answer(tls_server):
+    port, *_ = tls_server
+    answer = raw(port, b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\n"
+                       b"Content-Length: 2\r\n\r\n{}")
+    assert "200" not in answer and "7.5" not in answer
+
+
+def test_a_client_that_never_finishes_its_handshake_holds_up_nobody(tls_server):
+    port, tls, token, _ = tls_server
+    with socket.create_connection(("127.0.0.1", port)):  # connects, sends nothing
+        client = LedgerClient(f"https://127.0.0.1:{port}", token, retry_for_seconds=1, ca_pem=tls.ca_pem())
+        assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
+
+
+def test_a_rotated_certificate_is_served_to_the_connections_after_it(tls_server, tmp_path):
+    port, tls, token, pki = tls_server
+    rotated = pkilib.ledger_serving(tmp_path / "rotated")
+    for name in ("crt", "key"):
+        target = getattr(pki, name)("ledger")
+        target.write_bytes(getattr(rotated, name)("ledger").read_bytes())
+        os.utime(target, (time.time() + 5, time.time() + 5))  # a new mtime, whatever the clock's grain
+    fresh = LedgerClient(f"https://127.0.0.1:{port}", token, retry_for_seconds=1, ca_pem=rotated.ca_crt.read_text())
+    assert fresh.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5

@@ -7,7 +7,20 @@ import pytest
 
 from retex.operator.settings import OperatorSettings
 
-DSN = {"RETEX_DATABASE_URL": "host=db dbname=retex sslmode=verify-full"}
+# Plain HTTP for the ledger endpoint, so each test below is about its own variable; the TLS tests
+# say so themselves.
+DSN = {"RETEX_DATABASE_URL": "host=db dbname=retex sslmode=verify-full", "RETEX_LEDGER_INSECURE": "1"}
+SECURE_DSN = {"RETEX_DATABASE_URL": DSN["RETEX_DATABASE_URL"]}
+
+
+@pytest.fixture
+def tls_files(tmp_path) -> dict[str, str]:
+    files = {}
+    for name, variable in [("tls.crt", "RETEX_LEDGER_TLS_CERT_FILE"), ("tls.key", "RETEX_LEDGER_TLS_KEY_FILE"),
+                           ("ca.crt", "RETEX_LEDGER_CA_FILE")]:
+        (tmp_path / name).write_text(f"-----BEGIN {name}-----\n")
+        files[variable] = str(tmp_path / name)
+    return files
 
 
 def refusal(env: dict[str, str]) -> str:
@@ -16,14 +29,16 @@ def refusal(env: dict[str, str]) -> str:
     return str(exited.value)
 
 
-def test_only_the_dsn_is_required_and_the_rest_are_the_documented_defaults():
-    settings = OperatorSettings.from_env(DSN)
+def test_only_the_dsn_and_the_ledger_certificate_are_required_and_the_rest_are_the_documented_defaults(tls_files):
+    settings = OperatorSettings.from_env(SECURE_DSN | tls_files)
     assert settings.database_url == "host=db dbname=retex sslmode=verify-full"
     assert (settings.max_running, settings.max_running_per_namespace, settings.history_retention_days) == (None,) * 3
     assert (settings.worker_start_deadline_seconds, settings.resync_seconds, settings.metrics_port) == (120.0, 30.0, 9090)
     assert settings.dispatch_defer_limit_seconds == 600.0
     assert settings.ledger_port == 8081
-    assert settings.worker.ledger_url == "http://retex-ledger.retex-system.svc:8081"
+    assert settings.worker.ledger_url == "https://retex-ledger.retex-system.svc:8081"
+    assert settings.ledger_tls.cert_file == tls_files["RETEX_LEDGER_TLS_CERT_FILE"]
+    assert settings.worker.ledger_ca == "-----BEGIN ca.crt-----\n"  # handed to workers through their Jobs
     assert (settings.worker.image, settings.worker.service_account) == ("retex-worker:latest", "retex-worker")
     assert settings.worker.termination_grace_seconds == 30 and not settings.failpoints_from_annotations
 
@@ -43,17 +58,19 @@ def test_a_dsn_without_sslmode_verify_full_is_refused_and_the_refusal_says_what_
 @pytest.mark.parametrize("dsn", ["host=db dbname=retex sslmode=verify-full",
                                  "postgresql://retex:pw@db/retex?sslmode=verify-full"])
 def test_a_dsn_with_sslmode_verify_full_is_accepted(dsn):
-    assert OperatorSettings.from_env({"RETEX_DATABASE_URL": dsn}).database_url == dsn
+    assert OperatorSettings.from_env({"RETEX_DATABASE_URL": dsn, "RETEX_LEDGER_INSECURE": "1"}).database_url == dsn
 
 
 def test_pgsslmode_verify_full_in_the_environment_counts_as_the_dsns_own():
-    assert OperatorSettings.from_env({"RETEX_DATABASE_URL": "host=db", "PGSSLMODE": "verify-full"})
+    assert OperatorSettings.from_env({"RETEX_DATABASE_URL": "host=db", "PGSSLMODE": "verify-full",
+                                      "RETEX_LEDGER_INSECURE": "1"})
     assert "sslmode=verify-full" in refusal({"RETEX_DATABASE_URL": "host=db sslmode=disable",
                                              "PGSSLMODE": "verify-full"})  # the DSN's own wins, as in libpq
 
 
 def test_the_explicit_insecure_flag_accepts_a_dsn_without_tls_verification():
-    env = {"RETEX_DATABASE_URL": "host=127.0.0.1 dbname=retex", "RETEX_DATABASE_INSECURE": "1"}
+    env = {"RETEX_DATABASE_URL": "host=127.0.0.1 dbname=retex", "RETEX_DATABASE_INSECURE": "1",
+           "RETEX_LEDGER_INSECURE": "1"}
     assert OperatorSettings.from_env(env).database_url == "host=127.0.0.1 dbname=retex"
     assert "sslmode=verify-full" in refusal(env | {"RETEX_DATABASE_INSECURE": "yes"})  # only 1 means it
 
@@ -89,3 +106,28 @@ def test_limits_and_the_workers_ledger_url_are_taken_as_given():
 
 def test_a_port_above_65535_is_refused():
     assert refusal(DSN | {"RETEX_LEDGER_PORT": "70000"}) == "RETEX_LEDGER_PORT='70000' is not a port (1 to 65535)"
+
+
+def test_without_a_certificate_for_the_ledger_endpoint_the_operator_refuses_to_start_and_says_what_to_set():
+    message = refusal(SECURE_DSN)
+    assert "needs TLS" in message and "RETEX_LEDGER_TLS_CERT_FILE" in message and "RETEX_LEDGER_INSECURE=1" in message
+
+
+def test_part_of_the_ledger_certificate_is_refused_naming_what_is_unset(tls_files):
+    del tls_files["RETEX_LEDGER_CA_FILE"]
+    assert refusal(SECURE_DSN | tls_files).endswith("unset: RETEX_LEDGER_CA_FILE")
+
+
+def test_a_ledger_certificate_file_that_is_missing_is_refused(tls_files):
+    tls_files["RETEX_LEDGER_TLS_KEY_FILE"] = "/nowhere/tls.key"
+    assert "not readable: RETEX_LEDGER_TLS_KEY_FILE=/nowhere/tls.key" in refusal(SECURE_DSN | tls_files)
+
+
+def test_a_plain_http_ledger_url_with_tls_served_is_refused(tls_files):
+    assert "https://" in refusal(SECURE_DSN | tls_files | {"RETEX_LEDGER_URL": "http://retex-ledger:8081"})
+
+
+def test_the_insecure_flag_serves_plain_http_and_hands_workers_no_ca():
+    settings = OperatorSettings.from_env(DSN)
+    assert settings.ledger_tls is None and settings.worker.ledger_ca is None
+    assert settings.worker.ledger_url == "http://retex-ledger.retex-system.svc:8081"

@@ -42,6 +42,7 @@ class WorkerDefaults:
     image: str
     service_account: str
     ledger_url: str  # the operator's ledger endpoint, as worker pods reach it
+    ledger_ca: str | None = None  # PEM of the CA of the endpoint's certificate (public), for https
     termination_grace_seconds: int = 30
     ttl_after_finished_seconds: int = 600
     # How long a worker pod stays bound to a NotReady/unreachable node before it is evicted. The
@@ -117,6 +118,7 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         {"name": "RETEX_LEASE_NAME", "value": lease_name(task_name, task_uid)},
         {"name": "RETEX_LEASE_DURATION_SECONDS", "value": str(spec.lease.duration_seconds)},
         {"name": "RETEX_LEDGER_URL", "value": defaults.ledger_url},
+        *([{"name": "RETEX_LEDGER_CA", "value": defaults.ledger_ca}] if defaults.ledger_ca else []),
         {"name": "RETEX_LEDGER_TOKEN_FILE", "value": f"{LEDGER_TOKEN_DIR}/{LEDGER_TOKEN_PATH}"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},

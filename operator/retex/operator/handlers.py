@@ -86,10 +86,10 @@ class Runtime:
         self.relay.wake.set()
         self.promoter.wake.set()  # a worker may have scheduled a retry due sooner than its sleep
 
-    def start(self, metrics_port: int | None, ledger_port: int) -> None:
+    def start(self, metrics_port: int | None, ledger_port: int, ledger_tls: ledger_endpoint.LedgerTls | None) -> None:
         if metrics_port:
             serve_metrics(self.ledger, metrics_port)
-        self._endpoint_server = ledger_endpoint.serve(self.endpoint, ledger_port)
+        self._endpoint_server = ledger_endpoint.serve(self.endpoint, ledger_port, ledger_tls)
         for thread in self._threads:
             thread.start()
 
@@ -139,7 +139,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.networking.request_timeout = 30
     operator_settings = OperatorSettings.from_env()
     memo.runtime = Runtime(operator_settings)
-    memo.runtime.start(operator_settings.metrics_port, operator_settings.ledger_port)
+    memo.runtime.start(operator_settings.metrics_port, operator_settings.ledger_port, operator_settings.ledger_tls)
 
 
 @kopf.on.cleanup()

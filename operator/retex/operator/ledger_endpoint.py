@@ -6,13 +6,22 @@ request that names another task or epoch is refused, and so is a pod whose task 
 namespace or whose Job is not the one the operator builds for that attempt. Each operation then
 runs as the same fenced Ledger method the worker used to call itself, so the epoch fence stays in
 the transaction of the write. Errors go back as the ledger's own (retex.ledger.wire).
+
+Served over TLS (`LedgerTls`: a serving certificate whose CA the workers are handed), so a token
+read off the pod network cannot be replayed; plain HTTP only where the operator was told it may
+(`RETEX_LEDGER_INSECURE=1`, docs/security.md). The certificate files are read again when they
+change (a rotated Secret), for the connections that follow.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import ssl
 import threading
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
 from typing import Any
@@ -123,11 +132,69 @@ class LedgerEndpoint:
 _VERIFIED_LIMIT = 10_000
 
 
+@dataclass(frozen=True)
+class LedgerTls:
+    """The endpoint's serving certificate and key (PEM files, e.g. a kubernetes.io/tls Secret
+    mounted), and the CA that signed it, which workers are handed to verify it."""
+
+    cert_file: str
+    key_file: str
+    ca_file: str
+
+    def ca_pem(self) -> str:
+        return open(self.ca_file).read()
+
+
+class _ServingContext:
+    """An SSLContext whose certificate is loaded again when its files change."""
+
+    def __init__(self, tls: LedgerTls):
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._loaded: tuple[float, float] | None = None
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.refresh()
+
+    def refresh(self) -> None:
+        stamp = (os.stat(self._tls.cert_file).st_mtime, os.stat(self._tls.key_file).st_mtime)
+        with self._lock:
+            if stamp != self._loaded:
+                self.context.load_cert_chain(self._tls.cert_file, self._tls.key_file)
+                self._loaded = stamp
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    serving: _ServingContext | None = None
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        conn, address = super().get_request()
+        if self.serving is None:
+            return conn, address
+        try:
+            self.serving.refresh()
+        except (OSError, ssl.SSLError) as exc:  # a rotation half written: keep the loaded pair
+            log.warning("ledger endpoint: certificate not reloaded: %s", exc)
+        # The handshake happens in the request's own thread (_Handler.setup), under its socket
+        # timeout: a client that never completes one ties up nothing but that thread.
+        return self.serving.context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False), address
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A failed handshake or a dropped client: the client's problem, one line, no traceback.
+        log.info("ledger endpoint: connection from %s dropped", client_address[0])
+
+
 class _Handler(BaseHTTPRequestHandler):
     endpoint: LedgerEndpoint
     slots: threading.BoundedSemaphore
     protocol_version = "HTTP/1.1"
     timeout = SOCKET_TIMEOUT_SECONDS  # a client that stops sending (or never sends) is dropped
+
+    def setup(self) -> None:
+        super().setup()  # sets the socket timeout
+        if isinstance(self.connection, ssl.SSLSocket):
+            self.connection.do_handshake()
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         # Cheap refusals first, before reading anything of the body: any pod of the cluster can
@@ -199,10 +266,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass  # one structured line per refusal is logged above; successes are counted, not logged
 
 
-def serve(endpoint: LedgerEndpoint, port: int, *, max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> ThreadingHTTPServer:
+def serve(endpoint: LedgerEndpoint, port: int, tls: LedgerTls | None, *,
+          max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> ThreadingHTTPServer:
+    """Serve on `port`, over TLS unless `tls` is None (allowed only by RETEX_LEDGER_INSECURE)."""
     handler = type("LedgerHandler", (_Handler,), {"endpoint": endpoint,
                                                   "slots": threading.BoundedSemaphore(max_concurrent)})
-    server = ThreadingHTTPServer(("0.0.0.0", port), handler)
-    server.daemon_threads = True
+    server = _Server(("0.0.0.0", port), handler)
+    if tls is not None:
+        server.serving = _ServingContext(tls)
     threading.Thread(target=server.serve_forever, name="ledger-endpoint", daemon=True).start()
     return server

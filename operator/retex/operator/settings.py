@@ -8,6 +8,10 @@ from dataclasses import dataclass
 
 from retex.kube.objects import WorkerDefaults
 from retex.ledger.tls import unverified_tls_refusal
+from retex.operator.ledger_endpoint import LedgerTls
+
+LEDGER_INSECURE_FLAG = "RETEX_LEDGER_INSECURE"
+_LEDGER_TLS_FILES = ("RETEX_LEDGER_TLS_CERT_FILE", "RETEX_LEDGER_TLS_KEY_FILE", "RETEX_LEDGER_CA_FILE")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class OperatorSettings:
     dispatch_defer_limit_seconds: float = 600.0  # first transient dispatch error → the task fails
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
     ledger_port: int = 8081  # RETEX_LEDGER_PORT: the workers' ledger endpoint (RETEX_LEDGER_URL reaches it)
+    ledger_tls: LedgerTls | None = None  # None: plain HTTP, only with RETEX_LEDGER_INSECURE=1
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -37,13 +42,21 @@ class OperatorSettings:
         if refusal:
             raise SystemExit(f"RETEX_DATABASE_URL: {refusal}")
         ledger_port = _number(env, "RETEX_LEDGER_PORT", int) or 8081
+        ledger_tls = _ledger_tls(env)
+        scheme = "https" if ledger_tls else "http"
+        ledger_url = env.get("RETEX_LEDGER_URL", f"{scheme}://retex-ledger.retex-system.svc:{ledger_port}")
+        if ledger_tls and not ledger_url.startswith("https://"):
+            raise SystemExit(f"RETEX_LEDGER_URL={ledger_url!r}: the ledger endpoint serves TLS, so workers reach "
+                             "it at an https:// address")
         return cls(
             database_url=database_url,
             ledger_port=ledger_port,
+            ledger_tls=ledger_tls,
             worker=WorkerDefaults(
                 image=env.get("RETEX_WORKER_IMAGE", "retex-worker:latest"),
                 service_account=env.get("RETEX_WORKER_SERVICE_ACCOUNT", "retex-worker"),
-                ledger_url=env.get("RETEX_LEDGER_URL", f"http://retex-ledger.retex-system.svc:{ledger_port}"),
+                ledger_url=ledger_url,
+                ledger_ca=_read_ca(ledger_tls),
                 termination_grace_seconds=_number(env, "RETEX_WORKER_GRACE_SECONDS", int) or 30,
             ),
             resync_seconds=_number(env, "RETEX_RESYNC_SECONDS", float) or 30.0,
@@ -55,6 +68,28 @@ class OperatorSettings:
             dispatch_defer_limit_seconds=_number(env, "RETEX_DISPATCH_DEFER_LIMIT_SECONDS", float) or 600.0,
             metrics_port=_metrics_port(env),
         )
+
+
+def _ledger_tls(env: dict[str, str]) -> LedgerTls | None:
+    """The endpoint's certificate files: all three, or none and the insecure flag."""
+    given = {name: env.get(name, "").strip() for name in _LEDGER_TLS_FILES}
+    if all(given.values()):
+        missing = [f"{name}={path}" for name, path in given.items() if not os.path.isfile(path)]
+        if missing:
+            raise SystemExit(f"the ledger endpoint's TLS files are not readable: {', '.join(missing)}")
+        return LedgerTls(*given.values())
+    if any(given.values()):
+        raise SystemExit(f"the ledger endpoint's TLS needs all of {', '.join(_LEDGER_TLS_FILES)}; "
+                         f"unset: {', '.join(name for name, path in given.items() if not path)}")
+    if env.get(LEDGER_INSECURE_FLAG) == "1":
+        return None
+    raise SystemExit(f"the ledger endpoint serves workers' pod tokens: it needs TLS. Set {', '.join(_LEDGER_TLS_FILES)} "
+                     "(a kubernetes.io/tls Secret with ca.crt, mounted; docs/install.md), or "
+                     f"{LEDGER_INSECURE_FLAG}=1 to serve plain HTTP (development only).")
+
+
+def _read_ca(tls: LedgerTls | None) -> str | None:
+    return tls.ca_pem() if tls else None
 
 
 def _metrics_port(env: dict[str, str]) -> int | None:

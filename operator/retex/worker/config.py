@@ -27,6 +27,7 @@ class WorkerConfig:
     lease_name: str
     lease_duration_seconds: int
     ledger_url: str  # the operator's ledger endpoint; workers hold no database credentials
+    ledger_ca: str | None  # PEM: the CA of the endpoint's certificate (https); None: the system's
     ledger_token_file: str
     pod_name: str
     node_name: str | None
@@ -55,6 +56,7 @@ class WorkerConfig:
             lease_name=required("RETEX_LEASE_NAME"),
             lease_duration_seconds=integer("RETEX_LEASE_DURATION_SECONDS"),
             ledger_url=required("RETEX_LEDGER_URL"),
+            ledger_ca=environ.get("RETEX_LEDGER_CA") or None,
             ledger_token_file=environ.get("RETEX_LEDGER_TOKEN_FILE") or DEFAULT_LEDGER_TOKEN_FILE,
             # A pod's hostname is its name; POD_NAME (downward API) is the explicit form.
             pod_name=environ.get("POD_NAME") or socket.gethostname(),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import ssl
 import time
 import uuid
 from collections.abc import Callable
@@ -37,11 +38,14 @@ ERROR_MAX_CHARS = 4096  # as the ledger keeps them: a longer text would only be 
 
 
 class LedgerClient:
-    def __init__(self, url: str, token_file: str, *, retry_for_seconds: float):
+    def __init__(self, url: str, token_file: str, *, retry_for_seconds: float, ca_pem: str | None = None):
         self._url = url.rstrip("/") + PATH_PREFIX
         self._token_file = Path(token_file)
         self._retry_for = retry_for_seconds
-        self._http = urllib3.PoolManager(maxsize=2, retries=False, timeout=REQUEST_TIMEOUT)
+        # https: the endpoint's certificate is checked against the CA the operator handed over
+        # (else the system's), host name included; a token is never sent to whoever answers.
+        tls = {"cert_reqs": "CERT_REQUIRED", **({"ca_cert_data": ca_pem} if ca_pem else {})}
+        self._http = urllib3.PoolManager(maxsize=2, retries=False, timeout=REQUEST_TIMEOUT, **tls)
         self.keep_trying: Callable[[], bool] = lambda: False
 
     def close(self) -> None:
@@ -102,6 +106,9 @@ class LedgerClient:
                 status, payload = reply.status, _payload(reply.data)
                 why = f"{status} {payload.get('message', '')}"
             except (urllib3.exceptions.HTTPError, OSError) as exc:
+                if _certificate_refused(exc):  # no retry cures it, and the Lease would be held on
+                    raise RequestRefused(0, f"the ledger endpoint's certificate does not verify against the CA "
+                                            f"the operator handed over (RETEX_LEDGER_CA): {exc}") from None
                 status, payload, why = 0, {}, str(exc)
             if status == 200:
                 return payload["result"]
@@ -130,3 +137,14 @@ def _payload(data: bytes) -> dict[str, Any]:
     except ValueError:
         return {"message": data[:200].decode(errors="replace")}
     return payload if isinstance(payload, dict) else {"message": str(payload)}
+
+
+def _certificate_refused(exc: BaseException) -> bool:
+    """Whether TLS refused the endpoint's certificate (not a connection dropped mid-handshake)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError) or any(
+                isinstance(arg, ssl.SSLCertVerificationError) for arg in seen.args):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

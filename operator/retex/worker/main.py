@@ -50,7 +50,8 @@ def main() -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: _begin_drain(drain))
     refuse_same_user_inspection()
-    ledger = LedgerClient(config.ledger_url, config.ledger_token_file, retry_for_seconds=LEDGER_RETRY_SECONDS)
+    ledger = LedgerClient(config.ledger_url, config.ledger_token_file, retry_for_seconds=LEDGER_RETRY_SECONDS,
+                          ca_pem=config.ledger_ca)
     try:
         end = run(config, ledger, drain, tagger)
     except RequestRefused as exc:
