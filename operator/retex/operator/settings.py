@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
 
 
@@ -24,6 +25,10 @@ class OperatorSettings:
     dispatch_defer_limit_seconds: float = 600.0  # first transient dispatch error → the task fails
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
     ledger_port: int = 8081  # RETEX_LEDGER_PORT: the workers' ledger endpoint (RETEX_LEDGER_URL reaches it)
+    # Leader election among replicas: RETEX_LEADER_{LEASE,RENEW_DEADLINE,RETRY}_SECONDS, on the
+    # Lease retex-operator-leader in RETEX_OPERATOR_NAMESPACE (the Deployment's own namespace).
+    leader_election: ElectionTiming = ElectionTiming()
+    operator_namespace: str = "retex-system"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -50,7 +55,21 @@ class OperatorSettings:
             worker_start_deadline_seconds=_number(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
             dispatch_defer_limit_seconds=_number(env, "RETEX_DISPATCH_DEFER_LIMIT_SECONDS", float) or 600.0,
             metrics_port=_metrics_port(env),
+            leader_election=_election_timing(env),
+            operator_namespace=env.get("RETEX_OPERATOR_NAMESPACE", "").strip() or "retex-system",
         )
+
+
+def _election_timing(env: dict[str, str]) -> ElectionTiming:
+    default = ElectionTiming()
+    try:
+        return ElectionTiming(
+            lease_duration=_number(env, "RETEX_LEADER_LEASE_SECONDS", float) or default.lease_duration,
+            renew_deadline=_number(env, "RETEX_LEADER_RENEW_DEADLINE_SECONDS", float) or default.renew_deadline,
+            retry_period=_number(env, "RETEX_LEADER_RETRY_SECONDS", float) or default.retry_period,
+        )
+    except ValueError as refused:
+        raise SystemExit(str(refused)) from None
 
 
 def _metrics_port(env: dict[str, str]) -> int | None:
