@@ -25,6 +25,8 @@ from e2e.rig.controlplane import wait_for as rig_wait_for
 REPO = Path(__file__).resolve().parent.parent
 CRD = REPO / "crds" / "tasks.retex.dev.yaml"
 WORKER_RBAC = REPO / "manifests" / "base" / "worker-rbac.yaml"
+LEADER_ELECTION_FOR_TESTS = {"RETEX_LEADER_LEASE_SECONDS": "4", "RETEX_LEADER_RENEW_DEADLINE_SECONDS": "3",
+                             "RETEX_LEADER_RETRY_SECONDS": "0.5"}
 
 
 def install_crd(kubectl) -> None:
@@ -62,9 +64,16 @@ class OperatorProcess:
             "RETEX_WORKER_GRACE_SECONDS": "10",
             "RETEX_RESYNC_SECONDS": "5",
             "RETEX_METRICS_PORT": str(self.metrics_port),
+            # Leader election: a killed operator's successor (a new identity) waits out the lease
+            # duration, so tests that restart operators keep it short.
+            **LEADER_ELECTION_FOR_TESTS,
             **self.extra_env,
             **env,
         }
+        # The election Lease lives in the operator's namespace: a scoped operator's (its test's own
+        # namespace, so tests never share an election), else retex-system as deployed.
+        scoped = [ns for ns in environment.get("RETEX_NAMESPACES", "").split(",") if ns]
+        environment.setdefault("RETEX_OPERATOR_NAMESPACE", scoped[0] if scoped else "retex-system")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "retex-operator"), "--liveness", ""],
