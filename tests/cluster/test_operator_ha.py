@@ -245,3 +245,17 @@ def test_failover_after_sigkill_takes_the_lease_duration_plus_a_retry_measured_o
     print(f"failover after SIGKILL over {len(took)} runs (lease {LEASE_SECONDS:.0f} s): "
           f"p50 {p50:.1f} s, p95 {p95:.1f} s, all {[round(t, 1) for t in took]}")
     assert took[-1] <= LEASE_SECONDS + 5
+
+
+def test_a_leader_stopped_with_sigterm_frees_the_lease_and_the_standby_takes_over_without_waiting_it_out(pair):
+    leader = wait_leader(pair)
+    standby = pair.other(leader)
+    wait_for(lambda: leader_gauge(pair.operators[standby]) == 0, timeout=30, what=f"{standby} standing by")
+    stopped = pair.operators[leader]
+    stopped.stop()  # SIGTERM, waits for the exit
+    exited_at = time.monotonic()
+    assert stopped.exited() == 0, f"the leader did not stop cleanly (exit {stopped.exited()})"
+    wait_for(lambda: pair.holder() == standby, timeout=LEASE_SECONDS + 5, what=f"{standby} leads")
+    took = time.monotonic() - exited_at
+    assert took < LEASE_SECONDS, f"took {took:.1f}s: the lease was waited out, not freed"
+    assert "released the lease" in stopped.log_path.read_text()
