@@ -49,6 +49,8 @@ def default_task_policy(*, images: list[str] | None = None) -> dict[str, Any]:
 
 # How the API server refuses a Task in a namespace without a TaskPolicy `default`.
 NO_TASK_POLICY = "no params found for policy binding"
+LEADER_ELECTION_FOR_TESTS = {"RETEX_LEADER_LEASE_SECONDS": "4", "RETEX_LEADER_RENEW_DEADLINE_SECONDS": "3",
+                             "RETEX_LEADER_RETRY_SECONDS": "0.5"}
 
 
 def install_crd(kubectl) -> None:
@@ -104,14 +106,16 @@ def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
 class OperatorProcess:
     """`retex-operator` as a child process with its own log file."""
 
-    def __init__(self, kubeconfig: Path, dsn: str, log_path: Path, *, extra_env: dict[str, str] | None = None):
+    def __init__(self, kubeconfig: Path, dsn: str, log_path: Path, *, extra_env: dict[str, str] | None = None,
+                 ledger_tls: pkilib.Pki | None = None):
         self.kubeconfig, self.dsn, self.log_path = kubeconfig, dsn, log_path
         self.extra_env = extra_env or {}
         self.proc: subprocess.Popen | None = None
         self.metrics_port = free_port()
         self.ledger_port = free_port()
         # The ledger endpoint serves TLS as deployed; its workers get the CA through their Jobs.
-        self.ledger_tls = pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls")
+        # Replicas share one (`ledger_tls`), as they mount one Secret.
+        self.ledger_tls = ledger_tls or pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls")
 
     def start(self, **env: str) -> None:
         environment = {
@@ -130,9 +134,16 @@ class OperatorProcess:
             "RETEX_WORKER_GRACE_SECONDS": "10",
             "RETEX_RESYNC_SECONDS": "5",
             "RETEX_METRICS_PORT": str(self.metrics_port),
+            # Leader election: a killed operator's successor (a new identity) waits out the lease
+            # duration, so tests that restart operators keep it short.
+            **LEADER_ELECTION_FOR_TESTS,
             **self.extra_env,
             **env,
         }
+        # The election Lease lives in the operator's namespace: a scoped operator's (its test's own
+        # namespace, so tests never share an election), else retex-system as deployed.
+        scoped = [ns for ns in environment.get("RETEX_NAMESPACES", "").split(",") if ns]
+        environment.setdefault("RETEX_OPERATOR_NAMESPACE", scoped[0] if scoped else "retex-system")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [str(Path(sys.executable).parent / "retex-operator"), "--liveness", ""],

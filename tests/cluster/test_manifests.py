@@ -90,7 +90,7 @@ def test_operator_pod_meets_the_restricted_pod_security_standard(rig, namespaces
         assert "Warning" not in dry_run(rig, [pod])
 
 
-def test_operator_deployment_is_hardened_and_probed_on_kopf_health(rig):
+def test_operator_deployment_is_hardened_and_probed_on_its_health_endpoint(rig):
     deployment = next(o for o in kustomize(rig, "base") if o["kind"] == "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -108,7 +108,50 @@ def test_operator_deployment_is_hardened_and_probed_on_kopf_health(rig):
         assert container[probe]["httpGet"]["path"] == "/healthz"
         assert ports[container[probe]["httpGet"]["port"]] == 8080
     assert container["resources"]["requests"] and container["resources"]["limits"]
-    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+
+
+def test_operator_runs_two_replicas_on_two_nodes_never_both_down_and_elects_with_a_namespaced_role(rig):
+    objects = kustomize(rig, "base")
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    [term] = spread["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"] == pod_labels
+    [budget] = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    assert budget["spec"] == {"minAvailable": 1, "selector": {"matchLabels": pod_labels}}
+    assert budget["metadata"]["namespace"] == deployment["metadata"]["namespace"] == "retex-system"
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["RETEX_OPERATOR_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # The election Lease: get/update by name, in retex-system only; cluster-wide never get/update.
+    [role] = [o for o in objects if o["kind"] == "Role" and o["metadata"]["name"] == "retex-operator-leader-election"]
+    assert role["metadata"]["namespace"] == "retex-system"
+    named = [r for r in role["rules"] if r.get("resourceNames")]
+    assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                      "resourceNames": ["retex-operator-leader"], "verbs": ["get", "update"]}]
+    [binding] = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == role["metadata"]["name"]]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "retex-operator", "namespace": "retex-system"}]
+    cluster_role = next(o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "retex-operator")
+    lease_verbs = {v for r in cluster_role["rules"] if "leases" in r["resources"] for v in r["verbs"]}
+    assert not lease_verbs & {"get", "update", "patch"}
+
+
+def test_the_shipped_role_lets_the_operator_hold_the_election_lease_in_its_namespace_only(rig, namespaces):
+    user = "system:serviceaccount:retex-system:retex-operator"
+
+    def can(verb, namespace, name=""):
+        target = f"leases.coordination.k8s.io/{name}" if name else "leases.coordination.k8s.io"
+        answer = rig.kubectl("auth", "can-i", verb, target, "-n", namespace, "--as", user, check=False)
+        return answer.stdout.strip() == "yes"
+
+    assert can("get", "retex-system", "retex-operator-leader") and can("update", "retex-system", "retex-operator-leader")
+    assert can("create", "retex-system")
+    assert not can("update", "retex-system", "some-other-lease")
+    assert not can("get", "examples-check", "retex-operator-leader")
+    assert not can("update", "examples-check", "retex-operator-leader")
 
 
 def test_dev_overlay_wires_generated_secrets_and_local_images(rig):

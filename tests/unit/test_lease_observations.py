@@ -116,3 +116,16 @@ def test_a_lease_forged_in_another_namespace_with_the_victims_label_does_not_kee
         clock.now += 8
         leases.relisted([lease(R1), forged(renew)])
     assert hold_of(leases.get("ns", "t-abc", "uid-1"), 1, clock.now) is Hold.EXPIRED
+
+
+def test_a_new_leader_gives_every_worker_lease_a_fresh_grace_period_from_its_takeover():
+    clock = Clock()
+    leases = observer(clock)
+    leases.relisted([lease(R1)])  # seen as a standby, 14 s ago
+    clock.now += 14
+    leases.grant_grace()  # this replica now leads
+    clock.now += 14
+    assert not leases.get("ns", "t-abc", "uid-1").expired(clock.now), \
+        "a failover must not condemn a worker on what a standby saw"
+    clock.now += 1.1
+    assert leases.get("ns", "t-abc", "uid-1").expired(clock.now), "a dead worker is still replaced after the grace"

@@ -95,3 +95,28 @@ def test_a_round_that_raises_is_counted_and_retried_and_the_loop_goes_on(running
     assert loop.wait_for_rounds(3), "a failed round ended the loop"
     assert thread.is_alive()
     assert failed_rounds(Rounds.name) - before == 2
+
+
+def test_a_loop_runs_no_round_while_it_may_not_write_and_runs_once_it_may(running, monkeypatch):
+    monkeypatch.setattr(loop_module, "FOLLOWER_RECHECK_SECONDS", 0.01)
+    leading = threading.Event()
+    loop = Rounds(LONG)
+    loop.may_write = leading.is_set  # a standby
+    running(loop)
+    assert not loop.wait_for_rounds(1, timeout=0.3), "a standby's loop ran a round"
+    leading.set()
+    assert loop.wait_for_rounds(1), "the leader's loop never ran"
+
+
+def test_a_leader_past_its_deadline_starts_no_further_round(running, monkeypatch):
+    monkeypatch.setattr(loop_module, "FOLLOWER_RECHECK_SECONDS", 0.01)
+    leading = threading.Event()
+    leading.set()
+    loop = Rounds(0.01)
+    loop.may_write = leading.is_set
+    running(loop)
+    assert loop.wait_for_rounds(1)
+    leading.clear()  # the renew deadline passed during the round
+    ran = loop.ran
+    loop.wake.set()
+    assert not loop.wait_for_rounds(ran + 1, timeout=0.3), "a round ran after leadership was lost"

@@ -131,3 +131,32 @@ def test_the_insecure_flag_serves_plain_http_and_hands_workers_no_ca():
     settings = OperatorSettings.from_env(DSN)
     assert settings.ledger_tls is None and settings.worker.ledger_ca is None
     assert settings.worker.ledger_url == "http://retex-ledger.retex-system.svc:8081"
+
+
+def test_leader_election_defaults_to_15_10_2_seconds_on_a_lease_in_retex_system():
+    settings = OperatorSettings.from_env(DSN)
+    election = settings.leader_election
+    assert (election.lease_duration, election.renew_deadline, election.retry_period) == (15.0, 10.0, 2.0)
+    assert settings.operator_namespace == "retex-system"
+
+
+def test_leader_election_timing_and_namespace_are_taken_as_given():
+    settings = OperatorSettings.from_env(DSN | {"RETEX_LEADER_LEASE_SECONDS": "4", "RETEX_LEADER_RENEW_DEADLINE_SECONDS": "3",
+                                                "RETEX_LEADER_RETRY_SECONDS": "0.5", "RETEX_OPERATOR_NAMESPACE": "ops"})
+    election = settings.leader_election
+    assert (election.lease_duration, election.renew_deadline, election.retry_period) == (4.0, 3.0, 0.5)
+    assert settings.operator_namespace == "ops"
+
+
+@pytest.mark.parametrize("env", [{"RETEX_LEADER_RENEW_DEADLINE_SECONDS": "15"},
+                                 {"RETEX_LEADER_RETRY_SECONDS": "9"},
+                                 {"RETEX_LEADER_LEASE_SECONDS": "5"}])
+def test_leader_election_timings_that_break_client_gos_rules_are_refused_before_start(env):
+    assert "leader election" in refusal(DSN | env)
+
+
+@pytest.mark.parametrize("name", ["RETEX_LEADER_LEASE_SECONDS", "RETEX_LEADER_RENEW_DEADLINE_SECONDS",
+                                  "RETEX_LEADER_RETRY_SECONDS"])
+def test_a_leader_election_value_that_is_not_a_positive_number_is_refused_by_name(name):
+    assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"
+    assert name in refusal(DSN | {name: "-1"})

@@ -101,6 +101,15 @@ class LeaseObserver:
         for lease in leases:
             self._observe(lease, relisted=True, blind=blind)
 
+    def grant_grace(self) -> None:
+        """Count every lease as renewed now: a replica that just became leader judges no worker
+        by what it saw (or missed) as a standby, so a failover never condemns a live worker; a
+        dead one is replaced one lease duration later."""
+        now = self._clock()
+        with self._lock:
+            for key, seen in self._by_key.items():
+                self._by_key[key] = replace(seen, changed_at=max(seen.changed_at, now))
+
     def went_blind(self) -> None:
         """The watch is down: nothing is seen from now until the next relist."""
         self.synced.clear()

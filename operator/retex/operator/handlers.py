@@ -5,14 +5,27 @@ a diff base reduced to what the handlers react to, our own finalizer name, handl
 (nothing dumped into status), watch timeouts so a silent stream reconnects, sync handlers (kopf
 runs them in its thread pool, so the blocking Kubernetes and Postgres clients never stall its
 event loop), log lines not posted as Events.
+
+Only the elected leader runs kopf at all (retex.operator.main): kopf writes on its own, whatever
+the handlers do — it adds its finalizer to every Task it sees, takes it off again when no handler
+matches (a `when=` filter saying no), stores its diff base and progress annotations (a
+kopf.TemporaryError writes them too). A standby running kopf raced the leader's finalizer patch on
+the rig, and the leader then never admitted that Task. Every handler is also `leader_only`: between
+losing the lease and kopf stopping, a handler waits instead of writing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
-from datetime import datetime
+import os
+import socket
 import threading
+import uuid
+from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import kopf
@@ -22,6 +35,7 @@ from retex.api import GROUP, PLURAL, VERSION, TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls, NotPermitted, Refused
 from retex.kube.client import api_client
+from retex.kube.election import LeaderLease
 from retex.kube.identity import WorkerIdentities
 from retex.kube.humans import REQUESTED_BY_ANNOTATION, REQUEUE_ANNOTATION, RESOLVE_ANNOTATION
 from retex.kube.leasewatch import LeaseObserver
@@ -33,6 +47,7 @@ from retex.operator.admission import (NAMESPACE_NOT_ONBOARDED, admission_for, an
                                       not_onboarded_message)
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator import ledger_endpoint
+from retex.operator.leadership import Leadership
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
 from retex.operator.settings import OperatorSettings
@@ -69,13 +84,30 @@ class Runtime:
         self.worker_ledger = Ledger(settings.database_url, max_connections=8,
                                     retry_for_seconds=ENDPOINT_RETRY_SECONDS).open(migrate_schema=False)
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
-        self._loops = [self.leases, self.relay, self.promoter, self.reaper, self.mirror]
+        # Unique per process (client-go's hostname + UUID): a restarted container is a new
+        # candidate, never mistaken for the leader it replaces.
+        identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+        timing = settings.leader_election
+        self.leadership = Leadership(LeaderLease(api, settings.operator_namespace, request_timeout=timing.retry_period),
+                                     identity, timing, on_started=self._lead)
+        self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
+        for loop in self._writers:
+            loop.may_write = self.leadership.leading
+        self._loops = [self.leases, *self._writers]
         self._threads = [
             threading.Thread(target=fn, name=name, daemon=True)
             for name, fn in [("lease-watch", self.leases.run), ("relay", self.relay.run),
                              ("promoter", self.promoter.run), ("reaper", self.reaper.run),
                              ("status-mirror", self.mirror.run), ("ledger-listen", self.listen)]
         ]
+        self._election_thread = threading.Thread(target=self.leadership.run, name="leader-election", daemon=True)
+
+    def _lead(self) -> None:
+        """This replica just became leader: it relists and judges every worker afresh."""
+        self.leases.grant_grace()
+        self.mirror.resync_next_round()
+        for loop in self._writers:
+            loop.wake.set()
 
     def listen(self) -> None:
         """Ledger changes mark the task for the status mirror and wake the relay: a worker that
@@ -92,12 +124,18 @@ class Runtime:
         self._endpoint_server = ledger_endpoint.serve(self.endpoint, ledger_port, ledger_tls)
         for thread in self._threads:
             thread.start()
+        self._election_thread.start()
+
+    def healthy(self) -> bool:
+        return all(thread.is_alive() for thread in [*self._threads, self._election_thread])
 
     def stop(self) -> None:
         for loop in self._loops:
             loop.stop()
         for thread in self._threads:
             thread.join(timeout=5)
+        self.leadership.stop()  # after the writers: a successor starts only once they are done
+        self._election_thread.join(timeout=5)
         self._endpoint_server.shutdown()
         self._endpoint_server.server_close()
         self.worker_ledger.close()
@@ -124,8 +162,22 @@ class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         return reduced
 
 
+def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """The kopf handler runs (in a thread, as a sync handler would) once this replica leads.
+    Named as the handler (kopf's handler id, in its progress annotations) but not
+    functools.wraps: kopf follows __wrapped__ and would call the sync handler directly."""
+
+    async def when_leading(**kwargs: Any) -> Any:
+        await kwargs["memo"].runtime.leadership.until_leading()
+        return await asyncio.to_thread(functools.partial(handler, **kwargs))
+
+    when_leading.__name__, when_leading.__qualname__ = handler.__name__, handler.__qualname__
+    when_leading.__module__, when_leading.__doc__ = handler.__module__, handler.__doc__
+    return when_leading
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.finalizer = "retex.dev/finalizer"
     # A prefix of kopf's own: kopf drops every annotation under its storage prefixes from the
     # diffs it computes, so under plain retex.dev the requeue annotation would never be seen.
@@ -137,18 +189,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.connect_timeout = 10
     settings.watching.inactivity_timeout = 330
     settings.networking.request_timeout = 30
-    operator_settings = OperatorSettings.from_env()
-    memo.runtime = Runtime(operator_settings)
-    memo.runtime.start(operator_settings.metrics_port, operator_settings.ledger_port, operator_settings.ledger_tls)
-
-
-@kopf.on.cleanup()
-def shutdown(memo: kopf.Memo, **_: Any) -> None:
-    memo.runtime.stop()
 
 
 @kopf.on.resume(*TASKS)
 @kopf.on.create(*TASKS)
+@leader_only
 def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, body: kopf.Body,
           memo: kopf.Memo, **_: Any) -> None:
     """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1).
@@ -230,6 +275,7 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
 
 
 @kopf.on.field(*TASKS, field="spec.cancel", new=True)
+@leader_only
 def cancel(uid: str, memo: kopf.Memo, **_: Any) -> None:
     """A waiting task ends now; a running one at its worker's next step boundary, or at once
     (the reaper) when no worker holds its lease."""
@@ -248,6 +294,7 @@ def _actor(body: kopf.Body, new: str) -> str:
 
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
+@leader_only
 def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Setting (or changing) the annotation gives a Failed or NeedsAttention task a fresh attempt
     and budget; the ledger records it in history, with who asked."""
@@ -299,6 +346,7 @@ def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
 
 
 @kopf.on.delete(*TASKS)
+@leader_only
 def deleted(uid: str, memo: kopf.Memo, **_: Any) -> None:
     """The finalizer holds deletion until the task is terminal: ended at once (TaskDeleted) when
     waiting or when no worker holds its lease (the reaper: a pod that never started, a namespace

@@ -1,17 +1,21 @@
 """What every background loop of the operator shares: a thread body that runs rounds, can be
-woken early and stopped, and survives a failed round (counted, logged, retried a second later)."""
+woken early and stopped, survives a failed round (counted, logged, retried a second later), and
+runs no round unless `may_write()` says so (the leader election's answer: a standby writes
+nothing, and a leader past its renew deadline starts no round)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from retex.ledger import LedgerError
-from retex.operator.metrics import count_failure
+from retex.operator.metrics import LOOP_ROUNDS, count_failure
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_FAILURE_SECONDS = 1.0
+FOLLOWER_RECHECK_SECONDS = 1.0  # a standby looks again this often (becoming leader also wakes it)
 
 
 class Loop:
@@ -20,6 +24,7 @@ class Loop:
     def __init__(self) -> None:
         self.wake = threading.Event()  # set it to run the next round now rather than at its interval
         self._stop = threading.Event()
+        self.may_write: Callable[[], bool] = lambda: True  # the Runtime sets the election's answer
 
     def round(self) -> float:
         """One pass; returns how long to wait before the next (unless woken)."""
@@ -31,8 +36,12 @@ class Loop:
             self.pause(delay)
             if self.stopping:
                 return
+            if not self.may_write():
+                delay = FOLLOWER_RECHECK_SECONDS
+                continue
             try:
                 delay = self.round()
+                LOOP_ROUNDS.labels(self.name).inc()
             except LedgerError as exc:
                 count_failure(self.name, exc)
                 log.warning("%s: ledger unavailable: %s", self.name, exc)

@@ -1,4 +1,12 @@
-"""`retex-operator`: runs the kopf operator for Task resources."""
+"""`retex-operator`: the Runtime on every replica, kopf only on the elected leader.
+
+Every replica runs the Runtime (ledger, lease watch, ledger listener, the workers' ledger
+endpoint, metrics, the election; the writer loops run their rounds only while it leads). kopf
+runs only while this replica leads: it starts when the replica becomes leader (its watch lists
+every Task: resume handlers admit what the old leader left) and is stopped when the lease is
+lost. A standby runs no kopf because kopf writes by itself (finalizers, annotations; see
+retex.operator.handlers). SIGTERM/SIGINT stop kopf, then the Runtime, which releases the lease.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +14,21 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 
 import kopf
 
 from retex.logs import JsonLines
+from retex.operator.health import serve_health
+from retex.operator.settings import OperatorSettings
+
+log = logging.getLogger(__name__)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="retex operator")
     parser.add_argument("--liveness", default=os.environ.get("RETEX_LIVENESS", "http://0.0.0.0:8080/healthz"),
-                        help="kopf's health endpoint (probes); empty to serve none")
+                        help="the health endpoint (probes); empty to serve none")
     parser.add_argument("--namespace", action="append",
                         help="watch only these namespaces (repeatable; default: RETEX_NAMESPACES, "
                              "comma-separated, else all)")
@@ -24,16 +37,56 @@ def main() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLines())
     logging.basicConfig(level=logging.INFO, handlers=[handler])
-    import retex.operator.handlers  # noqa: F401  (registers the handlers)
+    from retex.operator.handlers import Runtime  # registers the handlers
 
-    asyncio.run(
-        kopf.operator(
-            clusterwide=not args.namespace,
-            namespaces=args.namespace or [],
-            standalone=True,  # one active replica; HA by leader election is not built yet
-            liveness_endpoint=args.liveness or None,
-        )
-    )
+    settings = OperatorSettings.from_env()
+    runtime = Runtime(settings)
+    runtime.start(settings.metrics_port, settings.ledger_port, settings.ledger_tls)
+    health = serve_health(args.liveness, runtime.healthy) if args.liveness else None
+    try:
+        asyncio.run(_operate(runtime, namespaces=args.namespace))
+    finally:
+        runtime.stop()
+        if health is not None:
+            health.shutdown()
+
+
+async def _operate(runtime, *, namespaces: list[str]) -> None:
+    """Run kopf for each term this replica leads, until a signal."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_signals() -> None:  # kopf installs its own while it runs; ours again after each term
+        for number in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(number, stopping.set)
+
+    on_signals()
+    recheck = runtime.leadership.timing.retry_period / 2
+    while not stopping.is_set():
+        if not runtime.leadership.leading():
+            await _sleep_unless(stopping, recheck)
+            continue
+        term_over = asyncio.Event()
+        term = asyncio.create_task(kopf.operator(
+            clusterwide=not namespaces, namespaces=namespaces,
+            standalone=True,  # no kopf peering: the leader election decides who runs kopf
+            stop_flag=term_over, memo=kopf.Memo(runtime=runtime)))
+        while runtime.leadership.leading() and not stopping.is_set() and not term.done():
+            await _sleep_unless(stopping, recheck)
+        if term.done() and not term_over.is_set():
+            stopping.set()  # kopf ended by itself (a signal it caught, or an error): so do we
+        term_over.set()
+        await term
+        on_signals()
+        if not stopping.is_set():
+            log.info("leader election: kopf stopped (this replica no longer leads)")
+
+
+async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout=seconds)
+    except TimeoutError:
+        pass
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import threading
 import time
 
 from kubernetes.client.exceptions import ApiException
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from retex.ledger import Histogram as LedgerHistogram
@@ -29,6 +29,10 @@ POSTGRES_ERRORS = Counter("retex_postgres_errors_total", "Ledger operations that
                           ["loop"], registry=REGISTRY)
 API_ERRORS = Counter("retex_api_errors_total", "Kubernetes API calls that failed, by loop", ["loop"],
                      registry=REGISTRY)
+LOOP_ROUNDS = Counter("retex_loop_rounds_total", "Completed rounds of an operator loop, by loop", ["loop"],
+                      registry=REGISTRY)
+LEADER = Gauge("retex_leader", "1 while this replica leads (it alone writes), 0 on a standby",
+              registry=REGISTRY)
 MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change seen to its status written",
                        buckets=BUCKETS, registry=REGISTRY)
 

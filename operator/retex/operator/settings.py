@@ -6,6 +6,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
 from retex.ledger.tls import unverified_tls_refusal
 from retex.operator.ledger_endpoint import LedgerTls
@@ -30,6 +31,10 @@ class OperatorSettings:
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
     ledger_port: int = 8081  # RETEX_LEDGER_PORT: the workers' ledger endpoint (RETEX_LEDGER_URL reaches it)
     ledger_tls: LedgerTls | None = None  # None: plain HTTP, only with RETEX_LEDGER_INSECURE=1
+    # Leader election among replicas: RETEX_LEADER_{LEASE,RENEW_DEADLINE,RETRY}_SECONDS, on the
+    # Lease retex-operator-leader in RETEX_OPERATOR_NAMESPACE (the Deployment's own namespace).
+    leader_election: ElectionTiming = ElectionTiming()
+    operator_namespace: str = "retex-system"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -67,6 +72,8 @@ class OperatorSettings:
             worker_start_deadline_seconds=_number(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
             dispatch_defer_limit_seconds=_number(env, "RETEX_DISPATCH_DEFER_LIMIT_SECONDS", float) or 600.0,
             metrics_port=_metrics_port(env),
+            leader_election=_election_timing(env),
+            operator_namespace=env.get("RETEX_OPERATOR_NAMESPACE", "").strip() or "retex-system",
         )
 
 
@@ -90,6 +97,18 @@ def _ledger_tls(env: dict[str, str]) -> LedgerTls | None:
 
 def _read_ca(tls: LedgerTls | None) -> str | None:
     return tls.ca_pem() if tls else None
+
+
+def _election_timing(env: dict[str, str]) -> ElectionTiming:
+    default = ElectionTiming()
+    try:
+        return ElectionTiming(
+            lease_duration=_number(env, "RETEX_LEADER_LEASE_SECONDS", float) or default.lease_duration,
+            renew_deadline=_number(env, "RETEX_LEADER_RENEW_DEADLINE_SECONDS", float) or default.renew_deadline,
+            retry_period=_number(env, "RETEX_LEADER_RETRY_SECONDS", float) or default.retry_period,
+        )
+    except ValueError as refused:
+        raise SystemExit(str(refused)) from None
 
 
 def _metrics_port(env: dict[str, str]) -> int | None:

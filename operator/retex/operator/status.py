@@ -199,6 +199,11 @@ class StatusMirror(Loop):
                 delay = min(delay * 2, LISTEN_RETRY_MAX_SECONDS)
                 self._next_resync = 0.0
 
+    def resync_next_round(self) -> None:
+        """Mark every lagging Task at the next round (a new leader: what it saw as a standby it
+        did not write)."""
+        self._next_resync = 0.0
+
     def round(self) -> float:
         """Flush the dirty tasks; every `resync_seconds` first mark every task that lags."""
         if time.monotonic() >= self._next_resync:

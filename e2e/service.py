@@ -1,0 +1,73 @@
+"""A Service for processes on the rig: one local port forwarding each connection to the next of
+several backends (round robin, skipping one that refuses the connection), as kube-proxy would to
+a Service's pods. The rig has no kube-proxy; tests with two operators give the workers this one
+ledger URL, so a worker's calls reach whichever replica is alive, as on a cluster."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import socketserver
+import threading
+
+
+class _Forward(socketserver.BaseRequestHandler):
+    server: RoundRobinService
+
+    def handle(self) -> None:
+        upstream = self.server.connect()
+        if upstream is None:
+            return
+        with upstream:
+            pipes = [threading.Thread(target=_pipe, args=(self.request, upstream), daemon=True),
+                     threading.Thread(target=_pipe, args=(upstream, self.request), daemon=True)]
+            for pipe in pipes:
+                pipe.start()
+            for pipe in pipes:
+                pipe.join()
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(65536):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for end in (source, sink):
+            try:
+                end.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class RoundRobinService(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, backends: list[int]):
+        super().__init__(("127.0.0.1", 0), _Forward)
+        self._backends = backends
+        self._next = itertools.cycle(range(len(backends)))
+        self._lock = threading.Lock()
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.server_address[1]}"  # TLS end to end: bytes are forwarded
+
+    def connect(self) -> socket.socket | None:
+        for _ in self._backends:
+            with self._lock:
+                port = self._backends[next(self._next)]
+            try:
+                upstream = socket.create_connection(("127.0.0.1", port), timeout=2)
+            except OSError:
+                continue  # not listening (killed, not started yet): the next one
+            upstream.settimeout(None)  # the timeout was for connecting; the callers time their calls
+            return upstream
+        return None
+
+    def close(self) -> None:
+        self.shutdown()
+        self.server_close()
