@@ -73,7 +73,8 @@ def wait_established(kubectl, crd: str) -> None:
         got = kubectl("get", "crd", crd, "-o", "json", check=False)
         if got.returncode != 0:
             return None, got.stderr.strip()[:200]
-        conditions = {c["type"]: c for c in json.loads(got.stdout).get("status", {}).get("conditions", [])}
+        status = json.loads(got.stdout).get("status") or {}
+        conditions = {c["type"]: c for c in status.get("conditions") or []}  # null right after the create
         return conditions.get("Established", {}).get("status") == "True", str(conditions.get("Established"))
     rig_wait_for(f"CRD {crd} Established", established, 60)
 
@@ -87,7 +88,8 @@ def prepare_namespace(kubectl, namespace: str, task_policy: dict[str, Any] | Non
     kubectl("apply", "-f", "-", input=json.dumps(manifest))
     onboarding = [doc for doc in yaml.safe_load_all(kubectl("kustomize", str(TENANT)).stdout)
                   if doc and doc.get("kind") != "TaskPolicy"]
-    kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(onboarding))
+    kubectl("apply", "--server-side", "--force-conflicts", "-n", namespace, "-f", "-",
+            input=yaml.safe_dump_all(onboarding))
     if task_policy is not None:
         apply_task_policy(kubectl, namespace, task_policy)
 
@@ -97,7 +99,7 @@ def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
     it: its admission plugin reads TaskPolicies from a cache, a moment behind. Until then a Task
     (here a dry run) is refused for having none."""
     install_policies(kubectl)  # the TaskPolicy kind, and what judges Tasks by it
-    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(policy))
+    kubectl("apply", "--server-side", "--force-conflicts", "-n", namespace, "-f", "-", input=json.dumps(policy))
     probe = task_manifest("policy-probe", [{"name": "only", "exec": {"command": ["true"]}}])
     rig_wait_for(f"the TaskPolicy of {namespace} in force", lambda: NO_TASK_POLICY not in kubectl(
         "create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False).stderr, 30)

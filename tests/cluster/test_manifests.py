@@ -103,7 +103,13 @@ def test_operator_deployment_is_hardened_and_probed_on_its_health_endpoint(rig):
     assert env["RETEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "dsn"
     assert env["RETEX_LIVENESS"]["value"] == "http://0.0.0.0:8080/healthz"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["ledger"] == 8081 and env["RETEX_LEDGER_URL"]["value"] == "http://retex-ledger.retex-system.svc:8081"
+    assert ports["ledger"] == 8081 and env["RETEX_LEDGER_URL"]["value"] == "https://retex-ledger.retex-system.svc:8081"
+    # The endpoint's certificate: the Secret retex-ledger-tls, readable by the operator's group only.
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    [secret] = [v["secret"] for v in pod["volumes"] if v["name"] == "ledger-tls"]
+    assert secret == {"secretName": "retex-ledger-tls", "defaultMode": 0o440} and pod["securityContext"]["fsGroup"] == 65532
+    assert {env[name]["value"].rpartition("/")[0] for name in
+            ("RETEX_LEDGER_TLS_CERT_FILE", "RETEX_LEDGER_TLS_KEY_FILE", "RETEX_LEDGER_CA_FILE")} == {mounts["ledger-tls"]}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"]["path"] == "/healthz"
         assert ports[container[probe]["httpGet"]["port"]] == 8080
