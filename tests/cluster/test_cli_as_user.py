@@ -91,8 +91,9 @@ def test_a_requeue_naming_another_user_is_refused_by_the_api_server(retex, faile
     # Without the annotation at all: refused too. The admin (system:masters) is held to it as well.
     assert "retex-requested-by" in run_kubectl(kubeconfig, "annotate", "-n", retex.namespace, "task", "broken",
                                                "retex.dev/requeue=again", check=False).stderr
-    assert retex.kubectl("annotate", "task", "broken", "retex.dev/requeue=x",
-                         "retex.dev/requested-by=someone-else", check=False).returncode != 0
+    by_admin = retex.kubectl("annotate", "task", "broken", "retex.dev/requeue=x",
+                             "retex.dev/requested-by=someone-else", check=False)
+    assert by_admin.returncode != 0 and "retex-requested-by" in by_admin.stderr, by_admin.stderr
     assert requeues(retex, failed_task) == []
 
 
@@ -121,3 +122,20 @@ def test_a_user_resolves_a_step_through_the_api_and_the_task_ends_with_their_nam
     resolved = [h for h in retex.ledger.history(uid) if h.event == "step-resolve-done"]
     assert [h.actor for h in resolved] == [f"kube:{alice}"]
     assert notifier.for_task(uid)["notify"]["executions"] == 1  # marked done, never run again
+
+
+def test_a_user_cannot_rewrite_the_operators_record_of_what_it_handled_to_replay_anothers_request(
+        retex, failed_task, tmp_path):
+    """kopf keeps what it last handled under kopf.retex.dev/: emptied, an earlier requeue or resolve
+    would look new and be handled again, in its first author's name. Only the operator writes it."""
+    kubeconfig, mallory = user(retex, tmp_path, "mallory", ["get", "patch"])
+    annotations = json.loads(retex.kubectl("get", "task", "broken", "-o", "json").stdout)["metadata"]["annotations"]
+    kopf_keys = [k for k in annotations if k.startswith("kopf.retex.dev/")]
+    assert kopf_keys, annotations  # the operator has handled this task: its record is there
+    for change in ([f"{kopf_keys[0]}={{}}", "--overwrite"], [f"{kopf_keys[0]}-"], ["kopf.retex.dev/forged=1"]):
+        done = run_kubectl(kubeconfig, "annotate", "-n", retex.namespace, "task", "broken", *change, check=False)
+        assert done.returncode != 0, change
+        assert "are the retex operator's own record of what it handled" in done.stderr and mallory in done.stderr
+    after = json.loads(retex.kubectl("get", "task", "broken", "-o", "json").stdout)["metadata"]["annotations"]
+    assert {k: after.get(k) for k in kopf_keys} == {k: annotations[k] for k in kopf_keys}
+    assert requeues(retex, failed_task) == []

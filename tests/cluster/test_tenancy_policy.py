@@ -116,7 +116,7 @@ def admitted(rig, namespace: str, name: str, steps=EXEC, **spec) -> None:
 def test_a_namespace_without_a_taskpolicy_runs_no_tasks_and_the_refusal_names_what_is_missing(policies):
     message = refused(policies, STRICT, "plain")
     assert NO_TASK_POLICY in message, message
-    assert "retex-tasks-need-the-taskpolicy-default-of-their-namespace" in message, message
+    assert "retex-namespace-not-onboarded.run.kubectl-apply-n-ns-k-manifests-tenant" in message, message
 
 
 def test_the_default_taskpolicy_allows_the_operators_worker_only_and_says_so(policies):
@@ -145,7 +145,7 @@ def test_a_taskpolicy_allows_what_it_names_and_nothing_else(policies):
     namespace = "policy-named"
     prepare_namespace(policies.kubectl, namespace, task_policy={
         "apiVersion": "retex.dev/v1alpha1", "kind": "TaskPolicy", "metadata": {"name": "default"},
-        "spec": {"images": ["registry.example.com/team/", "other.example/w@sha256:" + "a" * 64],
+        "spec": {"images": ["registry.example.com/team/", "other.example/w@sha256:" + "a" * 64, "shop-worker:"],
                  "serviceAccountNames": ["payments"], "tolerationKeys": ["dedicated"],
                  "nodeSelectorKeys": ["pool"], "stepKinds": ["exec", "python"]}})
     try:
@@ -158,6 +158,10 @@ def test_a_taskpolicy_allows_what_it_names_and_nothing_else(policies):
             policies, namespace, "neighbour-prefix", worker={"image": "registry.example.com/team-evil/w:1"})
         assert "spec.worker.image other.example/w:latest is not allowed" in refused(
             policies, namespace, "by-tag", worker={"image": "other.example/w:latest"})
+        admitted(policies, namespace, "a-tag", worker={"image": "shop-worker:2"})
+        # "shop-worker:" allows that repository's tags, not a registry host shop-worker on some port.
+        assert "spec.worker.image shop-worker:5000/evil is not allowed" in refused(
+            policies, namespace, "host-port", worker={"image": "shop-worker:5000/evil"})
         assert "spec.worker.serviceAccountName retex-worker is not allowed" in refused(
             policies, namespace, "named-default-account", worker={"serviceAccountName": "retex-worker"})
         message = refused(policies, namespace, "http", [{"name": "a", "http": {"method": "GET", "url": "https://x.example/"}}])
@@ -169,9 +173,18 @@ def test_a_taskpolicy_allows_what_it_names_and_nothing_else(policies):
         policies.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
+def test_a_taskpolicy_entry_by_digest_must_name_a_whole_digest(policies):
+    """`reg/x@sha256:` would allow every digest of reg/x: an entry by digest is a whole one."""
+    policy = {"apiVersion": "retex.dev/v1alpha1", "kind": "TaskPolicy", "metadata": {"name": "default"},
+              "spec": {"images": ["reg.example/x@sha256:"]}}
+    result = policies.kubectl("apply", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(policy),
+                              check=False)
+    assert result.returncode != 0 and "a whole reference by digest" in result.stderr, result.stderr
+
+
 def test_no_taskpolicy_lets_an_http_step_call_link_local_or_metadata_addresses(policies):
     for url in ["http://169.254.169.254/latest/meta-data/iam/", "http://169.254.170.2/v2/credentials",
-                "http://[fe80::a9fe:a9fe]/", "http://[::ffff:169.254.169.254]/", "http://[fd00:ec2::254]/",
+                "http://[fe80::a9fe:a9fe]/", "http://[::ffff:169.254.169.254]/", "http://[fd00:ec2::254]/", "http://100.100.100.200/latest/meta-data/",
                 "http://metadata.google.internal/computeMetadata/v1/", "http://METADATA/"]:
         for steps in ([{"name": "a", "http": {"method": "GET", "url": url}}],
                       [{"name": "a", "exec": {"command": ["true"]}, "verify": {"http": {"method": "GET", "url": url}}}]):
@@ -331,3 +344,33 @@ def test_a_worker_pod_cannot_touch_another_namespaces_lease_and_an_unbound_token
     anyone = Attempt(LEASES, x.name, x.uid, 1, "none", unbound)
     message = forbidden(anyone, x, lambda body: acquired(body, x.me, 15, now()))
     assert "a retex Lease may be updated only with a worker pod's own token" in message, message
+
+
+def refused_delete(by: Attempt, of: Attempt) -> str | None:
+    """The refusal's message once RBAC lets `by` delete (its cache may lag the new Role); None before."""
+    with pytest.raises(client.ApiException) as refusal:
+        client.CoordinationV1Api(by.api).delete_namespaced_lease(of.lease, of.namespace)
+    assert refusal.value.status == 403, refusal.value
+    message = json.loads(refusal.value.body)["message"]
+    return None if "cannot delete resource" in message else message
+
+
+def test_no_serviceaccount_but_the_collectors_deletes_a_retex_lease_even_with_rbac_to_delete_it(rig, lease_api, tmp_path):
+    """A deleted Lease condemns a live worker: a ServiceAccount the namespace grants `delete` on
+    Leases (the worker's, here) still cannot delete a retex Lease — not another task's, not its own."""
+    x = attempt(rig, lease_api, LEASES, "order-d", tmp_path)
+    y = attempt(rig, lease_api, LEASES, "order-e", tmp_path)
+    write(y, y, lambda body: acquired(body, y.me, 15, now()))
+    rbac = [{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "lease-deleter"},
+             "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["delete"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "lease-deleter"},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "lease-deleter"},
+             "subjects": [{"kind": "ServiceAccount", "name": "retex-worker", "namespace": LEASES}]}]
+    rig.kubectl("apply", "-n", LEASES, "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rbac}))
+    try:
+        for target in (y, x):
+            message = wait_for(lambda t=target: refused_delete(x, t), timeout=10, what="RBAC to allow the delete")
+            assert "a retex Lease is deleted only with its Task" in message, message
+        assert holder(lease_api, y) == y.me.identity
+    finally:
+        rig.kubectl("delete", "-n", LEASES, "role,rolebinding", "lease-deleter", check=False)

@@ -15,7 +15,7 @@ import pytest
 
 from e2e.dev import service_account_kubeconfig
 from e2e.rig.controlplane import run_kubectl
-from e2e.system import OperatorProcess, install_crd, prepare_namespace, task_manifest, wait_for
+from e2e.system import ANY_TASK_POLICY, OperatorProcess, apply_task_policy, install_crd, prepare_namespace, task_manifest, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_OVERLAY = ROOT / "manifests" / "overlays" / "local"
@@ -31,8 +31,10 @@ def can(rig, verb: str, resource: str, namespace: str) -> bool:
 
 @pytest.fixture
 def namespaces(rig, postgres):
-    """One namespace onboarded (manifests/tenant), one merely created; the operator's RBAC from the
-    local overlay; a ledger database of this test."""
+    """One namespace onboarded (manifests/tenant), one with a TaskPolicy but not onboarded (so its
+    Tasks are stored, and meet the operator: a namespace with neither is refused by the API server,
+    tests/cluster/test_tenancy_policy.py); the operator's RBAC from the local overlay; a ledger
+    database of this test."""
     number = next(_numbers)
     database, onboarded, bare = f"retex_onboard_{number}", f"onboarded-{number}", f"not-onboarded-{number}"
     with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
@@ -41,6 +43,7 @@ def namespaces(rig, postgres):
     rig.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(LOCAL_OVERLAY))
     prepare_namespace(rig.kubectl, onboarded)
     rig.create_namespace(bare)
+    apply_task_policy(rig.kubectl, bare, ANY_TASK_POLICY)
     yield postgres.dsn(dbname=database), onboarded, bare
     for namespace in (onboarded, bare):
         rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

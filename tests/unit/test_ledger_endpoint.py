@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -36,6 +37,10 @@ class FakeLedger:
     def __init__(self):
         self.tasks = {UID: Record(UID, "shop", "order"), OTHER: Record(OTHER, "bank", "payout")}
         self.calls = []
+        self.sent_jobs = {}  # (uid, epoch) → the Job name the relay recorded
+
+    def attempts(self, uid):
+        return [SimpleNamespace(epoch=epoch, job_name=name) for (u, epoch), name in self.sent_jobs.items() if u == uid]
 
     def get(self, uid):
         if uid not in self.tasks:
@@ -107,6 +112,16 @@ def test_a_worker_of_a_task_gone_from_the_ledger_learns_it_as_task_not_found():
     del ledger.tasks[UID]
     with pytest.raises(TaskNotFound):
         ep.call("begin_step", "good", {"uid": UID, "epoch": 2, "idx": 0})
+
+
+def test_a_pod_of_the_job_the_relay_recorded_is_a_worker_even_if_this_release_would_name_it_otherwise():
+    """Job names were cut at 63 characters before; an attempt in flight across the upgrade keeps
+    its Job, whose name the relay recorded when it sent it."""
+    old_name = "order-" + "x" * 57
+    ep, ledger = endpoint(old=worker(job=old_name), stranger=worker(job="order-y-0000-2"))
+    ledger.sent_jobs[(UID, 2)] = old_name
+    ep.call("begin_step", "old", {"uid": UID, "epoch": 2, "idx": 0})
+    assert refused(lambda: ep.call("begin_step", "stranger", {"uid": UID, "epoch": 2, "idx": 0})).status == 403
 
 
 def test_a_token_that_is_not_a_workers_is_refused_401():

@@ -16,8 +16,9 @@ from retex.api import TaskSpec
 from retex.kube.objects import WorkerDefaults, build_job
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
-METADATA_ADDRESS = ipaddress.ip_address("169.254.169.254")
-LINK_LOCAL = ipaddress.ip_network("169.254.0.0/16")
+# Link-local ranges (cloud metadata at 169.254.169.254) and metadata addresses outside them.
+FORBIDDEN_NETWORKS = [ipaddress.ip_network(n) for n in
+                      ("169.254.0.0/16", "100.100.100.200/32", "fe80::/10", "fd00:ec2::254/128")]
 
 
 def manifest(path: str) -> dict:
@@ -54,7 +55,8 @@ def test_worker_pods_may_reach_dns_the_ledger_endpoint_and_the_api_server_ports_
     assert policy["spec"]["policyTypes"] == ["Egress"]  # selected pods: everything else is denied
     dns, ledger, api_server = policy["spec"]["egress"]
     assert ports(dns) == {("UDP", 53), ("TCP", 53)}
-    assert dns["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                          "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
     # The ledger endpoint: the pods behind Service retex-ledger, in retex-system, on its target port.
     service = manifest("base/ledger-service.yaml")
     (peer,) = ledger["to"]
@@ -68,8 +70,8 @@ def test_worker_pods_may_reach_dns_the_ledger_endpoint_and_the_api_server_ports_
 
 
 def test_no_worker_egress_rule_reaches_link_local_addresses():
-    """Every rule names its peers (an empty `to` would allow any address), and every ipBlock keeps
-    169.254.0.0/16 (cloud metadata at 169.254.169.254) out."""
+    """Every rule names its peers (an empty `to` would allow any address) and, for pods, their
+    namespace; every ipBlock keeps the link-local ranges and metadata addresses out, IPv4 and IPv6."""
     for rule in manifest("tenant/worker-networkpolicy.yaml")["spec"]["egress"]:
         assert rule.get("to"), rule
         assert rule.get("ports"), rule  # no rule opens every port
@@ -77,10 +79,14 @@ def test_no_worker_egress_rule_reaches_link_local_addresses():
             block = peer.get("ipBlock")
             if block is None:
                 assert peer.get("podSelector") is not None, peer  # pods, never whole namespaces' hosts
+                assert peer.get("namespaceSelector", {}).get("matchLabels"), peer  # of a named namespace
                 continue
+            network = ipaddress.ip_network(block["cidr"])
             excepted = [ipaddress.ip_network(cidr) for cidr in block.get("except") or ()]
-            if METADATA_ADDRESS in ipaddress.ip_network(block["cidr"]):
-                assert any(LINK_LOCAL.subnet_of(e) for e in excepted), block
+            for forbidden in FORBIDDEN_NETWORKS:
+                if forbidden.version == network.version and network.overlaps(forbidden):
+                    assert not network.subnet_of(forbidden), block
+                    assert any(forbidden.subnet_of(e) for e in excepted if e.version == forbidden.version), block
 
 
 def test_the_ledger_endpoint_admits_only_worker_pods():

@@ -11,7 +11,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from retex.api import TaskSpec
-from retex.kube.calls import NamespaceTerminating, Refused
+from retex.kube.calls import NamespaceTerminating, NotPermitted, Refused
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, job_name
 from retex.ledger import Dispatch, LedgerUnavailable
 from retex.operator.dispatch import Relay
@@ -192,6 +192,20 @@ def test_a_record_deferred_up_to_the_limit_fails_the_task_with_dispatch_failed()
     assert (outcome, reason) == ("rejected", "DispatchFailed")
     assert message.startswith(f"not dispatched for {DEFER_LIMIT:.0f}s; last error: ApiException")
     assert settled["b"][0] == "deferred"
+
+
+def test_rbac_refusing_a_job_defers_it_until_the_limit_then_fails_it_as_namespace_not_onboarded():
+    """An upgrade that applies the new base before onboarding the namespaces that have Tasks (or
+    a GitOps tool applying them in the other order) loses no task: RBAC's 403 waits like a
+    transient error, and only past the limit is the namespace judged not onboarded."""
+    forbidden = NotPermitted('jobs.batch is forbidden: User "system:serviceaccount:retex-system:retex-operator" '
+                             'cannot create resource "jobs"', 403)
+    kube = FakeKube({"t-a": live("a"), "t-b": live("b")}, refuse={"a": forbidden, "b": forbidden})
+    settled = settle([record("a"), record("b", deferred=DEFER_LIMIT)], kube)
+    assert settled["a"][0] == "deferred" and "cannot create resource" in settled["a"][1]
+    outcome, reason, message, _ = settled["b"]
+    assert (outcome, reason) == ("rejected", "NamespaceNotOnboarded")
+    assert "kubectl apply -n ns -k manifests/tenant" in message
 
 
 def test_an_error_repeating_cannot_cure_fails_the_task_at_once_without_deferring():

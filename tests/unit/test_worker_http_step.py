@@ -228,7 +228,7 @@ def test_a_request_the_worker_gave_up_on_while_resolving_is_never_sent_afterward
 
 @pytest.mark.parametrize("url", ["http://169.254.169.254/latest/meta-data/", "http://2852039166/",
                                  "http://0xa9fea9fe/", "http://[fe80::1]:8080/", "http://[::ffff:169.254.169.254]/",
-                                 "http://[fd00:ec2::254]/"])
+                                 "http://[fd00:ec2::254]/", "http://100.100.100.200/latest/meta-data/"])
 def test_a_destination_resolving_to_a_link_local_or_metadata_address_fails_for_good_and_nothing_is_sent(url):
     """The API server refuses such URLs written as addresses; 2852039166 and 0xa9fea9fe are names it
     cannot judge, which resolve to 169.254.169.254 here."""
@@ -239,6 +239,26 @@ def test_a_destination_resolving_to_a_link_local_or_metadata_address_fails_for_g
     assert "nothing was sent" in outcome.error
     verified = http_step.verify(s.http, s, call(), supervision())
     assert isinstance(verified, VerifyFailed) and "may not reach link-local" in verified.error, verified
+
+
+def test_the_request_goes_to_the_address_that_was_checked_not_to_a_second_lookups_answer(stub, monkeypatch):
+    """DNS rebinding: a name answers a harmless address when checked, then the metadata address.
+    The connection is made to the first answer; the name is looked up once."""
+    lookups = []
+    real = socket.getaddrinfo
+
+    def rebinding(host, port, *args, **kwargs):
+        if host != "rebind.test":
+            return real(host, port, *args, **kwargs)
+        lookups.append(host)
+        address = "127.0.0.1" if len(lookups) == 1 else "169.254.169.254"
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", rebinding)
+    stub.reply = lambda h: (200, {"ok": True})
+    s = step(http={"method": "GET", "url": stub.url("/x").replace("127.0.0.1", "rebind.test")}, idempotent=True)
+    assert http_step.run(s.http, s, call(), supervision()) == Succeeded({"status": 200, "body": {"ok": True}})
+    assert len(stub.requests) == 1 and lookups == ["rebind.test"]
 
 
 def test_a_destination_on_loopback_or_a_private_network_is_not_refused(stub):

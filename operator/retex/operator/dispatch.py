@@ -74,7 +74,8 @@ class Relay(Loop):
             raise  # the ledger is away: the whole batch waits (its claims roll back)
         except Exception as exc:
             count_failure(self.name, exc)
-            result = self._given_up(dispatch, f"{type(exc).__name__}: {exc}", transient(exc))
+            result = self._given_up(dispatch, f"{type(exc).__name__}: {exc}",
+                                    transient(exc) or isinstance(exc, NotPermitted))
             if result is None:
                 self._defer(dispatch, outcomes, exc, who)
                 return
@@ -121,7 +122,12 @@ class Relay(Loop):
         except NamespaceTerminating:
             # Its namespace is being deleted, the Task with it (perhaps not marked yet).
             return _Unsent("TaskDeleted", "dispatch dropped: namespace terminating")
-        except NotPermitted as refused:  # its RoleBinding was removed after admission
+        except NotPermitted as refused:
+            # Its RoleBinding was removed after admission, or is not there yet (an upgrade that
+            # applied the new RBAC before onboarding the namespaces with Tasks): waited out like a
+            # transient error, and judged only past the limit.
+            if (dispatch.deferred_seconds or 0.0) < self._defer_limit:
+                raise
             return _Unsent(NAMESPACE_NOT_ONBOARDED, "dispatch refused by RBAC: namespace not onboarded",
                            not_onboarded_message(dispatch.namespace, refused.message))
         except Refused as refused:

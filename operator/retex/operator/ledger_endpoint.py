@@ -28,7 +28,7 @@ from typing import Any
 
 from retex.kube.identity import IdentityUnavailable, NotAWorker, WorkerIdentities, WorkerIdentity
 from retex.kube.objects import job_name
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskRecord
 from retex.ledger.wire import OPERATIONS, PATH_PREFIX, UNFENCED, error_to_json, time_from_json, to_json
 from retex.logs import event
 from retex.machine import IllegalTransition
@@ -118,8 +118,7 @@ class LedgerEndpoint:
             if identity in self._verified:
                 return
         record = self._ledger.get(identity.task_uid)  # TaskNotFound: 409, the worker exits as stale
-        if record.namespace != identity.namespace or identity.job_name != job_name(record.name, record.uid,
-                                                                                    identity.epoch):
+        if record.namespace != identity.namespace or identity.job_name not in self._job_names(record, identity.epoch):
             # Says nothing of the task itself: a caller may name any uid.
             raise Refusal(403, f"pod {identity.namespace}/{identity.pod} (Job {identity.job_name}) is not a worker "
                                f"of task {identity.task_uid}")
@@ -127,6 +126,14 @@ class LedgerEndpoint:
             if len(self._verified) >= _VERIFIED_LIMIT:
                 self._verified.clear()
             self._verified.add(identity)
+
+    def _job_names(self, record: TaskRecord, epoch: int) -> set[str]:
+        """The names the attempt's Job may have: the one this operator builds, and the one the
+        relay recorded when it sent the attempt (a Job made by an earlier release, whose names
+        were longer, keeps its name through an upgrade)."""
+        names = {job_name(record.name, record.uid, epoch)}
+        names.update(a.job_name for a in self._ledger.attempts(record.uid) if a.epoch == epoch and a.job_name)
+        return names
 
 
 _VERIFIED_LIMIT = 10_000

@@ -61,8 +61,9 @@ _POLL_SECONDS = 0.05
 SEND_WITHIN_SECONDS = 10.0
 
 
-# Link-local addresses are refused by ip_address(...).is_link_local; AWS's IPv6 metadata address is not one.
-_METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254")})
+# Link-local addresses are refused by ip_address(...).is_link_local; AWS's IPv6 metadata address and
+# Alibaba Cloud's (100.100.100.200) are not.
+_METADATA_ADDRESSES = frozenset({ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")})
 
 
 def forbidden_destination(address: str) -> bool:
