@@ -47,8 +47,10 @@ def default_task_policy(*, images: list[str] | None = None) -> dict[str, Any]:
     return policy
 
 
-# How the API server refuses a Task in a namespace without a TaskPolicy `default`.
+# How the API server refuses a Task in a namespace without a TaskPolicy `default`, and before it
+# has found the TaskPolicy kind at all.
 NO_TASK_POLICY = "no params found for policy binding"
+POLICY_NOT_CONFIGURED = "failed to configure policy"
 LEADER_ELECTION_FOR_TESTS = {"RETEX_LEADER_LEASE_SECONDS": "4", "RETEX_LEADER_RENEW_DEADLINE_SECONDS": "3",
                              "RETEX_LEADER_RETRY_SECONDS": "0.5"}
 
@@ -96,13 +98,18 @@ def prepare_namespace(kubectl, namespace: str, task_policy: dict[str, Any] | Non
 
 def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
     """Apply `policy` in a namespace that had none, and wait until the API server judges Tasks by
-    it: its admission plugin reads TaskPolicies from a cache, a moment behind. Until then a Task
-    (here a dry run) is refused for having none."""
+    it: its admission plugin finds the TaskPolicy kind (a CRD just established) and then the
+    TaskPolicies themselves through caches, a moment behind. Until then a Task (here a dry run) is
+    refused: "failed to configure policy: failed to find resource referenced by paramKind", then
+    "no params found" (both seen failing tests that created a Task right after)."""
     install_policies(kubectl)  # the TaskPolicy kind, and what judges Tasks by it
     kubectl("apply", "--server-side", "--force-conflicts", "-n", namespace, "-f", "-", input=json.dumps(policy))
     probe = task_manifest("policy-probe", [{"name": "only", "exec": {"command": ["true"]}}])
-    rig_wait_for(f"the TaskPolicy of {namespace} in force", lambda: NO_TASK_POLICY not in kubectl(
-        "create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False).stderr, 30)
+
+    def in_force():
+        refusal = kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False).stderr
+        return not any(sign in refusal for sign in (NO_TASK_POLICY, POLICY_NOT_CONFIGURED)), refusal.strip()[-200:]
+    rig_wait_for(f"the TaskPolicy of {namespace} in force", in_force, 30)
 
 
 class OperatorProcess:
