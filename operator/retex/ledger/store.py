@@ -117,6 +117,12 @@ class Ledger:
     def close(self) -> None:
         self._pool.close()
 
+    def ping(self, *, timeout: float) -> None:
+        """One `SELECT 1` within `timeout` seconds, never retried (the readiness probe asks: an
+        outage is its answer, not something to wait out). Raises what stopped it."""
+        with self._pool.connection(timeout=timeout) as conn:
+            conn.execute("SELECT 1")
+
     def __enter__(self) -> Ledger:
         return self.open()
 
