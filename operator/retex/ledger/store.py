@@ -118,10 +118,11 @@ class Ledger:
     def close(self) -> None:
         self._pool.close()
 
-    def ping(self, *, timeout: float) -> None:
-        """One `SELECT 1` within `timeout` seconds, never retried (the readiness probe asks: an
-        outage is its answer, not something to wait out). Raises what stopped it."""
-        with self._pool.connection(timeout=timeout) as conn:
+    def ping(self, *, timeout: int) -> None:
+        """One `SELECT 1` on a connection of its own, within about `timeout` seconds, never retried
+        (the readiness probe asks: an outage is its answer, not something to wait out). Not from
+        the pool: a pool busy with workers' calls is not Postgres being away. Raises what stopped it."""
+        with psycopg.connect(self._dsn, connect_timeout=timeout) as conn:
             conn.execute("SELECT 1")
 
     def __enter__(self) -> Ledger:

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
 KOPF_PREFIX = "kopf.retex.dev"
 ENDPOINT_RETRY_SECONDS = 10.0  # below the worker's read timeout (retex.worker.ledger_client)
-POSTGRES_PROBE_SECONDS = 2.0  # the readiness probe's own timeout is 5 s (manifests/base)
+POSTGRES_PROBE_SECONDS = 2  # the readiness probe's own timeout is 5 s (manifests/base)
 
 
 class Runtime:
@@ -139,7 +139,7 @@ class Runtime:
     def ready(self) -> Verdict:
         """The readiness probe's answer (retex.operator.health)."""
         try:
-            self.worker_ledger.ping(timeout=POSTGRES_PROBE_SECONDS)  # the pool the workers' calls use
+            self.worker_ledger.ping(timeout=POSTGRES_PROBE_SECONDS)
             postgres_error = None
         except Exception as exc:
             postgres_error = f"{type(exc).__name__}: {exc}"
