@@ -13,6 +13,8 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +124,7 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
         self.metrics_port = free_port()
         self.ledger_port = free_port()
+        self.health_port = free_port()
         # The ledger endpoint serves TLS as deployed; its workers get the CA through their Jobs.
         # Replicas share one (`ledger_tls`), as they mount one Secret.
         self.ledger_tls = ledger_tls or pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls")
@@ -155,7 +158,7 @@ class OperatorProcess:
         environment.setdefault("RETEX_OPERATOR_NAMESPACE", scoped[0] if scoped else "retex-system")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "retex-operator"), "--liveness", ""],
+            [str(Path(sys.executable).parent / "retex-operator"), "--health", f"http://127.0.0.1:{self.health_port}"],
             env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -180,6 +183,14 @@ class OperatorProcess:
     @property
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def probe(self, path: str) -> tuple[int, str]:
+        """(status, body) of the health endpoint's `path` (/readyz, /livez)."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}{path}", timeout=10) as answer:
+                return answer.status, answer.read().decode()
+        except urllib.error.HTTPError as refused:
+            return refused.code, refused.read().decode()
 
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc else None

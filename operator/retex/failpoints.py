@@ -7,6 +7,8 @@
     after-admit@crash            only while handling the task named (or with the uid) `crash`
     after-effect:notify=stop     SIGSTOP instead of SIGKILL: a zombie, alive but frozen, until
                                  someone sends SIGCONT (crash-matrix R11)
+    in-loop-round:relay=hang     the calling thread alone blocks for ever (the process lives on):
+                                 a wedged operator loop, for the liveness probe
 
 The task scope matters where one process serves many tasks (the operator): without it, any task
 passing the point trips it — including one resumed by kopf after a restart. A call site that
@@ -25,18 +27,20 @@ import os
 import re
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 
 POINTS = frozenset({
     # operator
     "before-admit", "after-admit", "after-job-create", "in-status-mirror",
+    "in-loop-round",  # step: the loop's name (relay, promoter, reaper, status-mirror)
     # worker
     "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",
     # ledger, on a worker's behalf: it runs in the operator's ledger endpoint. in-commit: inside
     # the commit transaction; after-begin-commit: a begin committed, its reply not yet sent
     "in-commit", "after-begin-commit",
 })
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+ACTIONS = {"kill": "SIGKILL", "stop": "SIGSTOP", "hang": "hang"}
 _SPEC = re.compile(r"(?P<point>[a-z-]+)(?::(?P<step>[a-z0-9-]+))?(?:@(?P<task>[A-Za-z0-9.-]+))?(?:=(?P<action>[a-z]+))?")
 
 
@@ -74,13 +78,13 @@ def parse(spec: str) -> Armed | None:
                                  f"known: {', '.join(sorted(POINTS))}")
     action = match["action"] or "kill"
     if action not in ACTIONS:
-        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: unknown action {action!r}; known: kill, stop")
+        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: unknown action {action!r}; known: {', '.join(ACTIONS)}")
     return Armed(point=match["point"], step=match["step"], task=match["task"], action=action)
 
 
 def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | None) -> str:
     return (f"retex failpoint {armed.label} fired: task={task or '-'} uid={uid or '-'} step={step or '-'}: "
-            f"{ACTIONS[armed.action].name}")
+            f"{ACTIONS[armed.action]}")
 
 
 _ARMED = parse(os.environ.get("RETEX_FAILPOINT", ""))
@@ -91,4 +95,6 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
     if _ARMED is None or not _ARMED.matches(point, step, task, uid):
         return
     print(fired_line(_ARMED, step=step, task=task, uid=uid), file=sys.stderr, flush=True)
-    os.kill(os.getpid(), ACTIONS[_ARMED.action])
+    if _ARMED.action == "hang":
+        threading.Event().wait()
+    os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))

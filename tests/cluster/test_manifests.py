@@ -90,7 +90,7 @@ def test_operator_pod_meets_the_restricted_pod_security_standard(rig, namespaces
         assert "Warning" not in dry_run(rig, [pod])
 
 
-def test_operator_deployment_is_hardened_and_probed_on_its_health_endpoint(rig):
+def test_operator_deployment_is_hardened_and_probed_for_liveness_and_readiness_apart(rig):
     deployment = next(o for o in kustomize(rig, "base") if o["kind"] == "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -101,7 +101,7 @@ def test_operator_deployment_is_hardened_and_probed_on_its_health_endpoint(rig):
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                              "capabilities": {"drop": ["ALL"]}}
     assert env["RETEX_DATABASE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "dsn"
-    assert env["RETEX_LIVENESS"]["value"] == "http://0.0.0.0:8080/healthz"
+    assert env["RETEX_HEALTH"]["value"] == "http://0.0.0.0:8080"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["ledger"] == 8081 and env["RETEX_LEDGER_URL"]["value"] == "https://retex-ledger.retex-system.svc:8081"
     # The endpoint's certificate: the Secret retex-ledger-tls, readable by the operator's group only.
@@ -110,8 +110,10 @@ def test_operator_deployment_is_hardened_and_probed_on_its_health_endpoint(rig):
     assert secret == {"secretName": "retex-ledger-tls", "defaultMode": 0o440} and pod["securityContext"]["fsGroup"] == 65532
     assert {env[name]["value"].rpartition("/")[0] for name in
             ("RETEX_LEDGER_TLS_CERT_FILE", "RETEX_LEDGER_TLS_KEY_FILE", "RETEX_LEDGER_CA_FILE")} == {mounts["ledger-tls"]}
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"]["path"] == "/healthz"
+    # Readiness alone asks Postgres: an outage takes a replica out of the Service, never restarts it.
+    paths = {"startupProbe": "/livez", "livenessProbe": "/livez", "readinessProbe": "/readyz"}
+    for probe, path in paths.items():
+        assert container[probe]["httpGet"]["path"] == path
         assert ports[container[probe]["httpGet"]["port"]] == 8080
     assert container["resources"]["requests"] and container["resources"]["limits"]
 

@@ -175,6 +175,8 @@ def test_two_replicas_elect_one_leader_and_only_it_writes(pair, stubs):
     assert pair.holder() == leader, "the leader changed although nothing failed"
     assert all(rounds(pair.operators[leader])[loop] > 0 for loop in WRITER_LOOPS)
     assert rounds(pair.operators[standby]) == dict.fromkeys(WRITER_LOOPS, 0.0), "the standby ran a writer loop"
+    # Both are ready, so the Service sends workers' calls to either: a standby's idle loops are by design.
+    assert [pair.operators[name].probe("/readyz") for name in (leader, standby)] == [(200, "ok\n")] * 2
 
 
 @pytest.mark.slow

@@ -13,9 +13,10 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "
 class FakeLedger:
     """Only the figures, so the collector can render every family it exports."""
 
-    def figures(self, buckets):
-        empty = Histogram(count=0, total=0.0, cumulative=[0] * len(buckets))
-        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, attempts_by_cause={}, outbox_lag_seconds=0.0,
+    def figures(self):
+        empty = Histogram(count=0, total=0.0, cumulative=[0] * len(BUCKETS))
+        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, outbox_lag_seconds=0.0, submitted=0,
+                             finished_by_phase={}, dead_lettered_ever=0, attempts_by_cause={},
                              step_seconds=empty, task_seconds=empty, first_step_seconds=empty)
 
 

@@ -105,4 +105,19 @@ def test_every_call_site_names_a_known_point_and_every_point_has_a_call_site():
 
 def test_every_call_site_passes_its_task_so_a_scoped_point_can_fire_there():
     for path, node in _call_sites():
+        if node.args[0].value == "in-loop-round":  # a loop's round, for every task at once: scoped by loop
+            assert not node.keywords, f"{path.name}:{node.lineno}"
+            continue
         assert {k.arg for k in node.keywords} == {"task", "uid"}, f"{path.name}:{node.lineno}"
+
+
+def test_a_hang_blocks_only_the_calling_thread_and_the_process_lives_on():
+    code = ("import threading\n"
+            "t = threading.Thread(target=failpoint, args=('in-loop-round', 'relay'), daemon=True)\n"
+            "t.start(); t.join(2)\n"
+            "assert t.is_alive(), 'the thread did not hang'\n"
+            "failpoint('in-loop-round', 'reaper')  # another loop passes unharmed")
+    done = _run_with("in-loop-round:relay=hang", code)
+    assert done.returncode == 0, done.stderr
+    assert "retex failpoint in-loop-round:relay fired: task=- uid=- step=relay: hang" in done.stderr
+    assert "survived" in done.stdout

@@ -3,6 +3,7 @@ even in a long pause, and a round that raises (the ledger away, the API server r
 counted and retried rather than ending the loop."""
 
 import threading
+import time
 
 import pytest
 
@@ -120,3 +121,62 @@ def test_a_leader_past_its_deadline_starts_no_further_round(running, monkeypatch
     ran = loop.ran
     loop.wake.set()
     assert not loop.wait_for_rounds(ran + 1, timeout=0.3), "a round ran after leadership was lost"
+
+
+class Blocking(Loop):
+    """A round that holds until released: what the probes see of a round under way."""
+
+    name = "blocking-loop"
+
+    def __init__(self, outcome: Exception | None = None):
+        super().__init__()
+        self.entered, self.release, self._outcome = threading.Event(), threading.Event(), outcome
+
+    def round(self) -> float:
+        self.entered.set()
+        self.release.wait(10)
+        if self._outcome is not None:
+            raise self._outcome
+        return LONG
+
+
+def test_a_round_under_way_shows_its_start_and_a_completed_one_moves_the_last_pass(running):
+    loop = Blocking()
+    passed_before = loop.last_pass_at
+    running(loop)
+    assert loop.entered.wait(5)
+    assert loop.round_started_at is not None  # what the liveness probe times
+    assert loop.last_pass_at == passed_before
+    loop.release.set()
+    assert wait_until(lambda: loop.round_started_at is None)
+    assert loop.last_pass_at > passed_before  # what the readiness probe times
+
+
+def test_a_failed_round_is_not_a_pass(running, monkeypatch):
+    monkeypatch.setattr(loop_module, "RETRY_AFTER_FAILURE_SECONDS", LONG)
+    loop = Blocking(LedgerUnavailable("postgres down"))
+    passed_before = loop.last_pass_at
+    running(loop)
+    assert loop.entered.wait(5)
+    loop.release.set()
+    assert wait_until(lambda: loop.round_started_at is None)
+    assert loop.last_pass_at == passed_before
+
+
+def test_a_standby_passes_without_a_round(running, monkeypatch):
+    monkeypatch.setattr(loop_module, "FOLLOWER_RECHECK_SECONDS", 0.01)
+    loop = Rounds(LONG)
+    loop.may_write = lambda: False
+    passed_before = loop.last_pass_at
+    running(loop)
+    assert wait_until(lambda: loop.last_pass_at > passed_before), "an idle standby's loop looks stale"
+    assert loop.ran == 0 and loop.round_started_at is None
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -20,6 +20,7 @@ from retex.ledger.records import (
     Dispatch,
     Histogram,
     HistoryEntry,
+    DURATION_BUCKETS,
     LedgerFigures,
     Refusal,
     StepRecord,
@@ -32,7 +33,7 @@ from retex.ledger.store import NOTIFY_CHANNEL, Ledger, spec_hash, step_idempoten
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
-    "FenceRejected", "Histogram", "HistoryEntry", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "Refusal", "ResultTooLarge",
+    "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "Refusal", "ResultTooLarge",
     "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
     "WatchedAttempt",
     "spec_hash", "step_idempotency_key",

@@ -172,12 +172,26 @@ class Histogram:
     cumulative: list[int]  # observations <= each bucket bound, in the bounds' order
 
 
+# Upper bounds of the duration histograms, 10 ms to 6 h: P50/P95/P99 of a step or a task stay
+# meaningful from quick calls to long pipelines. The ledger keeps what a purge took per bound.
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200,
+                    21600)
+
+
 @dataclass(frozen=True)
 class LedgerFigures:
+    """What the operator exports. `tasks_by_phase`, `dead_lettered` and `outbox_lag_seconds` are
+    the state now; the rest are counts since the ledger began, derived from append-only rows
+    (history, attempts) plus what history-retention purges took (retex.purged_tallies), so they
+    never decrease: a requeue or a retry adds to them, a purge takes nothing away."""
+
     tasks_by_phase: dict[str, int]
-    dead_lettered: int
-    attempts_by_cause: dict[str, int]
+    dead_lettered: int  # tasks dead-lettered now (a requeue clears it)
     outbox_lag_seconds: float  # age of the oldest unsent dispatch record
+    submitted: int  # tasks admitted
+    finished_by_phase: dict[str, int]  # times a task reached Succeeded / Failed / Cancelled
+    dead_lettered_ever: int  # times a task was dead-lettered
+    attempts_by_cause: dict[str, int]
     step_seconds: Histogram  # begin → commit or failure, per step run that ended
-    task_seconds: Histogram  # submission → terminal
+    task_seconds: Histogram  # submission → terminal, each time a task reached one
     first_step_seconds: Histogram  # submission → first step began

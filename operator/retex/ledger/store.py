@@ -36,6 +36,7 @@ from retex.ledger.errors import (
 from retex.failpoints import failpoint
 from retex.ledger.migrate import migrate
 from retex.ledger.records import (
+    DURATION_BUCKETS,
     RESULT_LIMIT_BYTES,
     Histogram,
     LedgerFigures,
@@ -117,6 +118,13 @@ class Ledger:
     def close(self) -> None:
         self._pool.close()
 
+    def ping(self, *, timeout: int) -> None:
+        """One `SELECT 1` on a connection of its own, within about `timeout` seconds, never retried
+        (the readiness probe asks: an outage is its answer, not something to wait out). Not from
+        the pool: a pool busy with workers' calls is not Postgres being away. Raises what stopped it."""
+        with psycopg.connect(self._dsn, connect_timeout=timeout) as conn:
+            conn.execute("SELECT 1")
+
     def __enter__(self) -> Ledger:
         return self.open()
 
@@ -192,6 +200,8 @@ class Ledger:
         """Move the task by `event` (checked by the state machine), set `columns`, bump the version."""
         new_phase = task_transition(task["phase"], event)
         columns["phase"] = str(new_phase)
+        if columns.get("dead_lettered"):  # in history, so the dead-letter counter survives a requeue
+            detail = {**(detail or {}), "deadLettered": True}
         if new_phase in TERMINAL_PHASES:
             columns.setdefault("finished_at", _NOW)
         assignments, values = _set_clause(columns)
@@ -934,53 +944,70 @@ class Ledger:
     def purge_finished(self, *, older_than_seconds: float) -> int:
         """Delete tasks (with their steps, attempts and history) that ended that long ago: the
         history-retention setting. Each leaves a tombstone (uid, name, final phase, idempotencyKey)
-        that is kept forever. Returns how many went."""
+        that is kept forever, and what its rows counted is added to retex.purged_tallies (so the
+        exported counters do not go down). Returns how many went."""
 
         def op(cur: psycopg.Cursor) -> int:
+            # Locked, so a requeue cannot move one of them between its count and its delete.
+            uids = [row["uid"] for row in cur.execute(
+                """SELECT uid FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
+                   AND finished_at < now() - make_interval(secs => %s) FOR UPDATE""",
+                (older_than_seconds,),
+            )]
+            if not uids:
+                return 0
+            for (metric, label), value in _tallies(cur, uids).items():
+                cur.execute(
+                    """INSERT INTO retex.purged_tallies (metric, label, value) VALUES (%s, %s, %s)
+                       ON CONFLICT (metric, label) DO UPDATE SET value = retex.purged_tallies.value + EXCLUDED.value""",
+                    (metric, label, value),
+                )
             # The Task object may outlive its row; the tombstone keeps `admit` from running it again,
             # and keeps its idempotencyKey taken.
             return cur.execute(
                 """WITH gone AS (
-                       DELETE FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
-                       AND finished_at < now() - make_interval(secs => %s)
+                       DELETE FROM retex.tasks WHERE uid = ANY(%s)
                        RETURNING uid, namespace, name, phase, idempotency_key)
                    INSERT INTO retex.tombstones (uid, namespace, name, phase, idempotency_key)
                    SELECT uid, namespace, name, phase, idempotency_key FROM gone ON CONFLICT DO NOTHING""",
-                (older_than_seconds,),
+                (uids,),
             ).rowcount
 
         return self._tx(op, op="purge_finished")
 
-    def figures(self, buckets: tuple[float, ...]) -> LedgerFigures:
+    def figures(self) -> LedgerFigures:
         """What the operator exports as metrics, computed from committed state (so worker-side
-        figures need no scraping of short-lived pods). `buckets` are histogram upper bounds."""
-
-        def histogram(cur: psycopg.Cursor, seconds_sql: str, table_sql: str) -> Histogram:
-            bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(buckets))
-            row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM "
-                              f"(SELECT extract(epoch FROM {seconds_sql}) AS s FROM {table_sql}) AS d").fetchone()
-            return Histogram(count=row["n"], total=float(row["total"]),
-                             cumulative=[int(row[f"le{i}"]) for i in range(len(buckets))])
+        figures need no scraping of short-lived pods). Counts come from append-only rows plus what
+        purges took (LedgerFigures says which figures are counts)."""
 
         def op(cur: psycopg.Cursor) -> LedgerFigures:
             phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
             dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
-            causes = {r["cause"]: r["n"] for r in cur.execute("SELECT cause, count(*) AS n FROM retex.attempts GROUP BY cause")}
             lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
                               "WHERE sent_at IS NULL").fetchone()["s"]
+            counts = _tallies(cur, None)
+            for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
+                key = (row["metric"], row["label"])
+                counts[key] = counts.get(key, 0.0) + row["value"]
+
+            def labelled(metric: str) -> dict[str, int]:
+                return {label: int(value) for (m, label), value in counts.items() if m == metric}
+
+            def histogram(metric: str) -> Histogram:
+                return Histogram(count=int(counts.get((metric, "count"), 0)), total=counts.get((metric, "sum"), 0.0),
+                                 cumulative=[int(counts.get((metric, f"le={float(b)}"), 0)) for b in DURATION_BUCKETS])
+
             return LedgerFigures(
                 tasks_by_phase=phases,
                 dead_lettered=dead,
-                attempts_by_cause=causes,
                 outbox_lag_seconds=float(lag or 0.0),
-                step_seconds=histogram(cur, "finished_at - started_at",
-                                       "retex.steps WHERE state IN ('done', 'failed') AND started_at IS NOT NULL"),
-                task_seconds=histogram(cur, "finished_at - created_at",
-                                       "retex.tasks WHERE finished_at IS NOT NULL"),
-                first_step_seconds=histogram(cur, "first - created_at",
-                                             "(SELECT t.created_at, min(s.started_at) AS first FROM retex.tasks t "
-                                             "JOIN retex.steps s ON s.task_uid = t.uid WHERE s.started_at IS NOT NULL "
-                                             "GROUP BY t.uid, t.created_at) AS firsts"),
+                submitted=int(counts.get(("submitted", ""), 0)),
+                finished_by_phase=labelled("finished"),
+                dead_lettered_ever=int(counts.get(("dead_lettered", ""), 0)),
+                attempts_by_cause=labelled("attempts"),
+                step_seconds=histogram("step_seconds"),
+                task_seconds=histogram("task_seconds"),
+                first_step_seconds=histogram("first_step_seconds"),
             )
 
         return self._tx(op, op="figures")
@@ -1045,6 +1072,57 @@ class Ledger:
 # costs that record a retry, never the records behind it.
 DISPATCH_RETRY_BASE_SECONDS = 1.0
 DISPATCH_RETRY_CAP_SECONDS = 60.0
+
+
+_ENDED_PHASES = "('Succeeded', 'Failed', 'Cancelled')"
+
+
+def _tallies(cur: psycopg.Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]:
+    """Counts from append-only rows (history, attempts) of the tasks `uids` (None: every task),
+    keyed (metric, label); a histogram as labels `count`, `sum` and `le=<bound>`. A requeue or a
+    retry only adds rows, so none of these goes down but by a purge (which keeps what it took)."""
+    params = {"uids": uids}
+
+    def of(column: str) -> str:
+        return "TRUE" if uids is None else f"{column} = ANY(%(uids)s)"
+
+    tallies: dict[tuple[str, str], float] = {}
+
+    def add(metric: str, label: str, value: float) -> None:
+        tallies[(metric, label)] = tallies.get((metric, label), 0.0) + float(value)
+
+    def histogram(metric: str, seconds_sql: str) -> None:
+        bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(DURATION_BUCKETS))
+        row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
+                          params).fetchone()
+        add(metric, "count", row["n"])
+        add(metric, "sum", row["total"])
+        for i, bound in enumerate(DURATION_BUCKETS):
+            add(metric, f"le={float(bound)}", row[f"le{i}"])
+
+    add("submitted", "", cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
+                                     f"{of('task_uid')}", params).fetchone()["n"])
+    ended = f"h.to_state IN {_ENDED_PHASES} AND h.event NOT LIKE 'step-%%' AND {of('h.task_uid')}"
+    for row in cur.execute(f"SELECT h.to_state, count(*) AS n, count(*) FILTER (WHERE h.detail->>'deadLettered' = "
+                           f"'true') AS dead FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):
+        add("finished", row["to_state"], row["n"])
+        add("dead_lettered", "", row["dead"])
+    add("dead_lettered", "", 0)
+    for row in cur.execute(f"SELECT cause, count(*) AS n FROM retex.attempts WHERE {of('task_uid')} GROUP BY cause",
+                           params):
+        add("attempts", row["cause"], row["n"])
+    histogram("task_seconds", f"SELECT extract(epoch FROM h.at - t.created_at) AS s FROM retex.history h "
+                              f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE {ended}")
+    # A step run: from its latest begin to the commit or failure that ended it.
+    histogram("step_seconds", f"""SELECT extract(epoch FROM e.at - b.at) AS s FROM retex.history e
+                                  CROSS JOIN LATERAL (SELECT at FROM retex.history b WHERE b.task_uid = e.task_uid
+                                      AND b.step_idx = e.step_idx AND b.event = 'step-begin' AND b.id < e.id
+                                      ORDER BY b.id DESC LIMIT 1) AS b
+                                  WHERE e.event IN ('step-commit', 'step-fail') AND {of('e.task_uid')}""")
+    histogram("first_step_seconds", f"SELECT extract(epoch FROM min(h.at) - t.created_at) AS s FROM retex.history h "
+                                    f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE h.event = 'step-begin' AND "
+                                    f"{of('h.task_uid')} GROUP BY t.uid, t.created_at")
+    return tallies
 
 
 class DispatchOutcomes:

@@ -50,6 +50,7 @@ class Relay(Loop):
                  defer_limit_seconds: float, failpoints_from_annotations: bool = False):
         super().__init__()
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
+        self.period = interval
         self._defer_limit = defer_limit_seconds
         self._failpoints = failpoints_from_annotations
 
@@ -183,6 +184,7 @@ class Promoter(Loop):
                  retention_seconds: float | None = None):
         super().__init__()
         self._ledger, self._relay, self._max_sleep = ledger, relay, max_sleep
+        self.period = max_sleep
         self._refill_seconds, self._next_refill = refill_seconds, 0.0
         self._retention_seconds = retention_seconds
         self._next_purge = 0.0

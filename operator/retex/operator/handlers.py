@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -46,6 +47,7 @@ from retex.machine import IllegalTransition
 from retex.operator.admission import (NAMESPACE_NOT_ONBOARDED, admission_for, annotations_refusal,
                                       not_onboarded_message)
 from retex.operator.dispatch import Promoter, Relay
+from retex.operator.health import LoopState, Verdict, liveness, readiness
 from retex.operator import ledger_endpoint
 from retex.operator.leadership import Leadership
 from retex.operator.metrics import serve as serve_metrics
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
 KOPF_PREFIX = "kopf.retex.dev"
 ENDPOINT_RETRY_SECONDS = 10.0  # below the worker's read timeout (retex.worker.ledger_client)
+POSTGRES_PROBE_SECONDS = 2  # the readiness probe's own timeout is 5 s (manifests/base)
 
 
 class Runtime:
@@ -68,6 +71,7 @@ class Runtime:
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
         self.worker_defaults = settings.worker
+        self._wedge_floor = settings.loop_wedge_floor_seconds
         self.kube = KubeCalls(api)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
@@ -126,8 +130,27 @@ class Runtime:
             thread.start()
         self._election_thread.start()
 
-    def healthy(self) -> bool:
-        return all(thread.is_alive() for thread in [*self._threads, self._election_thread])
+    def _dead_threads(self) -> list[str]:
+        return [thread.name for thread in [*self._threads, self._election_thread] if not thread.is_alive()]
+
+    def _loop_states(self) -> list[LoopState]:
+        return [LoopState(loop.name, loop.period, loop.round_started_at, loop.last_pass_at) for loop in self._writers]
+
+    def ready(self) -> Verdict:
+        """The readiness probe's answer (retex.operator.health)."""
+        try:
+            self.worker_ledger.ping(timeout=POSTGRES_PROBE_SECONDS)
+            postgres_error = None
+        except Exception as exc:
+            postgres_error = f"{type(exc).__name__}: {exc}"
+        return readiness(postgres_error=postgres_error, dead_threads=self._dead_threads(),
+                         endpoint_serving=self._endpoint_server.serving_thread.is_alive(),
+                         leading=self.leadership.leading(), loops=self._loop_states(), now=time.monotonic())
+
+    def live(self) -> Verdict:
+        """The liveness probe's answer: Postgres is not asked (retex.operator.health)."""
+        return liveness(dead_threads=self._dead_threads(), loops=self._loop_states(), now=time.monotonic(),
+                        wedge_floor=self._wedge_floor)
 
     def stop(self) -> None:
         for loop in self._loops:

@@ -174,6 +174,7 @@ class _ServingContext:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     serving: _ServingContext | None = None
+    serving_thread: threading.Thread  # set by serve()
 
     def get_request(self) -> tuple[socket.socket, Any]:
         conn, address = super().get_request()
@@ -274,12 +275,13 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve(endpoint: LedgerEndpoint, port: int, tls: LedgerTls | None, *,
-          max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> ThreadingHTTPServer:
+          max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> _Server:
     """Serve on `port`, over TLS unless `tls` is None (allowed only by RETEX_LEDGER_INSECURE)."""
     handler = type("LedgerHandler", (_Handler,), {"endpoint": endpoint,
                                                   "slots": threading.BoundedSemaphore(max_concurrent)})
     server = _Server(("0.0.0.0", port), handler)
     if tls is not None:
         server.serving = _ServingContext(tls)
-    threading.Thread(target=server.serve_forever, name="ledger-endpoint", daemon=True).start()
+    server.serving_thread = threading.Thread(target=server.serve_forever, name="ledger-endpoint", daemon=True)
+    server.serving_thread.start()  # the readiness probe watches it
     return server

@@ -1,14 +1,18 @@
 """What every background loop of the operator shares: a thread body that runs rounds, can be
 woken early and stopped, survives a failed round (counted, logged, retried a second later), and
 runs no round unless `may_write()` says so (the leader election's answer: a standby writes
-nothing, and a leader past its renew deadline starts no round)."""
+nothing, and a leader past its renew deadline starts no round). It keeps the times the health
+probes judge it by (retex.operator.health): when its current round started, and when it last
+passed (a round completed, or a standby's idle check)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
+from retex.failpoints import failpoint
 from retex.ledger import LedgerError
 from retex.operator.metrics import LOOP_ROUNDS, count_failure
 
@@ -20,11 +24,14 @@ FOLLOWER_RECHECK_SECONDS = 1.0  # a standby looks again this often (becoming lea
 
 class Loop:
     name = "loop"
+    period = 5.0  # the longest pause between two rounds (a subclass sets its own): the probes' yardstick
 
     def __init__(self) -> None:
         self.wake = threading.Event()  # set it to run the next round now rather than at its interval
         self._stop = threading.Event()
         self.may_write: Callable[[], bool] = lambda: True  # the Runtime sets the election's answer
+        self.round_started_at: float | None = None  # monotonic; None between rounds
+        self.last_pass_at = time.monotonic()  # a round completed, or a standby found it may not write
 
     def round(self) -> float:
         """One pass; returns how long to wait before the next (unless woken)."""
@@ -37,11 +44,15 @@ class Loop:
             if self.stopping:
                 return
             if not self.may_write():
+                self.last_pass_at = time.monotonic()
                 delay = FOLLOWER_RECHECK_SECONDS
                 continue
+            self.round_started_at = time.monotonic()
             try:
+                failpoint("in-loop-round", self.name)  # a test hangs a round here (=hang): the liveness probe
                 delay = self.round()
                 LOOP_ROUNDS.labels(self.name).inc()
+                self.last_pass_at = time.monotonic()
             except LedgerError as exc:
                 count_failure(self.name, exc)
                 log.warning("%s: ledger unavailable: %s", self.name, exc)
@@ -50,6 +61,8 @@ class Loop:
                 count_failure(self.name, exc)
                 log.exception("%s: round failed; retrying", self.name)
                 delay = RETRY_AFTER_FAILURE_SECONDS
+            finally:
+                self.round_started_at = None
 
     def stop(self) -> None:
         self._stop.set()

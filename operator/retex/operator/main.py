@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="retex operator")
-    parser.add_argument("--liveness", default=os.environ.get("RETEX_LIVENESS", "http://0.0.0.0:8080/healthz"),
-                        help="the health endpoint (probes); empty to serve none")
+    parser.add_argument("--health", default=os.environ.get("RETEX_HEALTH", "http://0.0.0.0:8080"),
+                        help="where to serve /readyz and /livez (the probes); empty to serve none")
     parser.add_argument("--namespace", action="append",
                         help="watch only these namespaces (repeatable; default: RETEX_NAMESPACES, "
                              "comma-separated, else all)")
@@ -42,7 +42,7 @@ def main() -> None:
     settings = OperatorSettings.from_env()
     runtime = Runtime(settings)
     runtime.start(settings.metrics_port, settings.ledger_port, settings.ledger_tls)
-    health = serve_health(args.liveness, runtime.healthy) if args.liveness else None
+    health = serve_health(args.health, ready=runtime.ready, live=runtime.live) if args.health else None
     try:
         asyncio.run(_operate(runtime, namespaces=args.namespace))
     finally:

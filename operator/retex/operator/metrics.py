@@ -2,8 +2,12 @@
 
 Task, attempt and duration figures come from the ledger at scrape time (cached briefly), so what
 workers did reaches Prometheus without scraping short-lived pods, and an operator restart loses
-no count. Process figures (errors, status-mirror lag) are counted here. No label carries a task
-name or UID: cardinality stays bounded.
+no count. Their counters and histograms are derived from append-only rows plus what purges took
+(retex.ledger.LedgerFigures), so none decreases across a requeue, a retry or a purge. Both
+replicas export the same ledger figures (aggregate them with max, not sum). Process figures
+(errors, rounds, leadership, status-mirror lag) are counted here, per replica. One family per
+name, counters named `_total`, durations in seconds (Prometheus' naming conventions). No label
+carries a task name or UID: cardinality stays bounded.
 """
 
 from __future__ import annotations
@@ -15,12 +19,10 @@ from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from retex.ledger import DURATION_BUCKETS as BUCKETS
 from retex.ledger import Histogram as LedgerHistogram
 from retex.ledger import Ledger, LedgerError, LedgerFigures
 from retex.machine import TaskPhase
-
-# 10 ms to 6 h: P50/P95/P99 of a step or a task stay meaningful from quick calls to long pipelines.
-BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600)
 
 REGISTRY = CollectorRegistry()
 LOOP_ERRORS = Counter("retex_reconcile_errors_total", "Failed rounds of an operator loop, by loop",
@@ -57,7 +59,7 @@ class LedgerCollector:
     def _figures(self) -> LedgerFigures:
         with self._lock:
             if self._cached is None or time.monotonic() - self._cached[0] > self._cache_seconds:
-                self._cached = (time.monotonic(), self._ledger.figures(BUCKETS))
+                self._cached = (time.monotonic(), self._ledger.figures())
             return self._cached[1]
 
     def collect(self):
@@ -66,16 +68,16 @@ class LedgerCollector:
         for phase in TaskPhase:
             phases.add_metric([str(phase)], figures.tasks_by_phase.get(str(phase), 0))
         yield phases
-        yield GaugeMetricFamily("retex_tasks_dead_lettered", "Tasks failed for good (budget spent)",
+        yield GaugeMetricFamily("retex_dead_lettered_tasks", "Tasks dead-lettered now (failed for good, not requeued)",
                                 value=figures.dead_lettered)
-        yield CounterMetricFamily("retex_tasks_submitted", "Tasks admitted into the ledger",
-                                  value=sum(figures.tasks_by_phase.values()))
-        finished = CounterMetricFamily("retex_tasks_finished", "Tasks that reached a terminal phase", labels=["outcome"])
+        yield CounterMetricFamily("retex_tasks_submitted", "Tasks admitted into the ledger", value=figures.submitted)
+        finished = CounterMetricFamily("retex_tasks_finished", "Times a task reached a terminal phase (again after a "
+                                       "requeue)", labels=["outcome"])
         for phase in (TaskPhase.SUCCEEDED, TaskPhase.FAILED, TaskPhase.CANCELLED):
-            finished.add_metric([str(phase).lower()], figures.tasks_by_phase.get(str(phase), 0))
+            finished.add_metric([str(phase).lower()], figures.finished_by_phase.get(str(phase), 0))
         yield finished
-        yield CounterMetricFamily("retex_tasks_dead_lettered", "Tasks that were dead-lettered",
-                                  value=figures.dead_lettered)
+        yield CounterMetricFamily("retex_tasks_dead_lettered", "Times a task was dead-lettered",
+                                  value=figures.dead_lettered_ever)
         attempts = CounterMetricFamily("retex_attempts_started", "Attempts started, by cause", labels=["cause"])
         for cause in ("first", "retry", "disruption", "lease-expired", "requeue"):
             attempts.add_metric([cause], figures.attempts_by_cause.get(cause, 0))

@@ -73,6 +73,7 @@ class Reaper(Loop):
         super().__init__()
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._interval, self._on_replaced = interval, on_replaced
+        self.period = interval
         self._start_deadline = start_deadline_seconds
         self._job_checked: dict[tuple[str, int], float] = {}
         self._slow: set[tuple[str, int]] = set()  # past the start deadline, only slow: logged once

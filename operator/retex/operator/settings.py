@@ -30,6 +30,9 @@ class OperatorSettings:
     dispatch_defer_limit_seconds: float = 600.0  # first transient dispatch error → the task fails
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
     ledger_port: int = 8081  # RETEX_LEDGER_PORT: the workers' ledger endpoint (RETEX_LEDGER_URL reaches it)
+    # The liveness probe's allowance for one round beyond 10 periods: above the ledger's retry
+    # window (120 s) plus API timeouts, so a Postgres outage never reads as a wedged loop.
+    loop_wedge_floor_seconds: float = 180.0
     ledger_tls: LedgerTls | None = None  # None: plain HTTP, only with RETEX_LEDGER_INSECURE=1
     # Leader election among replicas: RETEX_LEADER_{LEASE,RENEW_DEADLINE,RETRY}_SECONDS, on the
     # Lease retex-operator-leader in RETEX_OPERATOR_NAMESPACE (the Deployment's own namespace).
@@ -71,6 +74,7 @@ class OperatorSettings:
             history_retention_days=_number(env, "RETEX_HISTORY_RETENTION_DAYS", float),
             worker_start_deadline_seconds=_number(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
             dispatch_defer_limit_seconds=_number(env, "RETEX_DISPATCH_DEFER_LIMIT_SECONDS", float) or 600.0,
+            loop_wedge_floor_seconds=_number(env, "RETEX_LOOP_WEDGE_FLOOR_SECONDS", float) or 180.0,
             metrics_port=_metrics_port(env),
             leader_election=_election_timing(env),
             operator_namespace=env.get("RETEX_OPERATOR_NAMESPACE", "").strip() or "retex-system",

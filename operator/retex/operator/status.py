@@ -161,6 +161,7 @@ class StatusMirror(Loop):
 
     name = "status-mirror"
     COALESCE_SECONDS = 0.1  # NOTIFY bursts within this window become one write per task
+    period = COALESCE_SECONDS
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, resync_seconds: float):
         super().__init__()

@@ -1,0 +1,83 @@
+"""The operator's metrics as Prometheus reads them, rendered from a real ledger and parsed with
+prometheus_client's OpenMetrics parser (strict: a name exported as two families, e.g. a gauge and
+a counter, is an error): one type per family, counters named `_total`, no name twice, and no
+counter or histogram count going down across a requeue and a purge."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+from retex.operator.metrics import REGISTRY, LedgerCollector
+from tests.integration.ledger_helpers import admitted, run_all_steps
+
+
+def families(ledger) -> list:
+    """Every family the operator exports, ledger-derived and process-local, parsed as one page."""
+    registry = CollectorRegistry()
+    registry.register(LedgerCollector(ledger, cache_seconds=0))
+    page = generate_latest(REGISTRY).decode().removesuffix("# EOF\n") + generate_latest(registry).decode()
+    return list(text_string_to_metric_families(page))
+
+
+def counts(ledger) -> dict[tuple[str, tuple], float]:
+    """Every sample that must never go down: counters' `_total` and histograms' `_count`/`_sum`/`_bucket`."""
+    monotonic = {}
+    for family in families(ledger):
+        if family.type not in ("counter", "histogram"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_total", "_count", "_sum", "_bucket")):
+                monotonic[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return monotonic
+
+
+def test_every_family_has_one_type_and_counters_end_in_total(ledger):
+    parsed = families(ledger)  # the strict parser raises on a name exported twice
+    names = [family.name for family in parsed]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+    exported = {sample.name for family in parsed for sample in family.samples}
+    for family in parsed:
+        assert family.type in ("counter", "gauge", "histogram"), (family.name, family.type)
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples), family.name
+            assert f"{family.name}_total" in exported or not family.samples
+        else:
+            assert not family.name.endswith("_total"), f"{family.name} is a {family.type} named like a counter"
+    assert "retex_dead_lettered_tasks" in names and "retex_tasks_dead_lettered" in names
+
+
+def test_no_counter_decreases_across_a_requeue_and_a_purge(ledger):
+    dead = admitted(ledger, steps=("only",), max_attempts=1)
+    ledger.begin_step(dead, 1, 0, actor="worker")
+    ledger.fail_step(dead, 1, 0, "boom", retryable=True, actor="worker")  # budget spent: dead-lettered
+    done = admitted(ledger, steps=("only",))
+    run_all_steps(ledger, done, 1)
+    ledger.complete_task(done, 1, actor="worker")
+    before = counts(ledger)
+    assert before[("retex_tasks_dead_lettered_total", ())] == 1
+    assert before[("retex_tasks_finished_total", (("outcome", "failed"),))] == 1
+
+    ledger.requeue(dead, actor="cli:alice")  # Failed and dead-lettered no more
+    after_requeue = counts(ledger)
+    run_all_steps(ledger, dead, 2)
+    ledger.complete_task(dead, 2, actor="worker")
+    time.sleep(0.01)
+    assert ledger.purge_finished(older_than_seconds=0) == 2  # every row of both tasks goes
+    after_purge = counts(ledger)
+
+    for earlier, later, what in ((before, after_requeue, "requeue"), (after_requeue, after_purge, "purge")):
+        fell = {key: (earlier[key], later.get(key)) for key in earlier if later.get(key, 0) < earlier[key]}
+        assert not fell, f"counters went down across the {what}: {fell}"
+    assert after_purge[("retex_tasks_submitted_total", ())] == 2
+    assert after_purge[("retex_tasks_finished_total", (("outcome", "failed"),))] == 1
+    assert after_purge[("retex_tasks_finished_total", (("outcome", "succeeded"),))] == 2
+    assert after_purge[("retex_tasks_dead_lettered_total", ())] == 1
+    assert after_purge[("retex_attempts_started_total", (("cause", "requeue"),))] == 1
+    assert after_purge[("retex_step_duration_seconds_count", ())] == 3  # failed, then two commits
+    assert after_purge[("retex_task_duration_seconds_count", ())] == 3  # each time a task ended
+    gauges = {s.name: s.value for f in families(ledger) if f.type == "gauge" for s in f.samples}
+    assert gauges["retex_dead_lettered_tasks"] == 0  # the state now: requeued, then purged
