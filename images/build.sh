@@ -72,8 +72,10 @@ build_local_base() {
   debootstrap --variant=minbase --include=python3,python3-venv,python-is-python3,ca-certificates \
     "$BASE_RELEASE" "$root" "$mirror" | grep --line-buffered -E '^I: (Retriev|Extract|Install|Configur|Base)' \
     | awk '{ n++ } /Base system installed/ || n % 25 == 1 { print "  " $0; fflush() }'
-  # Nothing a container needs: apt's package lists and caches, docs, man pages.
-  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/usr/share/doc/* "$root"/usr/share/man/*
+  # Nothing a container needs: apt's package lists and caches, docs, man pages, translations
+  # (33 MB; the images log in English).
+  rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/usr/share/doc/* "$root"/usr/share/man/* \
+    "$root"/usr/share/locale/*
   log "docker import as $LOCAL_BASE"
   tar -C "$root" -c . | "$DOCKER" import \
     --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - "$LOCAL_BASE" >/dev/null
