@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
-        lint-docker images-lock dev down e2e-kind chaos mutants bench
+        lint-docker images images-lock dev down e2e-kind chaos mutants bench
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -38,16 +38,17 @@ rig-down:
 rig-status:
 	@$(PY) -m e2e.cluster status
 
-# Everything: unit, Postgres integration and cluster tests. Each pytest run starts its own
-# throwaway Postgres and local rig and tears them down. pytest exit 5 (nothing collected) fails.
-test: lint rig-binaries $(HADOLINT)
-	@echo "==> pytest (all tests, including those marked postgres and cluster)"
+# Everything: unit, Postgres integration, cluster and image tests. Each pytest run starts its own
+# throwaway Postgres and local rig and tears them down; the image tests need a Docker engine
+# (images/docker-engine.sh). pytest exit 5 (nothing collected) fails.
+test: lint rig-binaries images $(HADOLINT)
+	@echo "==> pytest (all tests, including those marked postgres, cluster and images)"
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# Pure-logic tests only, no servers: the quick loop while editing.
+# Pure-logic tests only, no servers and no containers: the quick loop while editing.
 test-fast: $(STAMP) $(HADOLINT)
-	@$(PY) -m pytest -m "not postgres and not cluster" $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -m "not postgres and not cluster and not images" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # --- shipping: images, dev environment, kind (docs/install.md, docs/dev.md) -----------------
@@ -58,6 +59,11 @@ $(HADOLINT): | $(STAMP)
 lint-docker: $(HADOLINT)
 	@echo "==> hadolint images/Dockerfile"
 	@$(HADOLINT) images/Dockerfile && echo "images/Dockerfile: no findings"
+
+# retex-operator:dev and retex-worker:dev (RETEX_IMAGE_TAG), on the official Python base or, where
+# no registry answers, on a local one made once from Debian packages (docs/install.md).
+images:
+	@bash images/build.sh
 
 # The images' dependency lock, resolved from pyproject.toml for CPython 3.11 with every file hash.
 images-lock:

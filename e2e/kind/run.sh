@@ -69,10 +69,7 @@ kind delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
 kind create cluster --name "$CLUSTER" --config e2e/kind/cluster.yaml --kubeconfig "$KUBECONFIG" --wait 180s
 
 say "[2/6] building images (images/Dockerfile) and loading them into the nodes"
-revision=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-for target in operator worker; do
-  docker build -f images/Dockerfile --target "$target" --build-arg "REVISION=$revision" -t "retex-$target:dev" .
-done
+RETEX_IMAGE_TAG=dev bash images/build.sh  # `make images`: BuildKit, the local base where no registry answers
 kind load docker-image retex-operator:dev retex-worker:dev --name "$CLUSTER"
 
 say "[3/6] applying manifests/overlays/dev and onboarding retex-examples (manifests/tenant)"

@@ -1,6 +1,6 @@
-"""The images (images/Dockerfile) cannot be built on machines without a container engine, so what
-can be checked without building is checked here: hadolint passes, the runtime user is the one the
-operator's Jobs run as, and the lock pins every runtime dependency of pyproject.toml."""
+"""What can be checked of the images (images/Dockerfile) without building them: hadolint passes,
+the runtime user is the one the operator's Jobs run as, and the lock pins every runtime dependency
+of pyproject.toml. tests/images/ runs the built images."""
 
 from __future__ import annotations
 
