@@ -177,6 +177,10 @@ def test_two_replicas_elect_one_leader_and_only_it_writes(pair, stubs):
     assert rounds(pair.operators[standby]) == dict.fromkeys(WRITER_LOOPS, 0.0), "the standby ran a writer loop"
     # Both are ready, so the Service sends workers' calls to either: a standby's idle loops are by design.
     assert [pair.operators[name].probe("/readyz") for name in (leader, standby)] == [(200, "ok\n")] * 2
+    # A dashboard tells the replicas apart: every Event names the one that reported it.
+    events = json.loads(pair.rig.kubectl("get", "events", "-n", pair.namespace, "-o", "json").stdout)["items"]
+    reported = {e.get("reportingInstance") for e in events if e["involvedObject"]["kind"] == "Task"}
+    assert reported == {leader}, reported
 
 
 @pytest.mark.slow

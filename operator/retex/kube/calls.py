@@ -91,8 +91,9 @@ def _status_of(exc: ApiException) -> dict[str, Any]:
 
 
 class KubeCalls:
-    def __init__(self, api: client.ApiClient):
+    def __init__(self, api: client.ApiClient, *, instance: str):
         self._api = api
+        self._instance = instance  # this replica (its pod's name): who reported an Event
         self._batch = client.BatchV1Api(api)
         self._coordination = client.CoordinationV1Api(api)
         self._core = client.CoreV1Api(api)
@@ -197,7 +198,7 @@ class KubeCalls:
                 "count": 1,
                 "source": {"component": "retex-operator"},
                 "reportingComponent": "retex.dev/operator",
-                "reportingInstance": "retex-operator",
+                "reportingInstance": self._instance,
             },
         )
 

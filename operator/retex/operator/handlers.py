@@ -72,7 +72,8 @@ class Runtime:
         api = api_client()
         self.worker_defaults = settings.worker
         self._wedge_floor = settings.loop_wedge_floor_seconds
-        self.kube = KubeCalls(api)
+        pod = os.environ.get("POD_NAME") or socket.gethostname()  # this replica
+        self.kube = KubeCalls(api, instance=pod)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
                            defer_limit_seconds=settings.dispatch_defer_limit_seconds,
@@ -90,7 +91,7 @@ class Runtime:
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
         # Unique per process (client-go's hostname + UUID): a restarted container is a new
         # candidate, never mistaken for the leader it replaces.
-        identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}_{uuid.uuid4().hex[:8]}"
+        identity = f"{pod}_{uuid.uuid4().hex[:8]}"
         timing = settings.leader_election
         self.leadership = Leadership(LeaderLease(api, settings.operator_namespace, request_timeout=timing.retry_period),
                                      identity, timing, on_started=self._lead)
