@@ -152,9 +152,11 @@ class OperatorProcess:
             **self.extra_env,
             **env,
         }
-        # The election Lease lives in the operator's namespace: a scoped operator's (its test's own
-        # namespace, so tests never share an election), else retex-system as deployed.
-        scoped = [ns for ns in environment.get("RETEX_NAMESPACES", "").split(",") if ns]
+        # The election Lease lives in the operator's namespace: the test's own namespace when the
+        # operator was made for one (so tests never share an election, and a restart unscoped
+        # still elects where its predecessor did), else retex-system as deployed.
+        scoped = [ns for ns in (self.extra_env.get("RETEX_NAMESPACES") or environment.get("RETEX_NAMESPACES", "")).split(",")
+                  if ns]
         environment.setdefault("RETEX_OPERATOR_NAMESPACE", scoped[0] if scoped else "retex-system")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

@@ -179,7 +179,9 @@ def test_a_dispatch_into_a_terminating_namespace_ends_the_task_as_deleted_not_fa
     # before the namespace controller marks its Tasks. Without the controller manager the namespace
     # stays in that state, so the dispatch meets it for sure.
     retex.operator.restart(RETEX_NAMESPACES="")  # see the test above
-    not_before = (datetime.now(UTC) + timedelta(seconds=6)).isoformat().replace("+00:00", "Z")
+    # Due well after the restarted operator leads (it first waits out its predecessor's election
+    # Lease) and admits it: due sooner, it ran at once and was never seen Scheduled (CI run 2).
+    not_before = (datetime.now(UTC) + timedelta(seconds=20)).isoformat().replace("+00:00", "Z")
     apply(retex, "late", [sh("only", "echo never")], notBefore=not_before)
     wait_for(lambda: phase_is(retex, "late", "Scheduled"), timeout=30, what="Scheduled")
     uid = task(retex, "late")["metadata"]["uid"]
