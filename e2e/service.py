@@ -19,15 +19,16 @@ class _Forward(socketserver.BaseRequestHandler):
         if upstream is None:
             return
         with upstream:
-            pipes = [threading.Thread(target=_pipe, args=(self.request, upstream), daemon=True),
-                     threading.Thread(target=_pipe, args=(upstream, self.request), daemon=True)]
+            pipes = [threading.Thread(target=pipe, args=(self.request, upstream), daemon=True),
+                     threading.Thread(target=pipe, args=(upstream, self.request), daemon=True)]
             for pipe in pipes:
                 pipe.start()
             for pipe in pipes:
                 pipe.join()
 
 
-def _pipe(source: socket.socket, sink: socket.socket) -> None:
+def pipe(source: socket.socket, sink: socket.socket) -> None:
+    """Copy bytes from `source` to `sink` until either end closes, then shut both down."""
     try:
         while data := source.recv(65536):
             sink.sendall(data)

@@ -27,6 +27,15 @@ def postgres() -> PostgresServer:
     server.destroy()
 
 
+@pytest.fixture
+def own_postgres() -> PostgresServer:
+    """A Postgres of this test's own, so stopping or restarting it disturbs no other test."""
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.destroy()
+
+
 _databases = itertools.count()
 
 

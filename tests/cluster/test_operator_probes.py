@@ -14,18 +14,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from e2e.postgres import PostgresServer
 from e2e.system import OperatorProcess, install_crd, prepare_namespace, wait_for
 
 _numbers = itertools.count()
-
-
-@pytest.fixture
-def own_postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.destroy()
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from kubernetes.client import BatchV1Api, CoreV1Api
 from e2e.rig.waits import job_pods, wait_job_finished
 from e2e.attempt_identity import LocalLedgerEndpoint, pending_attempt_pods, pod_token
 from e2e.system import prepare_namespace
+from e2e.service import pipe
 from retex.api.models import TaskSpec
 from retex.kube.leases import LeaseTiming, read_lease, released_by
 from retex.kube.objects import WorkerDefaults, build_job, build_lease, job_name, lease_name
@@ -473,21 +474,7 @@ class CuttableProxy:
             with self._lock:
                 self._open += [downstream, upstream]
             for source, sink in ((downstream, upstream), (upstream, downstream)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for end in (source, sink):
-                try:
-                    end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                threading.Thread(target=pipe, args=(source, sink), daemon=True).start()
 
     def cut_for(self, seconds: float) -> None:
         self._cut.set()

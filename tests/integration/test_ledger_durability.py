@@ -5,19 +5,9 @@ import time
 
 import pytest
 
-from e2e.postgres import PostgresServer
 from retex.ledger import Ledger, LedgerUnavailable
 from retex.machine import StepState, TaskPhase
 from tests.integration.ledger_helpers import admitted
-
-
-@pytest.fixture
-def own_postgres():
-    """A Postgres of this test's own, so restarting it disturbs no other test."""
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.destroy()
 
 
 @pytest.mark.parametrize("outage", ["restart", "crash"])
