@@ -23,7 +23,7 @@ import psycopg
 import pytest
 import yaml
 
-from e2e.system import PodEnd, job_pod_ends, request_requeue, task_manifest, wait_for
+from e2e.system import POLICY_NOT_CONFIGURED, PodEnd, job_pod_ends, request_requeue, task_manifest, wait_for
 from retex.kube.objects import job_name
 from tests.cluster.test_operator import status, task
 
@@ -98,7 +98,16 @@ def submit(system, name, steps, failpoint=None, **spec) -> Submitted:
     if failpoint:
         manifest["metadata"]["annotations"] = {"retex.dev/failpoint": failpoint}
     at = time.monotonic()
-    system.kubectl("create", "-f", "-", input=json.dumps(manifest))
+
+    def created():
+        # Right after an API-server restart (the chaos nemesis) the TaskPolicy admission has not
+        # found its kind yet and refuses every Task ("failed to configure policy", failurePolicy
+        # Fail): a client tries again, as a user re-running kubectl would. Any other refusal fails.
+        done = system.kubectl("create", "-f", "-", input=json.dumps(manifest), check=False)
+        if done.returncode != 0 and POLICY_NOT_CONFIGURED not in done.stderr:
+            raise AssertionError(f"kubectl create {name}: {done.stderr}")
+        return done.returncode == 0
+    wait_for(created, timeout=30, what=f"{name} created")
     uid = wait_for(lambda: (task(system, name) or {}).get("metadata", {}).get("uid"), timeout=10, what="uid")
     return Submitted(name, uid, at)
 
