@@ -21,10 +21,10 @@ class _Forward(socketserver.BaseRequestHandler):
         with upstream:
             pipes = [threading.Thread(target=pipe, args=(self.request, upstream), daemon=True),
                      threading.Thread(target=pipe, args=(upstream, self.request), daemon=True)]
-            for pipe in pipes:
-                pipe.start()
-            for pipe in pipes:
-                pipe.join()
+            for copier in pipes:
+                copier.start()
+            for copier in pipes:
+                copier.join()
 
 
 def pipe(source: socket.socket, sink: socket.socket) -> None:
