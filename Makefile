@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	@echo "==> layering check (import-linter)"
 	@$(VENV)/bin/lint-imports --no-cache
+	@echo "==> ruff (pyflakes, pycodestyle, bugbear, import order; pyproject.toml [tool.ruff])"
+	@$(VENV)/bin/ruff check --no-cache operator e2e tests examples
 
 # The Task CRD is generated from the pydantic models; a unit test fails when the committed file is stale.
 crds: $(STAMP)

@@ -158,7 +158,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True}
                  for i in range(sizes.checkpoint_steps)]
         uids = [system.create_task(f"checkpoint-{parallel}-{i}", steps) for i in range(parallel)]
-        wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),
+        wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),  # noqa: B023 (called in the loop)
                  timeout=60 + 2 * sizes.checkpoint_steps * parallel)
         begins, commits = [], []
         for uid in uids:

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml

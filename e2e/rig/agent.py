@@ -50,7 +50,7 @@ log = logging.getLogger("agent")
 
 
 def now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def rfc3339(t: datetime.datetime) -> str:

@@ -241,7 +241,7 @@ class Rig:
 
     def _start_control_plane(self, bins: dict[str, Path]) -> None:
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
-        self.ports = dict(zip(names, _free_ports(len(names))))
+        self.ports = dict(zip(names, _free_ports(len(names)), strict=True))
         self._save()
         self._write_kubeconfigs()
         self._start_etcd(bins)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.rig.controlplane import (Rig, RigError, create_namespace, run_kubectl, say,
-                                  sweep_orphans)
+from e2e.rig.controlplane import Rig, RigError, create_namespace, run_kubectl, say, sweep_orphans
 
 
 class RigUnavailable(RigError):

@@ -147,7 +147,8 @@ def test_a_refused_task_gets_one_warning_event_per_generation_across_operator_re
     for restart in range(2):
         seen = admissions_in_log()
         retex.operator.restart()
-        wait_for(lambda: admissions_in_log() > seen, timeout=60, what=f"resumed after restart {restart + 1}")
+        wait_for(lambda: admissions_in_log() > seen, timeout=60,  # noqa: B023 (called in the loop)
+                 what=f"resumed after restart {restart + 1}")
     events = json.loads(retex.kubectl("get", "events", "--field-selector",
                                       "involvedObject.name=oversized,reason=InvalidSpec", "-o", "json").stdout)
     assert sum(e.get("count", 1) for e in events["items"]) == 1, [e["message"][:80] for e in events["items"]]

@@ -9,9 +9,10 @@ import json
 import re
 import time
 import uuid
-from datetime import datetime, timedelta, timezone
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import kubernetes.client
 import pytest
@@ -27,9 +28,9 @@ from retex.api import (
     TaskSpec,
     TaskStatus,
     crd,
+    models,
     set_condition,
 )
-from retex.api import models
 from retex.machine import StepState, TaskPhase
 from tests.unit.test_api_models import docs_task_examples
 from tests.unit.test_api_refusals import REFUSALS, spec_with, step
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CRD_FILE = ROOT / "crds" / "tasks.retex.dev.yaml"
 # Unique per session: on an external cluster (RETEX_KUBECONFIG) an earlier run's namespace may linger.
 NAMESPACE = f"retex-task-api-{uuid.uuid4().hex[:8]}"
-T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=UTC)
 
 
 def as_json(value: Any) -> str:
@@ -207,7 +208,7 @@ backoffs = st.floats(0.1, 3600).flatmap(
         {"initialSeconds": st.just(initial), "maxSeconds": st.floats(initial, 86400), "factor": st.floats(1, 10)}
     )
 )
-times = st.datetimes(datetime(2000, 1, 1), datetime(2100, 1, 1), timezones=st.just(timezone.utc))
+times = st.datetimes(datetime(2000, 1, 1), datetime(2100, 1, 1), timezones=st.just(UTC))
 specs = st.fixed_dictionaries(
     {"steps": st.lists(steps, min_size=1, max_size=4, unique_by=lambda s: s["name"])},
     optional={

@@ -15,7 +15,15 @@ import pytest
 
 from e2e.dev import service_account_kubeconfig
 from e2e.rig.controlplane import run_kubectl
-from e2e.system import ANY_TASK_POLICY, OperatorProcess, apply_task_policy, install_crd, prepare_namespace, task_manifest, wait_for
+from e2e.system import (
+    ANY_TASK_POLICY,
+    OperatorProcess,
+    apply_task_policy,
+    install_crd,
+    prepare_namespace,
+    task_manifest,
+    wait_for,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_OVERLAY = ROOT / "manifests" / "overlays" / "local"

@@ -30,13 +30,13 @@ import yaml
 from kubernetes import client
 from kubernetes.client import BatchV1Api, CoreV1Api
 
-from e2e.rig.waits import job_pods, wait_job_finished
 from e2e.attempt_identity import LocalLedgerEndpoint, pending_attempt_pods, pod_token
-from e2e.system import prepare_namespace
+from e2e.rig.waits import job_pods, wait_job_finished
 from e2e.service import pipe
+from e2e.system import prepare_namespace
 from retex.api.models import TaskSpec
 from retex.kube.leases import LeaseTiming, read_lease, released_by
-from retex.kube.objects import WorkerDefaults, build_job, build_lease, job_name, lease_name
+from retex.kube.objects import WorkerDefaults, build_job, build_lease, lease_name
 from retex.ledger import Ledger, TaskAdmission, spec_hash
 from retex.machine import Backoff, StepState, TaskPhase
 

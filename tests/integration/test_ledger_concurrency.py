@@ -41,7 +41,7 @@ def test_a_stale_commit_racing_a_new_attempt_lands_before_it_or_not_at_all(ledge
         ledger.begin_step(uid, 1, 0, actor="worker")
         start = threading.Barrier(2)
 
-        def commit():
+        def commit(uid: str, start: threading.Barrier) -> str:
             start.wait()
             try:
                 ledger.commit_step(uid, 1, 0, "charged", actor="worker")
@@ -49,12 +49,12 @@ def test_a_stale_commit_racing_a_new_attempt_lands_before_it_or_not_at_all(ledge
             except FenceRejected:
                 return "fenced"
 
-        def replace():
+        def replace(uid: str, start: threading.Barrier) -> None:
             start.wait()
             ledger.replace_attempt(uid, 1, cause="lease-expired")
 
         with ThreadPoolExecutor(2) as pool:
-            committed, _ = pool.submit(commit), pool.submit(replace)
+            committed, _ = pool.submit(commit, uid, start), pool.submit(replace, uid, start)
             outcomes[committed.result()] += 1
         events = [(h.event, h.epoch) for h in ledger.history(uid)]
         replaced_at = events.index(("replace-attempt", 2))

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from retex.api import Condition, ConditionType, find_condition, set_condition
 
-T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=UTC)
 T1 = T0 + timedelta(minutes=5)
 
 

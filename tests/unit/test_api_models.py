@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,12 @@ from retex.api import (
     Task,
     TaskSpec,
     TaskStatus,
+    models,
 )
-from retex.api import models
 from retex.api.models import ERROR_MAX_CHARS, STEP_RESULT_MAX_CHARS
 from retex.machine import StepState, TaskPhase
 
-T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 12, 2, 9, 0, 0, tzinfo=UTC)
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 

@@ -6,8 +6,8 @@ import uuid
 import pytest
 
 from retex.api import TaskSpec
-from retex.ledger import spec_hash
 from retex.kube.objects import LABEL_EPOCH, LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, job_name, lease_name
+from retex.ledger import spec_hash
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DEFAULTS = WorkerDefaults(image="retex-worker:test", service_account="retex-worker",

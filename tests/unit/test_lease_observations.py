@@ -7,7 +7,6 @@ from kubernetes import client
 from retex.kube.leasewatch import LeaseObserver
 from retex.operator.reaper import Hold, hold_of
 
-
 R1, R2, R9 = "2026-12-02T16:00:01.000000Z", "2026-12-02T16:00:02.000000Z", "2026-12-02T16:00:09.000000Z"
 
 

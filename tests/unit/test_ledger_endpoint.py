@@ -12,16 +12,16 @@ import socket
 import threading
 import time
 from datetime import UTC, datetime
-from types import SimpleNamespace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
+from e2e.rig import pki as pkilib
 from retex.kube.identity import NotAWorker, WorkerIdentity
 from retex.kube.objects import job_name
 from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound
 from retex.ledger.wire import RequestRefused
-from e2e.rig import pki as pkilib
 from retex.operator.ledger_endpoint import LedgerEndpoint, LedgerTls, Refusal, parse_request, serve
 from retex.worker.ledger_client import LedgerClient
 
@@ -101,7 +101,7 @@ def test_a_request_for_another_task_or_epoch_is_refused_before_the_ledger_is_tou
 def test_a_pod_of_another_namespace_or_another_job_is_no_worker_and_is_not_told_whose_task_it_named():
     for forged in (worker(namespace="attacker"), worker(job="order-lookalike-2")):
         ep, ledger = endpoint(forged=forged)
-        refusal = refused(lambda: ep.call("begin_step", "forged", {"uid": UID, "epoch": 2, "idx": 0}))
+        refusal = refused(lambda: ep.call("begin_step", "forged", {"uid": UID, "epoch": 2, "idx": 0}))  # noqa: B023
         assert refusal.status == 403 and "is not a worker of task" in str(refusal)
         assert "shop" not in str(refusal).replace(forged.namespace, "") and "order/" not in str(refusal)
         assert not [c for c in ledger.calls if c[0] != "get"]

@@ -9,7 +9,7 @@ from retex.operator.starting import start_verdict
 def pod(*, waiting=None, scheduled=None, phase="Pending", init_waiting=None):
     status = {"phase": phase}
     if waiting:
-        status["containerStatuses"] = [{"name": "worker", "state": {"waiting": dict(zip(("reason", "message"), waiting))}}]
+        status["containerStatuses"] = [{"name": "worker", "state": {"waiting": dict(zip(("reason", "message"), waiting, strict=True))}}]
     if init_waiting:
         status["initContainerStatuses"] = [{"name": "init", "state": {"waiting": {"reason": init_waiting}}}]
     if scheduled:

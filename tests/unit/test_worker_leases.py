@@ -4,12 +4,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from retex.worker.lease import AttemptLease
-
 from retex.kube.leases import (
-    LeaseTiming,
     RELEASED_BY_ANNOTATION,
     Holder,
+    LeaseTiming,
     LeaseView,
     RenewalWatch,
     Verdict,
@@ -21,6 +19,7 @@ from retex.kube.leases import (
     released_by,
     renewed,
 )
+from retex.worker.lease import AttemptLease
 
 ME = Holder("task-a-2-xyz", 2)
 NOW = datetime(2026, 12, 2, 10, 0, 0, tzinfo=UTC)

@@ -5,8 +5,8 @@ import io
 import json
 import logging
 
-from retex.worker import logs
 from retex.logs import event
+from retex.worker import logs
 
 
 def capture(stream: io.StringIO) -> logs.TaskFields:

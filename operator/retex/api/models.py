@@ -374,8 +374,8 @@ class Step(Action):
     """A read-only check, run when the step's outcome is unknown (its worker died, or the run gave
     no answer). Found (exec exit 0, http 2xx, python returns a value): the effect happened; the step
     is committed with that result without running again. Not found (exec exit 44, given to it as
-    RETEX_NOT_FOUND_EXIT_CODE; http 404; python returns None): it did not; the step runs again. Anything else, after a few tries: the task
-    stops in NeedsAttention."""
+    RETEX_NOT_FOUND_EXIT_CODE; http 404; python returns None): it did not; the step runs again.
+    Anything else, after a few tries: the task stops in NeedsAttention."""
     idempotent: bool = False
     """True if running the step twice has the same effect as once. An interrupted step with no
     verify is re-run only if idempotent; otherwise the task stops in NeedsAttention for a human."""
@@ -739,7 +739,8 @@ class TaskStatus(StatusModel):
     steps: (
         Annotated[
             list[StepStatus],
-            Field(max_length=MAX_STEPS, json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}),
+            Field(max_length=MAX_STEPS,
+                  json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}),
         ]
         | None
     ) = None

@@ -75,6 +75,14 @@ def refusal(exc: ApiException) -> Refused | None:
     return Refused(message, exc.status)
 
 
+def _raise_refusal_or_reraise(exc: ApiException) -> None:
+    """Inside an `except` for `exc`: raise the `Refused` it means, or `exc` itself when transient."""
+    refused = refusal(exc)
+    if refused is not None:
+        raise refused from exc
+    raise exc
+
+
 def transient(exc: BaseException) -> bool:
     """Whether a call's exception may clear by itself: an API status that is not a refusal (429,
     5xx, a quota full for now) or a transport error (urllib3's, OSError). Anything else (a body the
@@ -127,7 +135,7 @@ class KubeCalls:
             self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All")
         except ApiException as exc:
             if exc.status != 409:
-                raise refusal(exc) or exc
+                _raise_refusal_or_reraise(exc)
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -234,7 +242,7 @@ def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Call
         create()
     except ApiException as exc:
         if exc.status != 409:
-            raise refusal(exc) or exc
+            _raise_refusal_or_reraise(exc)
         owners = {ref["uid"] for ref in body["metadata"].get("ownerReferences", ())}
         if not _owned_by(read(), owners):
             raise Refused(f'{body["kind"]} "{body["metadata"]["name"]}" already exists and is not owned by this '

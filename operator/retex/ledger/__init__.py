@@ -14,13 +14,13 @@ from retex.ledger.errors import (
     UnstorableValue,
 )
 from retex.ledger.records import (
+    DURATION_BUCKETS,
     RESULT_LIMIT_BYTES,
     AdmitResult,
     AttemptRecord,
     Dispatch,
     Histogram,
     HistoryEntry,
-    DURATION_BUCKETS,
     LedgerFigures,
     Refusal,
     StepRecord,
@@ -33,7 +33,8 @@ from retex.ledger.store import NOTIFY_CHANNEL, Ledger, spec_hash, step_idempoten
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
-    "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError", "LedgerUnavailable", "Refusal", "ResultTooLarge",
+    "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError",
+    "LedgerUnavailable", "Refusal", "ResultTooLarge",
     "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
     "WatchedAttempt",
     "spec_hash", "step_idempotency_key",

@@ -24,6 +24,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
+from retex.failpoints import failpoint
 from retex.ledger.errors import (
     CancelRequested,
     FenceRejected,
@@ -33,17 +34,16 @@ from retex.ledger.errors import (
     TaskNotFound,
     UnstorableValue,
 )
-from retex.failpoints import failpoint
 from retex.ledger.migrate import migrate
 from retex.ledger.records import (
     DURATION_BUCKETS,
     RESULT_LIMIT_BYTES,
-    Histogram,
-    LedgerFigures,
     AdmitResult,
     AttemptRecord,
     Dispatch,
+    Histogram,
     HistoryEntry,
+    LedgerFigures,
     Refusal,
     StepRecord,
     TaskAdmission,

@@ -167,7 +167,8 @@ class Relay(Loop):
                         active_deadline_seconds=_time_left(self._ledger, dispatch), avoid_node=previous_node,
                         failpoint=failpoint_armed)
         self._kube.create_job(job)
-        failpoint("after-job-create", task=dispatch.name, uid=dispatch.task_uid)  # crash-matrix R3: Job exists, outbox not yet marked sent
+        # crash-matrix R3: Job exists, outbox not yet marked sent
+        failpoint("after-job-create", task=dispatch.name, uid=dispatch.task_uid)
         event(log, logging.INFO, "attempt dispatched", uid=dispatch.task_uid, namespace=dispatch.namespace,
               name=dispatch.name, epoch=dispatch.epoch, job=job["metadata"]["name"])
         return job["metadata"]["name"]

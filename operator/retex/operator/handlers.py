@@ -37,18 +37,17 @@ from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls, NotPermitted, Refused
 from retex.kube.client import api_client
 from retex.kube.election import LeaderLease
-from retex.kube.identity import WorkerIdentities
 from retex.kube.humans import REQUESTED_BY_ANNOTATION, REQUEUE_ANNOTATION, RESOLVE_ANNOTATION
+from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, Refusal, TaskNotFound
 from retex.logs import event
 from retex.machine import IllegalTransition
-from retex.operator.admission import (NAMESPACE_NOT_ONBOARDED, admission_for, annotations_refusal,
-                                      not_onboarded_message)
+from retex.operator import ledger_endpoint
+from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, admission_for, annotations_refusal, not_onboarded_message
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness
-from retex.operator import ledger_endpoint
 from retex.operator.leadership import Leadership
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper

@@ -16,8 +16,9 @@ For the current attempt of a Running task:
 For an attempt the operator already ended (task timeout, deletion): settled once known dead, which
 frees its slot and key.
 
-Every verdict is confirmed with a GET of the Lease first, so a stalled watch or a paused operator cannot condemn live workers. The old Job is deleted
-with background propagation; a pod stuck Terminating on a lost node is not waited for.
+Every verdict is confirmed with a GET of the Lease first, so a stalled watch or a paused operator
+cannot condemn live workers. The old Job is deleted with background propagation; a pod stuck
+Terminating on a lost node is not waited for.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
 from retex.ledger import Ledger, LedgerError, WatchedAttempt
-from retex.machine import TaskPhase
 from retex.logs import event
+from retex.machine import TaskPhase
 from retex.operator.loop import Loop
 from retex.operator.metrics import count_failure
 from retex.operator.starting import start_verdict

@@ -33,10 +33,10 @@ from retex.ledger import (
     TaskRecord,
     UnstorableValue,
 )
+from retex.logs import event
 from retex.machine import StepState
 from retex.worker.calls import StepCall, Supervision
 from retex.worker.ledger_client import LedgerClient
-from retex.logs import event
 from retex.worker.logs import TaskFields
 from retex.worker.outcomes import (
     Abandoned,

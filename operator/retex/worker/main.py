@@ -12,12 +12,13 @@ import sys
 
 from pydantic import ValidationError
 
+from retex.api.models import TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.client import api_client
-from retex.api.models import TaskSpec
 from retex.kube.leases import Holder, LeaseTiming, single_attempt_client
 from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound, spec_hash
 from retex.ledger.wire import RequestRefused
+from retex.logs import event
 from retex.machine import TaskPhase
 from retex.worker import logs
 from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
@@ -25,9 +26,8 @@ from retex.worker.calls import Supervision
 from retex.worker.config import LEDGER_RETRY_SECONDS, ConfigError, WorkerConfig
 from retex.worker.drain import Drain
 from retex.worker.hardening import refuse_same_user_inspection
-from retex.worker.ledger_client import LedgerClient
 from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
-from retex.logs import event
+from retex.worker.ledger_client import LedgerClient
 
 log = logging.getLogger("retex.worker")
 CRASHED = 1
