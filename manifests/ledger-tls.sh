@@ -3,9 +3,8 @@
 #   manifests/ledger-tls.sh [NAMESPACE]        (default retex-system; kubectl's current context)
 # A CA of its own (kept only inside the Secret as ca.crt, its key thrown away) signs a certificate
 # for retex-ledger.NAMESPACE.svc. With cert-manager, issue a Certificate into the same Secret name
-# instead (docs/install.md). Running it again makes a new CA: restart the operator afterwards
-# (kubectl rollout restart -n NAMESPACE deployment/retex-operator), because the operator reads the
-# CA it hands to workers at start; workers started before fail over to a new attempt.
+# instead (docs/install.md). Running it again makes a new CA: Jobs created after the kubelet updates
+# the operator's files carry it; workers started before fail over to a new attempt.
 set -euo pipefail
 ns="${1:-retex-system}"
 work="$(mktemp -d)"

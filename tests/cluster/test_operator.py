@@ -4,9 +4,11 @@ release to a new attempt, operator restarts at random moments, very long Task na
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 
+from e2e.rig import pki as pkilib
 from e2e.system import prepare_namespace, task_manifest, wait_for
 
 
@@ -25,6 +27,11 @@ def apply(system, name, steps, **spec):
 
 def sh(name, script, **extra):
     return {"name": name, "exec": {"command": ["sh", "-c", script]}, **extra}
+
+
+def jobs_of(system, name) -> list[dict]:
+    uid = task(system, name)["metadata"]["uid"]
+    return json.loads(system.kubectl("get", "jobs", "-l", f"retex.dev/task-uid={uid}", "-o", "json").stdout)["items"]
 
 
 def phase_is(system, name, *phases):
@@ -131,3 +138,23 @@ def test_an_operator_scoped_by_retex_namespaces_never_admits_a_task_of_another_n
         assert not json.loads(retex.rig.kubectl("get", "jobs", "-n", other, "-o", "json").stdout)["items"]
     finally:
         retex.rig.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+def test_a_ledger_ca_rotated_while_the_operator_runs_reaches_the_jobs_dispatched_after_it(retex, tmp_path):
+    """A rotation that changes the CA (manifests/ledger-tls.sh run again) needs no operator restart:
+    a Job dispatched after it carries the new CA, and its worker verifies the new serving pair."""
+    apply(retex, "before", [sh("only", "echo before")])
+    wait_for(lambda: phase_is(retex, "before", "Succeeded"), timeout=90, what="before Succeeded")
+    served, rotated = retex.operator.ledger_tls, pkilib.ledger_serving(tmp_path / "rotated")
+    later = time.time() + 5  # a new mtime, whatever the clock's grain
+    for mounted, new in ((served.crt("ledger"), rotated.crt("ledger")), (served.key("ledger"), rotated.key("ledger")),
+                         (served.ca_crt, rotated.ca_crt)):  # the kubelet swaps a Secret's files at once
+        mounted.write_bytes(new.read_bytes())
+        os.utime(mounted, (later, later))
+    apply(retex, "after", [sh("only", "echo after")])
+    [job] = wait_for(lambda: jobs_of(retex, "after"), timeout=60, what="the Job of 'after'")
+    [worker] = job["spec"]["template"]["spec"]["containers"]
+    handed = {env["name"]: env.get("value") for env in worker["env"]}["RETEX_LEDGER_CA"]
+    assert handed == rotated.ca_crt.read_text(), "the Job carries the CA the operator started with"
+    wait_for(lambda: phase_is(retex, "after", "Succeeded", "Failed"), timeout=90, what="after ends")
+    assert phase_is(retex, "after", "Succeeded"), (status(retex, "after"), retex.operator.log_tail())

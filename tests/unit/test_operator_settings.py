@@ -3,9 +3,11 @@ with the variable's name) for a value that cannot work, before anything starts."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from retex.operator.settings import OperatorSettings
+from retex.operator.settings import LiveWorkerDefaults, OperatorSettings
 
 # Plain HTTP for the ledger endpoint, so each test below is about its own variable; the TLS tests
 # say so themselves.
@@ -160,3 +162,15 @@ def test_leader_election_timings_that_break_client_gos_rules_are_refused_before_
 def test_a_leader_election_value_that_is_not_a_positive_number_is_refused_by_name(name):
     assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"
     assert name in refusal(DSN | {name: "-1"})
+
+
+def test_the_ca_handed_to_workers_follows_the_file_and_an_unreadable_file_keeps_the_last_one(tls_files):
+    settings = OperatorSettings.from_env(SECURE_DSN | tls_files)
+    live = LiveWorkerDefaults(settings.worker, settings.ledger_tls)
+    ca_file = tls_files["RETEX_LEDGER_CA_FILE"]
+    with open(ca_file, "w") as rotated:
+        rotated.write("-----BEGIN rotated ca.crt-----\n")
+    assert live().ledger_ca == "-----BEGIN rotated ca.crt-----\n"
+    assert live().image == settings.worker.image  # only the CA is read again
+    os.remove(ca_file)  # mid-rotation
+    assert live().ledger_ca == "-----BEGIN rotated ca.crt-----\n"

@@ -105,7 +105,7 @@ class FakeKube:
 
 def relay(ledger, kube):
     defaults = WorkerDefaults(image="retex-worker:test", service_account="retex-worker", ledger_url="http://ledger")
-    return Relay(ledger, kube, defaults, interval=1.0, defer_limit_seconds=DEFER_LIMIT)
+    return Relay(ledger, kube, lambda: defaults, interval=1.0, defer_limit_seconds=DEFER_LIMIT)
 
 
 def settle(batch, kube, **ledger_options):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from retex.api import TaskSpec
@@ -46,7 +47,7 @@ class Relay(Loop):
 
     name = "relay"
 
-    def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: WorkerDefaults, *, interval: float,
+    def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: Callable[[], WorkerDefaults], *, interval: float,
                  defer_limit_seconds: float, failpoints_from_annotations: bool = False):
         super().__init__()
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
@@ -163,7 +164,7 @@ class Relay(Loop):
         if dispatch.epoch > 1:
             previous_node = next((a.node for a in self._ledger.attempts(dispatch.task_uid)
                                   if a.epoch == dispatch.epoch - 1), None)
-        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults,
+        job = build_job(**common, epoch=dispatch.epoch, spec=spec, defaults=self._defaults(),
                         active_deadline_seconds=_time_left(self._ledger, dispatch), avoid_node=previous_node,
                         failpoint=failpoint_armed)
         self._kube.create_job(job)

@@ -51,7 +51,7 @@ from retex.operator.health import LoopState, Verdict, liveness, readiness
 from retex.operator.leadership import Leadership
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
-from retex.operator.settings import OperatorSettings
+from retex.operator.settings import LiveWorkerDefaults, OperatorSettings
 from retex.operator.status import StatusMirror
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,12 @@ class Runtime:
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
-        self.worker_defaults = settings.worker
+        self.worker_defaults = LiveWorkerDefaults(settings.worker, settings.ledger_tls)
         self._wedge_floor = settings.loop_wedge_floor_seconds
         pod = os.environ.get("POD_NAME") or socket.gethostname()  # this replica
         self.kube = KubeCalls(api, instance=pod)
         self.leases = LeaseObserver(api)
-        self.relay = Relay(self.ledger, self.kube, settings.worker, interval=settings.relay_interval_seconds,
+        self.relay = Relay(self.ledger, self.kube, self.worker_defaults, interval=settings.relay_interval_seconds,
                            defer_limit_seconds=settings.dispatch_defer_limit_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
         retention = settings.history_retention_days
@@ -270,7 +270,7 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
     verdict = runtime.ledger.prior_verdict(admission)
     if verdict is None:
         job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=1,
-                        spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults)
+                        spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults())
         try:
             runtime.kube.dry_run_job(job)
         except NotPermitted as refused:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
 from retex.ledger.tls import unverified_tls_refusal
+from retex.logs import event
 from retex.operator.ledger_endpoint import LedgerTls
 
+log = logging.getLogger(__name__)
 LEDGER_INSECURE_FLAG = "RETEX_LEDGER_INSECURE"
 _LEDGER_TLS_FILES = ("RETEX_LEDGER_TLS_CERT_FILE", "RETEX_LEDGER_TLS_KEY_FILE", "RETEX_LEDGER_CA_FILE")
 
@@ -79,6 +82,27 @@ class OperatorSettings:
             leader_election=_election_timing(env),
             operator_namespace=env.get("RETEX_OPERATOR_NAMESPACE", "").strip() or "retex-system",
         )
+
+
+class LiveWorkerDefaults:
+    """The WorkerDefaults a Job is built with now: the ledger CA is read again at every call (a
+    small file), so a rotation that changes the CA reaches the next Jobs without an operator
+    restart. A CA file that cannot be read leaves the last one read."""
+
+    def __init__(self, start: WorkerDefaults, tls: LedgerTls | None):
+        self._current, self._tls = start, tls
+
+    def __call__(self) -> WorkerDefaults:
+        if self._tls is None:
+            return self._current
+        try:
+            pem = self._tls.ca_pem()
+        except OSError as exc:
+            event(log, logging.WARNING, "ledger CA not read again, the last one stays", error=str(exc))
+            return self._current
+        if pem.strip() and pem != self._current.ledger_ca:
+            self._current = replace(self._current, ledger_ca=pem)
+        return self._current
 
 
 def _ledger_tls(env: dict[str, str]) -> LedgerTls | None:
