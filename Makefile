@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
-        lint-docker images images-lock dev down e2e-kind chaos mutants bench
+        lint-docker images images-lock dev dev-operator down e2e-kind chaos mutants bench
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -76,9 +76,13 @@ images-lock:
 	       --no-emit-find-links --no-emit-index-url --output-file=images/requirements.lock pyproject.toml
 
 # Everything running locally in one command: rig, Postgres, CRD, operator, stub, examples.
-# State and logs in .dev/ (see docs/dev.md); `make down` stops what `make dev` started.
+# State and logs in /tmp/retex-dev (RETEX_DEV_DIR; docs/dev.md); `make down` stops what `make dev`
+# started. RETEX_* settings in the environment reach the operator; `make dev-operator` restarts
+# only the operator with the current ones (e.g. RETEX_MAX_RUNNING=2 make dev-operator).
 dev: $(STAMP) rig-binaries
 	@$(PY) -m e2e.dev up
+dev-operator: $(STAMP)
+	@$(PY) -m e2e.dev operator
 down:
 	@$(PY) -m e2e.dev down
 

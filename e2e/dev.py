@@ -1,7 +1,11 @@
 """`make dev` / `make down`: all of retex running locally, on the local rig, in one command.
 
-    python -m e2e.dev up     rig, Postgres, CRD + RBAC, counting stub, operator, examples
-    python -m e2e.dev down   stop everything `up` started (recorded PIDs only), keep the logs
+    python -m e2e.dev up        rig, Postgres, CRD + RBAC, counting stub, operator, examples
+    python -m e2e.dev operator  restart only the operator, with the RETEX_* settings of this shell
+    python -m e2e.dev down      stop everything `up` started (recorded PIDs only), keep the logs
+
+RETEX_* variables of the shell that runs `up` or `operator` (RETEX_MAX_RUNNING, ...; docs/operator.md)
+reach the operator and win over the rig's own defaults.
 
 Everything lives in one state directory, /tmp/retex-dev (or $RETEX_DEV_DIR):
 `rig/` (the local control plane: kubeconfig, component and pod logs), `postgres/`, `pids/`,
@@ -30,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from e2e.postgres import PostgresServer, free_port
+from e2e.rig import pki as pkilib
 from e2e.rig import procs
 from e2e.rig.controlplane import Rig, wait_for
 from e2e.system import OperatorProcess, default_task_policy, prepare_namespace, wait_established
@@ -142,12 +147,14 @@ def up(state: Path) -> int:
     say(f"[5/7] starting the operator as ServiceAccount {OPERATOR_NAMESPACE}/{OPERATOR_ACCOUNT} (log: {state / 'operator.log'})")
     operator_kubeconfig = service_account_kubeconfig(kubectl, rig.kubeconfig, OPERATOR_NAMESPACE, OPERATOR_ACCOUNT,
                                                      state / "operator.kubeconfig")
-    # Dev rig only: a Task annotated retex.dev/failpoint=<point>[:<step>] crashes its first worker
-    # there (the tour's crash demo; the crash matrix's switch). Never set on a real cluster.
-    operator = OperatorProcess(operator_kubeconfig, dsn, state / "operator.log",
-                               extra_env={"RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
+    operator = _operator(state, operator_kubeconfig, dsn)
     operator.start()
     procs.record(pids / "operator", operator.proc.pid)
+    (state / "dev.json").write_text(json.dumps({
+        "kubeconfig": str(rig.kubeconfig), "operator_kubeconfig": str(operator_kubeconfig), "dsn": dsn,
+        "stub": f"http://127.0.0.1:{STUB_PORT}",
+        "operator_ports": {"ledger": operator.ledger_port, "metrics": operator.metrics_port,
+                           "health": operator.health_port}}, indent=2) + "\n")
 
     say(f"[6/7] applying examples/ in namespace {EXAMPLES_NAMESPACE}")
     for name in EXAMPLE_FILES:
@@ -169,27 +176,77 @@ def up(state: Path) -> int:
         return (not waiting, f"not yet accepted: {', '.join(waiting)}")
 
     wait_for("the operator to accept the examples", all_accepted, timeout=120)
-    (state / "dev.json").write_text(json.dumps({"kubeconfig": str(rig.kubeconfig), "dsn": dsn,
-                                                "stub": f"http://127.0.0.1:{STUB_PORT}"}, indent=2) + "\n")
     print(kubectl("get", "tasks", "-n", EXAMPLES_NAMESPACE).stdout, end="")
     say(f"up in {time.monotonic() - started:.0f}s")
     print(f"""
 retex is running on the local rig. Next:
 
   export KUBECONFIG={rig.kubeconfig}
+  export PATH="{Path(sys.executable).parent}:$PATH"         # kubectl retex (the CLI plugin) and retex
   kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
   kubectl get tasks -w                                  # PHASE, PROGRESS, ATTEMPT as they change
   kubectl describe task order-1042                      # conditions, steps, events
   kubectl wait --for=condition=Succeeded task/order-1042 --timeout=120s
   kubectl wait --for=condition=DeadLettered task/notify-partner --timeout=120s
+  kubectl retex history order-1042                      # attempts and steps, as your kubeconfig's user
   curl -s 127.0.0.1:{STUB_PORT}/counts                        # real executions per idempotency key
   kubectl apply -f examples/exec-pipeline.yaml          # (after editing metadata.name) run more
 
 logs:   operator {state / 'operator.log'}, stub {state / 'stub.log'},
         worker pods {state / 'rig'}/nodes/<node>/pods/<namespace>_<pod>_<uid>/worker.log
 ledger: psql "{dsn}"
+operator settings: RETEX_MAX_RUNNING=2 make dev-operator   # restarts only the operator with them
 stop:   make down
 """)
+    return 0
+
+
+def _operator(state: Path, kubeconfig: Path, dsn: str) -> OperatorProcess:
+    """The dev operator: its TLS files in the state directory (kept across restarts, so running
+    workers keep trusting it), the shell's RETEX_* settings over the rig's defaults."""
+    settings = {name: value for name, value in os.environ.items()
+                if name.startswith("RETEX_") and name != "RETEX_DEV_DIR"}
+    # Dev rig only: a Task annotated retex.dev/failpoint=<point>[:<step>] crashes its first worker
+    # there (the tour's crash demo; the crash matrix's switch). Never set on a real cluster.
+    return OperatorProcess(kubeconfig, dsn, state / "operator.log",
+                           extra_env={"RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1", **settings},
+                           ledger_tls=_ledger_tls(state))
+
+
+def _ledger_tls(state: Path) -> pkilib.Pki:
+    directory = state / "operator-ledger-tls"
+    return pkilib.Pki(directory) if (directory / "ca.crt").exists() else pkilib.ledger_serving(directory)
+
+
+def restart_operator(state: Path) -> int:
+    """Only the operator again, on the same ports (running workers keep reaching it), with the
+    RETEX_* settings of this shell."""
+    try:
+        dev = json.loads((state / "dev.json").read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"no `make dev` in {state}: run `make dev` first") from None
+    pids = state / "pids"
+    if procs.stop(pids / "operator", grace=20, sig=signal.SIGTERM):
+        say("stopped the operator")
+    operator = _operator(state, Path(dev["operator_kubeconfig"]), dev["dsn"])
+    ports = dev["operator_ports"]
+    operator.ledger_port, operator.metrics_port, operator.health_port = ports["ledger"], ports["metrics"], ports["health"]
+    operator.start()
+    procs.record(pids / "operator", operator.proc.pid)
+    given = sorted(name for name in operator.extra_env if name != "RETEX_FAILPOINTS_FROM_ANNOTATIONS")
+    say(f"operator started again (pid {operator.proc.pid}, log {state / 'operator.log'})"
+        + (f" with {', '.join(f'{name}={os.environ[name]}' for name in given)}" if given else ""))
+    started = time.monotonic()
+    def ready():
+        if operator.exited() is not None:
+            raise SystemExit(f"the operator exited ({operator.exited()}):\n{operator.log_tail()}")
+        try:
+            return operator.probe("/readyz")[0] == 200
+        except OSError:  # not listening yet
+            return False
+
+    wait_for("the operator to be ready", ready, timeout=60)
+    say(f"the operator is ready after {time.monotonic() - started:.0f}s")
     return 0
 
 
@@ -210,10 +267,10 @@ def down(state: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("command", choices=["up", "operator", "down"])
     parser.add_argument("--state-dir", type=Path, default=STATE_DIR)
     args = parser.parse_args()
-    return up(args.state_dir) if args.command == "up" else down(args.state_dir)
+    return {"up": up, "operator": restart_operator, "down": down}[args.command](args.state_dir)
 
 
 if __name__ == "__main__":
