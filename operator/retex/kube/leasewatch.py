@@ -185,10 +185,10 @@ class LeaseObserver:
                 version = None
                 self.went_blind()
                 if exc.status != 410:
-                    log.warning("lease watch failed (%s); relisting", exc.status)
+                    event(log, logging.WARNING, "lease watch failed; relisting", http_status=exc.status)
                     self._stop.wait(1.0)
             except Exception as exc:  # connection refused while the API server restarts, etc.
                 version = None
                 self.went_blind()
-                log.warning("lease watch interrupted: %s; relisting", exc)
+                event(log, logging.WARNING, "lease watch interrupted; relisting", error=str(exc))
                 self._stop.wait(1.0)

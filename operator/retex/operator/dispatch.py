@@ -201,7 +201,7 @@ class Promoter(Loop):
         if self._retention_seconds and time.monotonic() >= self._next_purge:
             purged = self._ledger.purge_finished(older_than_seconds=self._retention_seconds)
             if purged:
-                log.info("purged %d finished tasks past the history retention", purged)
+                event(log, logging.INFO, "finished tasks purged past the history retention", count=purged)
             self._next_purge = time.monotonic() + 3600
         due = self._ledger.next_due_at()
         if due is None:

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 
 from retex.kube.election import Decision, Election, ElectionTiming, LeaderLease
 from retex.kube.leases import LeaseConflict
+from retex.logs import event
 from retex.operator.metrics import LEADER
 
 log = logging.getLogger(__name__)
@@ -65,19 +66,20 @@ class Leadership:
         except LeaseConflict:
             pass  # another replica wrote first: read again at the next retry
         except Exception as exc:  # the API server unreachable or slow: the renew deadline decides
-            log.warning("leader election: %s: %s", type(exc).__name__, exc)
+            event(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
 
     def _notice(self) -> None:
         leading = self.leading()
         if leading and not self._was_leading:
-            log.info("leader election: %s leads", self._election.identity)
+            event(log, logging.INFO, "leader election: this replica leads", identity=self._election.identity)
             LEADER.set(1)
             self._was_leading = True
             self._on_started()
         elif not leading and self._was_leading:
             holder = self._election.observed.holder if self._election.observed else None
-            log.warning("leader election: %s stopped leading (now held by %s)", self._election.identity, holder)
+            event(log, logging.WARNING, "leader election: this replica stopped leading", identity=self._election.identity,
+                  holder=holder)
             LEADER.set(0)
             self._was_leading = False
 
@@ -93,6 +95,6 @@ class Leadership:
             with self._lock:
                 self._election.released(released, self._clock())
             LEADER.set(0)
-            log.info("leader election: %s released the lease", self._election.identity)
+            event(log, logging.INFO, "leader election: lease released", identity=self._election.identity)
         except Exception as exc:  # it expires after its duration instead
-            log.warning("leader election: releasing the lease failed: %s", exc)
+            event(log, logging.WARNING, "leader election: releasing the lease failed", error=str(exc))

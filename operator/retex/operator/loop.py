@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from retex.failpoints import failpoint
 from retex.ledger import LedgerError
+from retex.logs import event
 from retex.operator.metrics import LOOP_ROUNDS, count_failure
 
 log = logging.getLogger(__name__)
@@ -55,11 +56,11 @@ class Loop:
                 self.last_pass_at = time.monotonic()
             except LedgerError as exc:
                 count_failure(self.name, exc)
-                log.warning("%s: ledger unavailable: %s", self.name, exc)
+                event(log, logging.WARNING, "ledger unavailable", loop=self.name, error=str(exc))
                 delay = RETRY_AFTER_FAILURE_SECONDS
             except Exception as exc:  # the API server down or refusing, or a bug: try again soon
                 count_failure(self.name, exc)
-                log.exception("%s: round failed; retrying", self.name)
+                event(log, logging.ERROR, "round failed; retrying", loop=self.name, exc_info=True)
                 delay = RETRY_AFTER_FAILURE_SECONDS
             finally:
                 self.round_started_at = None

@@ -18,7 +18,7 @@ import signal
 
 import kopf
 
-from retex.logs import JsonLines
+from retex.logs import JsonLines, event
 from retex.operator.health import serve_health
 from retex.operator.settings import OperatorSettings
 
@@ -79,7 +79,7 @@ async def _operate(runtime, *, namespaces: list[str]) -> None:
         await term
         on_signals()
         if not stopping.is_set():
-            log.info("leader election: kopf stopped (this replica no longer leads)")
+            event(log, logging.INFO, "leader election: kopf stopped (this replica no longer leads)")
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:
