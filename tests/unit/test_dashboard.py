@@ -49,8 +49,9 @@ def test_histogram_buckets_span_ten_milliseconds_to_hours():
 
 
 def test_every_loop_exports_zero_errors_before_its_first_so_rates_over_them_are_never_empty():
-    assert {Relay, Promoter, Reaper, StatusMirror} == set(Loop.__subclasses__())
-    assert {loop.name for loop in Loop.__subclasses__()} <= set(LOOPS)
+    operator_loops = {loop for loop in Loop.__subclasses__() if loop.__module__.startswith("retex.")}  # not tests' own
+    assert operator_loops == {Relay, Promoter, Reaper, StatusMirror}
+    assert {loop.name for loop in operator_loops} <= set(LOOPS)
     samples = {(sample.name, sample.labels.get("loop")) for family in REGISTRY.collect() for sample in family.samples}
     for loop in LOOPS:
         for counter in ("retex_reconcile_errors_total", "retex_postgres_errors_total", "retex_api_errors_total"):
