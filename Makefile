@@ -48,9 +48,9 @@ test: lint rig-binaries images $(HADOLINT)
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# Pure-logic tests only, no servers and no containers: the quick loop while editing.
+# Pure-logic tests only, no servers, containers or Prometheus binaries: the quick loop while editing.
 test-fast: $(STAMP) $(HADOLINT)
-	@$(PY) -m pytest -m "not postgres and not cluster and not images" $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -m "not postgres and not cluster and not images and not prometheus" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # --- shipping: images, dev environment, kind (docs/install.md, docs/dev.md) -----------------

@@ -81,3 +81,15 @@ def test_no_counter_decreases_across_a_requeue_and_a_purge(ledger):
     assert after_purge[("retex_task_duration_seconds_count", ())] == 3  # each time a task ended
     gauges = {s.name: s.value for f in families(ledger) if f.type == "gauge" for s in f.samples}
     assert gauges["retex_dead_lettered_tasks"] == 0  # the state now: requeued, then purged
+
+
+def test_a_task_left_unfinished_past_its_deadline_shows_until_the_promoter_fails_it(ledger):
+    def overrun() -> float:
+        return next(s.value for f in families(ledger) for s in f.samples if s.name == "retex_task_deadline_overrun_seconds")
+
+    uid = admitted(ledger, steps=("only",), timeout_seconds=1)  # the deadline runs from the first start
+    assert overrun() == 0
+    time.sleep(1.6)
+    assert 0.5 < overrun() < 30, "the running task is past its deadline and nobody failed it yet"
+    ledger.promote_due()  # what the promoter does each round: fails it with reason Timeout
+    assert str(ledger.get(uid).phase) == "Failed" and overrun() == 0

@@ -5,7 +5,11 @@ import re
 from pathlib import Path
 
 from retex.ledger import Histogram, LedgerFigures
-from retex.operator.metrics import BUCKETS, REGISTRY, LedgerCollector
+from retex.operator.dispatch import Promoter, Relay
+from retex.operator.loop import Loop
+from retex.operator.metrics import BUCKETS, LOOPS, REGISTRY, LedgerCollector
+from retex.operator.reaper import Reaper
+from retex.operator.status import StatusMirror
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "grafana-dashboard.json"
 
@@ -15,7 +19,8 @@ class FakeLedger:
 
     def figures(self):
         empty = Histogram(count=0, total=0.0, cumulative=[0] * len(BUCKETS))
-        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, outbox_lag_seconds=0.0, submitted=0,
+        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, outbox_lag_seconds=0.0,
+                             deadline_overrun_seconds=0.0, submitted=0,
                              finished_by_phase={}, dead_lettered_ever=0, attempts_by_cause={},
                              step_seconds=empty, task_seconds=empty, first_step_seconds=empty)
 
@@ -41,3 +46,13 @@ def test_every_metric_the_dashboard_queries_is_exported():
 
 def test_histogram_buckets_span_ten_milliseconds_to_hours():
     assert BUCKETS[0] == 0.01 and BUCKETS[-1] >= 6 * 3600
+
+
+def test_every_loop_exports_zero_errors_before_its_first_so_rates_over_them_are_never_empty():
+    operator_loops = {loop for loop in Loop.__subclasses__() if loop.__module__.startswith("retex.")}  # not tests' own
+    assert operator_loops == {Relay, Promoter, Reaper, StatusMirror}
+    assert {loop.name for loop in operator_loops} <= set(LOOPS)
+    samples = {(sample.name, sample.labels.get("loop")) for family in REGISTRY.collect() for sample in family.samples}
+    for loop in LOOPS:
+        for counter in ("retex_reconcile_errors_total", "retex_postgres_errors_total", "retex_api_errors_total"):
+            assert (counter, loop) in samples, (counter, loop)

@@ -180,14 +180,16 @@ DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 @dataclass(frozen=True)
 class LedgerFigures:
-    """What the operator exports. `tasks_by_phase`, `dead_lettered` and `outbox_lag_seconds` are
-    the state now; the rest are counts since the ledger began, derived from append-only rows
-    (history, attempts) plus what history-retention purges took (retex.purged_tallies), so they
-    never decrease: a requeue or a retry adds to them, a purge takes nothing away."""
+    """What the operator exports. `tasks_by_phase`, `dead_lettered`, `outbox_lag_seconds` and
+    `deadline_overrun_seconds` are the state now; the rest are counts since the ledger began,
+    derived from append-only rows (history, attempts) plus what history-retention purges took
+    (retex.purged_tallies), so they never decrease: a requeue or a retry adds to them, a purge
+    takes nothing away."""
 
     tasks_by_phase: dict[str, int]
     dead_lettered: int  # tasks dead-lettered now (a requeue clears it)
     outbox_lag_seconds: float  # age of the oldest unsent dispatch record
+    deadline_overrun_seconds: float  # how far the unfinished task furthest past its deadline is past it
     submitted: int  # tasks admitted
     finished_by_phase: dict[str, int]  # times a task reached Succeeded / Failed / Cancelled
     dead_lettered_ever: int  # times a task was dead-lettered

@@ -985,6 +985,9 @@ class Ledger:
             dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
             lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
                               "WHERE sent_at IS NULL").fetchone()["s"]
+            # The promoter fails a task at its deadline: one left unfinished past it means that did not happen.
+            overrun = cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) AS s FROM retex.tasks "
+                                  f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}").fetchone()["s"]
             counts = _tallies(cur, None)
             for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
                 key = (row["metric"], row["label"])
@@ -1001,6 +1004,7 @@ class Ledger:
                 tasks_by_phase=phases,
                 dead_lettered=dead,
                 outbox_lag_seconds=float(lag or 0.0),
+                deadline_overrun_seconds=float(overrun or 0.0),
                 submitted=int(counts.get(("submitted", ""), 0)),
                 finished_by_phase=labelled("finished"),
                 dead_lettered_ever=int(counts.get(("dead_lettered", ""), 0)),

@@ -38,6 +38,13 @@ LEADER = Gauge("retex_leader", "1 while this replica leads (it alone writes), 0 
 MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change seen to its status written",
                        buckets=BUCKETS, registry=REGISTRY)
 
+# The loops that count failures. Their error series exist from the start (at 0), so a dashboard or an
+# alert reads "no errors" before the first one rather than "no data".
+LOOPS = ("relay", "promoter", "reaper", "status-mirror", "ledger-listen")
+for _loop in LOOPS:
+    for _family in (LOOP_ERRORS, POSTGRES_ERRORS, API_ERRORS):
+        _family.labels(_loop)
+
 
 def count_failure(loop: str, error: BaseException) -> None:
     """A failed round of an operator loop, counted by what failed."""
@@ -86,6 +93,9 @@ class LedgerCollector:
                                   value=figures.attempts_by_cause.get("lease-expired", 0))
         yield GaugeMetricFamily("retex_outbox_lag_seconds", "Age of the oldest dispatch not yet relayed to a Job",
                                 value=figures.outbox_lag_seconds)
+        yield GaugeMetricFamily("retex_task_deadline_overrun_seconds", "How long the unfinished task furthest past its "
+                                "deadline (first start + timeoutSeconds) has been past it; 0 when none is",
+                                value=figures.deadline_overrun_seconds)
         yield _histogram("retex_step_duration_seconds", "Step runs, from begin to commit or failure",
                          figures.step_seconds)
         yield _histogram("retex_task_duration_seconds", "Tasks, from submission to a terminal phase",
