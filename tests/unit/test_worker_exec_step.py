@@ -169,7 +169,12 @@ def test_a_lease_lost_during_the_sigterm_grace_kills_the_step_at_once(tmp_path):
     outcome = exec_step.run(s.exec, s, call(begun=begun), sup)
     assert time.monotonic() - lost_at < 0.5, outcome
     assert isinstance(outcome, Abandoned) and "lease lost" in outcome.why
-    assert not running(int(pids.read_text()))
+    # SIGKILL is delivered, not awaited: on a loaded machine the process may take a moment to die,
+    # but within K (1 s, docs/crash-matrix.md) of the loss.
+    pid = int(pids.read_text())
+    while running(pid) and time.monotonic() < lost_at + 1.0:
+        time.sleep(0.02)
+    assert not running(pid)
 
 
 def test_drain_lets_a_step_finish_within_the_deadline():
