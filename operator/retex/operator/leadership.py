@@ -95,6 +95,6 @@ class Leadership:
             with self._lock:
                 self._election.released(released, self._clock())
             LEADER.set(0)
-            event(log, logging.INFO, "leader election: lease released", identity=self._election.identity)
+            event(log, logging.INFO, "leader election: released the lease", identity=self._election.identity)
         except Exception as exc:  # it expires after its duration instead
             event(log, logging.WARNING, "leader election: releasing the lease failed", error=str(exc))
