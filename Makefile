@@ -29,7 +29,7 @@ crds: $(STAMP)
 	@$(PY) -m retex.api.crd > crds/tasks.retex.dev.yaml.tmp && mv crds/tasks.retex.dev.yaml.tmp crds/tasks.retex.dev.yaml
 
 rig-binaries:
-	@echo "==> control-plane binaries for the local rig (cached outside the repo)"
+	@echo "==> control-plane binaries for the local rig and helm for the chart tests (cached outside the repo)"
 	@bash e2e/rig/build.sh
 
 # The local rig by hand (state in $RETEX_RIG_STATE_DIR, default /tmp/retex-rig-dev).
