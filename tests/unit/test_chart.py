@@ -58,7 +58,8 @@ def assert_same_objects(chart: list[dict], kustomized: list[dict]) -> None:
     assert sorted(rendered) == sorted(expected), {"only in the chart": sorted(set(rendered) - set(expected)),
                                                   "only in kustomize": sorted(set(expected) - set(rendered))}
     differing = {key: differences(rendered[key], expected[key]) for key in expected if rendered[key] != expected[key]}
-    assert not differing, "\n".join(f"{key}:\n" + "\n".join(f"  {line}" for line in lines) for key, lines in differing.items())
+    assert not differing, "make the same change on the other side (the Task CRD's copy: make crds)\n" + "\n".join(
+        f"{key}:\n" + "\n".join(f"  {line}" for line in lines) for key, lines in differing.items())
 
 
 def differences(chart, kustomized, path: str = "") -> list[str]:
@@ -99,7 +100,8 @@ def test_monitoring_values_render_the_podmonitor_and_the_dashboard_as_a_configma
     assert_same_objects([monitor], [yaml.safe_load((MANIFESTS / "monitoring" / "podmonitor.yaml").read_text())])
     [dashboard] = [o for o in objects if o["kind"] == "ConfigMap"]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert dashboard["data"] == {"retex.json": (MANIFESTS / "monitoring" / "grafana-dashboard.json").read_text()}
+    assert dashboard["data"] == {"retex.json": (MANIFESTS / "monitoring" / "grafana-dashboard.json").read_text()}, (
+        "the chart's copy is stale: cp manifests/monitoring/grafana-dashboard.json charts/retex/files/")
     assert not [o for o in template() if o["kind"] in ("PodMonitor", "ConfigMap")]
 
 
