@@ -18,6 +18,12 @@ helm_out=$cache/bin/helm-$helm_version
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod
 
+# One build at a time per cache: two at once (make test-fast's helm beside make rig-binaries')
+# share each <name>.partial directory and each wipes the other's.
+mkdir -p "$cache/bin"
+exec 9>"$cache/bin/.build.lock"
+flock -n 9 || { echo "another build into $cache/bin is running: waiting for it"; flock 9; }
+
 progress() {  # turns `go build -v` package lines into a periodic count
   local what=$1 start=$SECONDS n=0
   while IFS= read -r line; do
