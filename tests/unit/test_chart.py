@@ -94,15 +94,16 @@ def test_tenants_are_onboarded_as_manifests_tenant_onboards_each_namespace():
     assert_same_objects(rendered, expected)
 
 
-def test_monitoring_values_render_the_podmonitor_and_the_dashboard_as_a_configmap():
-    objects = template("--set", "metrics.podMonitor.enabled=true", "--set", "grafanaDashboard.enabled=true")
-    [monitor] = [o for o in objects if o["kind"] == "PodMonitor"]
-    assert_same_objects([monitor], [yaml.safe_load((MANIFESTS / "monitoring" / "podmonitor.yaml").read_text())])
+def test_monitoring_values_render_the_podmonitor_the_alert_rules_and_the_dashboard_as_a_configmap():
+    objects = template("--set", "metrics.podMonitor.enabled=true", "--set", "metrics.prometheusRule.enabled=true",
+                       "--set", "grafanaDashboard.enabled=true")
+    monitoring = [o for o in objects if o["kind"] in ("PodMonitor", "PrometheusRule")]
+    assert_same_objects(monitoring, kustomize(MANIFESTS / "monitoring"))
     [dashboard] = [o for o in objects if o["kind"] == "ConfigMap"]
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert dashboard["data"] == {"retex.json": (MANIFESTS / "monitoring" / "grafana-dashboard.json").read_text()}, (
         "the chart's copy is stale: cp manifests/monitoring/grafana-dashboard.json charts/retex/files/")
-    assert not [o for o in template() if o["kind"] in ("PodMonitor", "ConfigMap")]
+    assert not [o for o in template() if o["kind"] in ("PodMonitor", "PrometheusRule", "ConfigMap")]
 
 
 def test_values_reach_the_operator_its_rbac_and_its_secret():
