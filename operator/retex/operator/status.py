@@ -31,7 +31,7 @@ from retex.operator.metrics import MIRROR_LAG, count_failure
 
 log = logging.getLogger(__name__)
 
-# `kubectl get tasks -l retex.dev/dead-letter=true` lists the dead letters.
+# `kubectl get tasks.retex.dev -l retex.dev/dead-letter=true` lists the dead letters.
 DEAD_LETTER_LABEL = "retex.dev/dead-letter"
 # The NOTIFY listener, after a failure, listens again after this, doubling up to the max.
 LISTEN_RETRY_FIRST_SECONDS = 0.5
