@@ -76,7 +76,7 @@ images-lock:
 	       --no-emit-find-links --no-emit-index-url --output-file=images/requirements.lock pyproject.toml
 
 # Everything running locally in one command: rig, Postgres, CRD, operator, stub, examples.
-# State and logs in .dev/ (see docs/dev.md); `make down` stops what `make dev` started.
+# State and logs in /tmp/retex-dev, or $RETEX_DEV_DIR (see docs/dev.md); `make down` stops what `make dev` started.
 dev: $(STAMP) rig-binaries
 	@$(PY) -m e2e.dev up
 down:
