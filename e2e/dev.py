@@ -171,12 +171,12 @@ def up(state: Path) -> int:
     def all_accepted():
         if operator.exited() is not None:
             raise SystemExit(f"the operator exited ({operator.exited()}):\n{operator.log_tail()}")
-        tasks = json.loads(kubectl("get", "tasks", "-n", EXAMPLES_NAMESPACE, "-o", "json").stdout)["items"]
+        tasks = json.loads(kubectl("get", "tasks.retex.dev", "-n", EXAMPLES_NAMESPACE, "-o", "json").stdout)["items"]
         waiting = [t["metadata"]["name"] for t in tasks if not (t.get("status") or {}).get("phase")]
         return (not waiting, f"not yet accepted: {', '.join(waiting)}")
 
     wait_for("the operator to accept the examples", all_accepted, timeout=120)
-    print(kubectl("get", "tasks", "-n", EXAMPLES_NAMESPACE).stdout, end="")
+    print(kubectl("get", "tasks.retex.dev", "-n", EXAMPLES_NAMESPACE).stdout, end="")
     say(f"up in {time.monotonic() - started:.0f}s")
     print(f"""
 retex is running on the local rig. Next:
@@ -184,10 +184,10 @@ retex is running on the local rig. Next:
   export KUBECONFIG={rig.kubeconfig}
   export PATH="{Path(sys.executable).parent}:$PATH"         # kubectl retex (the CLI plugin) and retex
   kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
-  kubectl get tasks -w                                  # PHASE, PROGRESS, ATTEMPT as they change
-  kubectl describe task order-1042                      # conditions, steps, events
-  kubectl wait --for=condition=Succeeded task/order-1042 --timeout=120s
-  kubectl wait --for=condition=DeadLettered task/notify-partner --timeout=120s
+  kubectl get tasks.retex.dev -w                        # PHASE, PROGRESS, ATTEMPT as they change
+  kubectl describe tasks.retex.dev order-1042           # conditions, steps, events
+  kubectl wait --for=condition=Succeeded tasks.retex.dev/order-1042 --timeout=120s
+  kubectl wait --for=condition=DeadLettered tasks.retex.dev/notify-partner --timeout=120s
   kubectl retex history order-1042                      # attempts and steps, as your kubeconfig's user
   curl -s 127.0.0.1:{STUB_PORT}/counts                        # real executions per idempotency key
   kubectl apply -f examples/exec-pipeline.yaml          # (after editing metadata.name) run more

@@ -158,3 +158,18 @@ def test_a_ledger_ca_rotated_while_the_operator_runs_reaches_the_jobs_dispatched
     assert handed == rotated.ca_crt.read_text(), "the Job carries the CA the operator started with"
     wait_for(lambda: phase_is(retex, "after", "Succeeded", "Failed"), timeout=90, what="after ends")
     assert phase_is(retex, "after", "Succeeded"), (status(retex, "after"), retex.operator.log_tail())
+
+
+def test_kubectl_wait_for_completed_returns_for_every_ending(retex):
+    """One condition to wait on, whatever the outcome: Succeeded, Failed, Cancelled or Refused."""
+    apply(retex, "ends-well", [sh("only", "echo done")])
+    apply(retex, "ends-badly", [sh("only", "exit 3", permanentExitCodes=[3])])
+    apply(retex, "never-starts", [sh("only", "echo never")], notBefore="2099-01-01T00:00:00Z")
+    apply(retex, "too-big", [sh("only", "echo never")], payload={"blob": "x" * (65 * 1024)})
+    wait_for(lambda: phase_is(retex, "never-starts", "Scheduled"), timeout=60, what="Scheduled")
+    retex.kubectl("patch", "tasks.retex.dev", "never-starts", "--type=merge", "-p", '{"spec":{"cancel":true}}')
+    outcomes = {"ends-well": "Succeeded", "ends-badly": "Failed", "never-starts": "Cancelled", "too-big": "Refused"}
+    for name, outcome in outcomes.items():
+        retex.kubectl("wait", "--for=condition=Completed", "--timeout=90s", f"tasks.retex.dev/{name}", timeout=100)
+        completed = {c["type"]: c for c in status(retex, name)["conditions"]}["Completed"]
+        assert (completed["status"], completed["reason"], status(retex, name)["phase"]) == ("True", outcome, outcome)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import re
+import shlex
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -483,3 +486,113 @@ def test_kubectl_wait_sees_the_succeeded_condition(tasks, running_task):
     waited = tasks.kubectl("wait", "--for=condition=Succeeded", f"task/{running_task}", "--timeout=10s", check=False)
     assert waited.returncode == 0, waited.stderr
     assert isinstance(Condition.model_validate(tasks.get(running_task)["status"]["conditions"][0]), Condition)
+
+
+# A CRD like Tekton's tasks.tekton.dev: kind Task, plural tasks, in another group. The API server
+# lists groups of equal priority by name, and kubectl takes a bare `tasks` or `task/<name>` from the
+# first: this group sorts before retex.dev, so they mean its Tasks, not retex's (the test checks
+# that they do: otherwise it proves nothing). Tekton's own group sorts after retex.dev; any other
+# CRD with plural `tasks` may sort before it.
+CLASHING_GROUP = "builds.example.dev"
+CLASHING_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": f"tasks.{CLASHING_GROUP}"},
+    "spec": {
+        "group": CLASHING_GROUP,
+        "names": {"kind": "Task", "listKind": "TaskList", "plural": "tasks", "singular": "task"},
+        "scope": "Namespaced",
+        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {"openAPIV3Schema": {
+            "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
+    },
+}
+# The names the docs' commands use, as retex Tasks in the README's namespace.
+DOCS_TASK_NAMES = ("order-1042", "order-1043", "notify-partner")
+DOCS_WITH_COMMANDS = (ROOT / "README.md", ROOT / "docs" / "api.md")
+
+
+def documented_kubectl_commands() -> list[list[str]]:
+    """Every `$ kubectl ...` line of the console blocks of the README and api.md, as argv."""
+    commands = []
+    for doc in DOCS_WITH_COMMANDS:
+        for block in re.findall(r"```console\n(.*?)```", doc.read_text(), flags=re.S):
+            commands += [shlex.split(line[2:], comments=True) for line in block.splitlines()
+                         if line.startswith("$ kubectl ")]
+    return commands
+
+
+def run_as_written(argv: list[str], kubeconfig: Path) -> subprocess.CompletedProcess:
+    """A documented command with KUBECONFIG set, as the tour does; a watch (-w) runs 5 s."""
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    if "-w" not in argv:
+        return subprocess.run(argv, env=env, text=True, capture_output=True, timeout=60)
+    with subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as watch:
+        try:
+            stdout, stderr = watch.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            watch.terminate()
+            stdout, stderr = watch.communicate()
+    return subprocess.CompletedProcess(argv, 0 if stdout else 1, stdout, stderr)
+
+
+@pytest.fixture
+def clashing_tasks_crd(tasks):
+    """The clashing CRD installed, with a Task of its own; removed after, and kubectl's discovery
+    cache refreshed both times (a stale cache would send a bare `task` to the wrong group)."""
+    rig = tasks.rig
+    rig.kubectl("apply", "-f", "-", input=as_json(CLASHING_CRD))
+    wait_established(rig.kubectl, f"tasks.{CLASHING_GROUP}")
+    rig.kubectl("api-resources", f"--api-group={CLASHING_GROUP}")
+    yield
+    rig.kubectl("delete", "crd", f"tasks.{CLASHING_GROUP}", "--wait=true", "--timeout=60s")
+    rig.kubectl("api-resources")
+
+
+def test_the_documented_kubectl_commands_reach_retex_tasks_beside_another_crd_named_tasks(
+        tasks, clashing_tasks_crd, tmp_path):
+    namespace = f"{NAMESPACE}-docs"
+    prepare_namespace(tasks.rig.kubectl, namespace)
+    try:
+        tasks.rig.kubectl("apply", "-n", namespace, "-f", "-", input=as_json(
+            {"apiVersion": f"{CLASHING_GROUP}/v1", "kind": "Task", "metadata": {"name": "build"}, "spec": {}}))
+        # What the commands read; the conditions are the ones the docs wait for. No observedGeneration:
+        # kubectl wait skips a condition older than the object's generation, and the docs' cancel
+        # patch makes one with no operator here to write a newer status.
+        conditions = []
+        for kind in (ConditionType.SUCCEEDED, ConditionType.DEAD_LETTERED, ConditionType.COMPLETED):
+            conditions = set_condition(conditions, kind, "True", "Shown", "", observed_generation=None, now=T0)
+        for name in DOCS_TASK_NAMES:
+            tasks.rig.kubectl("apply", "-n", namespace, "-f", "-", input=as_json({
+                "apiVersion": models.API_VERSION, "kind": models.KIND, "metadata": {"name": name}, "spec": spec_with()}))
+            shown = TaskStatus(phase=TaskPhase.SUCCEEDED, conditions=conditions, ledger_version=1)
+            tasks.rig.kubectl("patch", "-n", namespace, f"{models.PLURAL}.{models.GROUP}", name, "--subresource=status",
+                              "--type=merge", "-p", as_json({"status": shown.to_json()}))
+        bare = tasks.rig.kubectl("get", "tasks", "-n", namespace, "-o", "name").stdout.split()
+        assert bare == [f"task.{CLASHING_GROUP}/build"], f"a bare `tasks` should mean the other group's: {bare}"
+
+        kubeconfig = tmp_path / "kubeconfig"  # the tour's `kubectl config set-context` edits it
+        kubeconfig.write_text(Path(tasks.rig.kubeconfig).read_text())
+        verbs = set()
+        for argv in documented_kubectl_commands():
+            verb = argv[1]
+            if verb == "config":  # the tour's namespace, made this test's
+                argv = [arg.replace("retex-examples", namespace) for arg in argv]
+            elif verb not in ("get", "wait", "describe", "patch", "explain"):
+                continue  # apply and annotate name the group in the manifest
+            ran = run_as_written(argv, kubeconfig)
+            assert ran.returncode == 0, f"{shlex.join(argv)}: {ran.stderr}"
+            verbs.add(verb)
+            said = ran.stdout
+            if verb == "get" and ("-o" not in argv or "wide" in argv):
+                # retex's Task table (`get retex` also lists TaskPolicies, in a table of their own)
+                headers = [line.split()[:2] for line in said.splitlines() if line.startswith("NAME")]
+                assert ["NAME", "PHASE"] in headers, f"{shlex.join(argv)} did not list retex Tasks: {said}"
+            elif verb in ("wait", "patch"):
+                assert said.startswith(f"task.{models.GROUP}/"), f"{shlex.join(argv)}: {said}"
+            elif verb == "describe":
+                assert f"API Version:  {models.API_VERSION}" in said, f"{shlex.join(argv)}: {said}"
+            elif verb == "explain":
+                assert said.split()[:2] == ["GROUP:", models.GROUP], f"{shlex.join(argv)}: {said}"
+        assert verbs == {"config", "get", "wait", "describe", "patch", "explain"}, verbs
+    finally:
+        tasks.rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

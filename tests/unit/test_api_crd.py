@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,17 @@ def test_transition_rules_freeze_the_spec_but_cancel_and_keep_status_moving_forw
     assert {"steps", "payload", "idempotencyKey", "priority", "worker"} <= frozen
     assert spec["properties"]["steps"]["x-kubernetes-list-type"] == "atomic"
     assert status["properties"]["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+
+
+def test_a_condition_type_is_any_metav1_type_not_an_enum():
+    # An operator that adds a condition type must not need a CRD upgrade first, and an older
+    # operator must read a status a newer one wrote.
+    condition_type = openapi_schema()["properties"]["status"]["properties"]["conditions"]["items"]["properties"]["type"]
+    assert "enum" not in condition_type
+    assert condition_type["maxLength"] == 316
+    for written_later in ("Completed", "Progressing", "example.com/Audited"):
+        assert re.fullmatch(condition_type["pattern"], written_later)
+    assert not re.fullmatch(condition_type["pattern"], "not a type")
 
 
 def test_every_cel_message_is_documented_in_docs_api_md():

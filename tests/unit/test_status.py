@@ -61,6 +61,39 @@ def test_a_dead_lettered_task_shows_failed_and_dead_lettered_with_the_reason():
     assert shown.completion_time == T0
 
 
+def completed(shown: TaskStatus):
+    found = find_condition(shown.conditions, ConditionType.COMPLETED)
+    return found.status, found.reason
+
+
+def test_completed_is_true_with_the_outcome_as_reason_for_every_ending():
+    for phase in (TaskPhase.SUCCEEDED, TaskPhase.FAILED, TaskPhase.CANCELLED):
+        shown = status(record(phase, ("done",) * 3, reason="SomeCause", finished_at=T0))
+        assert completed(shown) == ("True", str(phase)), phase
+
+
+def test_completed_is_false_with_the_phase_as_reason_until_the_end_including_needs_attention():
+    # NeedsAttention is no ending: a human's resolve lets the task run on, and Completed never
+    # goes from True back to False.
+    for phase in (TaskPhase.PENDING, TaskPhase.SCHEDULED, TaskPhase.QUEUED, TaskPhase.RUNNING,
+                  TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION):
+        assert completed(status(record(phase))) == ("False", str(phase)), phase
+
+
+def test_completed_says_why_a_failed_task_ended():
+    shown = status(record(TaskPhase.FAILED, ("done", "failed", "pending"), reason="RetriesExhausted",
+                          last_error="HTTP 503", finished_at=T0))
+    assert find_condition(shown.conditions, ConditionType.COMPLETED).message == "RetriesExhausted: HTTP 503"
+
+
+def test_completed_flips_once_when_the_task_ends():
+    running = status(record(), now=T0)
+    later = T0 + timedelta(minutes=5)
+    done = status(record(TaskPhase.SUCCEEDED, ("done",) * 3, reason="Completed"), previous=running, now=later)
+    assert find_condition(done.conditions, ConditionType.COMPLETED).last_transition_time == later
+    assert find_condition(running.conditions, ConditionType.COMPLETED).last_transition_time == T0
+
+
 def test_last_transition_time_moves_only_when_a_condition_flips():
     first = status(record(), now=T0)
     later = T0 + timedelta(minutes=5)

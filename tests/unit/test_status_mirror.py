@@ -43,6 +43,7 @@ class FakeKube:
         self.tasks = {t["metadata"]["name"]: t for t in tasks}
         self.patch_error, self.event_error = patch_error, event_error
         self.written, self.labels, self.events = [], [], []
+        self.statuses = []  # every status patch as sent
 
     def get_task(self, namespace, name):
         return self.tasks.get(name)
@@ -54,6 +55,7 @@ class FakeKube:
         if self.patch_error and self.patch_error[0] == uid:
             raise self.patch_error[1]
         self.written.append((uid, status.get("ledgerVersion"), status.get("phase")))
+        self.statuses.append(status)
 
     def patch_task_labels(self, namespace, name, uid, labels):
         self.labels.append((uid, labels))
@@ -143,6 +145,26 @@ def test_an_event_the_api_server_refuses_does_not_undo_the_status_write():
     assert kube.written == [("u", 7, "Running")]
 
 
+def test_a_refused_task_is_completed_with_reason_refused():
+    # It never runs: `kubectl wait --for=condition=Completed` must return for it too.
+    kube = FakeKube()
+    mirror(FakeLedger(), kube).refuse(task_object("u"), "InvalidSpec", "spec.steps: at least 1 item")
+    conditions = {c["type"]: c for c in kube.statuses[-1]["conditions"]}
+    assert (conditions["Completed"]["status"], conditions["Completed"]["reason"]) == ("True", "Refused")
+    assert conditions["Completed"]["message"] == "InvalidSpec: spec.steps: at least 1 item"
+
+
+def test_a_refusal_shown_without_completed_gets_it_at_the_next_admission_without_a_second_event():
+    # Refused by an operator that did not write Completed: the restarted operator adds it.
+    kube = FakeKube()
+    task = {**task_object("u"), "status": {"phase": "Refused", "observedGeneration": 1, "conditions": [
+        {"type": "Accepted", "status": "False", "reason": "InvalidSpec", "message": "too big",
+         "observedGeneration": 1, "lastTransitionTime": "2026-12-03T09:00:00Z"}]}}
+    mirror(FakeLedger(), kube).refuse(task, "InvalidSpec", "too big")
+    assert [c["type"] for c in kube.statuses[-1]["conditions"]] == ["Accepted", "Completed"]
+    assert kube.events == []
+
+
 def test_a_refusal_is_written_and_announced_once_per_generation():
     kube = FakeKube()
     m = mirror(FakeLedger(), kube)
@@ -150,9 +172,7 @@ def test_a_refusal_is_written_and_announced_once_per_generation():
     m.refuse(task, "InvalidSpec", "steps: at least one")
     assert [(uid, phase) for uid, _, phase in kube.written] == [("u", "Refused")]
     assert kube.events == ["InvalidSpec"]
-    shown = {**task, "status": {"phase": "Refused", "observedGeneration": 1, "conditions": [
-        {"type": "Accepted", "status": "False", "reason": "InvalidSpec", "message": "steps: at least one",
-         "observedGeneration": 1, "lastTransitionTime": "2026-12-03T09:00:00Z"}]}}
+    shown = {**task, "status": kube.statuses[-1]}
     m.refuse(shown, "InvalidSpec", "steps: at least one")  # admission again: an operator restart
     assert len(kube.written) == 1 and kube.events == ["InvalidSpec"]
     m.refuse({**shown, "metadata": {**shown["metadata"], "generation": 2}}, "InvalidSpec", "steps: at least one")

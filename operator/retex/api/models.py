@@ -69,6 +69,9 @@ QUANTITY_PATTERN = (
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 )
 CONDITION_REASON_PATTERN = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+# metav1.Condition's type: an optional DNS-subdomain prefix and a qualified name.
+CONDITION_TYPE_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                          r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
 # Unanchored and case-insensitive, like CEL's `matches` with (?i).
 SECRET_ENV_NAME_PATTERN = r"(?i)(PASSWORD|PASSWD|SECRET|TOKEN|API_?KEY|PRIVATE_?KEY|CREDENTIAL)"
 SECRET_HEADER_PATTERN = r"(?i)^(authorization|proxy-authorization|cookie)$"
@@ -652,6 +655,7 @@ class ConditionType(enum.StrEnum):
     FAILED = "Failed"
     DEAD_LETTERED = "DeadLettered"  # failed for good: retry and disruption budgets spent
     NEEDS_ATTENTION = "NeedsAttention"
+    COMPLETED = "Completed"  # ended for good, whatever the outcome: Succeeded, Failed, Cancelled or Refused
 
 
 # What status.phase shows: the ledger's phase, or Refused for a Task the operator did not admit
@@ -668,8 +672,11 @@ class StatusModel(ApiModel):
 class Condition(StatusModel):
     """A condition in the metav1.Condition shape, so `kubectl wait --for=condition=Succeeded` works."""
 
-    type: ConditionType
-    """Accepted, Running, Succeeded, Failed, DeadLettered or NeedsAttention."""
+    # A string, not the enum: a type added later must need no CRD upgrade, and an operator
+    # must read a status that a newer one wrote.
+    type: Annotated[str, Field(max_length=316, pattern=CONDITION_TYPE_PATTERN)]
+    """Accepted, Running, Succeeded, Failed, DeadLettered, NeedsAttention or Completed; a client
+    should ignore types it does not know."""
     status: Literal["True", "False", "Unknown"]
     """True, False or Unknown."""
     observed_generation: Annotated[int, Field(ge=0)] | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from retex.api import TaskSpec
 from retex.api.models import (
     ANNOTATIONS_MAX_BYTES,
@@ -39,6 +41,18 @@ def admission_for(*, uid: str, namespace: str, name: str, spec: dict[str, Any],
         timeout_seconds=parsed.timeout_seconds,
         submitted_at=submitted_at,
     )
+
+
+def invalid_spec_message(error: ValidationError) -> str:
+    """The InvalidSpec refusal's message: every problem as `<field path>: <what is wrong>`, the
+    path as the API server writes it (`spec.steps[0].name`). Not pydantic's own text: it repeats
+    the input (a 64 KiB payload, in a Task's status) and links to pydantic's site."""
+    problems = []
+    for problem in error.errors(include_url=False, include_input=False):
+        path = "spec" + "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in problem["loc"])
+        cause = (problem.get("ctx") or {}).get("error")  # a rule of ours: its message as written
+        problems.append(f"{path}: {cause if isinstance(cause, Exception) else problem['msg']}")
+    return "; ".join(problems)
 
 
 def annotations_refusal(annotations: dict[str, str] | None, *, own_prefix: str) -> str | None:

@@ -45,7 +45,13 @@ from retex.ledger import Ledger, LedgerError, LedgerUnavailable, Refusal, TaskNo
 from retex.logs import event
 from retex.machine import IllegalTransition
 from retex.operator import ledger_endpoint
-from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, admission_for, annotations_refusal, not_onboarded_message
+from retex.operator.admission import (
+    NAMESPACE_NOT_ONBOARDED,
+    admission_for,
+    annotations_refusal,
+    invalid_spec_message,
+    not_onboarded_message,
+)
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness
 from retex.operator.leadership import Leadership
@@ -263,7 +269,7 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
         submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
         admission = admission_for(uid=uid, namespace=namespace, name=name, spec=spec, submitted_at=submitted_at)
     except pydantic.ValidationError as refused:
-        return refuse("InvalidSpec", str(refused))
+        return refuse("InvalidSpec", invalid_spec_message(refused))
     too_large = annotations_refusal(dict(meta.get("annotations") or {}), own_prefix=KOPF_PREFIX)
     if too_large:
         return refuse("AnnotationsTooLarge", too_large)

@@ -31,7 +31,7 @@ from retex.operator.metrics import MIRROR_LAG, count_failure
 
 log = logging.getLogger(__name__)
 
-# `kubectl get tasks -l retex.dev/dead-letter=true` lists the dead letters.
+# `kubectl get tasks.retex.dev -l retex.dev/dead-letter=true` lists the dead letters.
 DEAD_LETTER_LABEL = "retex.dev/dead-letter"
 # The NOTIFY listener, after a failure, listens again after this, doubling up to the max.
 LISTEN_RETRY_FIRST_SECONDS = 0.5
@@ -85,6 +85,10 @@ def compute_status(record: TaskRecord, *, lease: LeaseObservation | None, genera
     put(ConditionType.NEEDS_ATTENTION, phase == TaskPhase.NEEDS_ATTENTION,
         why if phase == TaskPhase.NEEDS_ATTENTION else "NoAmbiguousStep",
         error if phase == TaskPhase.NEEDS_ATTENTION else "")
+    # One condition for every ending, so `kubectl wait --for=condition=Completed` returns whatever
+    # the outcome. NeedsAttention is not an ending: a human's resolve lets the task run on.
+    put(ConditionType.COMPLETED, record.terminal, str(phase),
+        (f"{why}: {error}" if error else why) if record.terminal else "")
 
     lease_status = None
     if lease is not None and lease.holder_pod is not None and phase == TaskPhase.RUNNING:
@@ -230,14 +234,21 @@ class StatusMirror(Loop):
         generation = meta.get("generation")
         shown = TaskStatus.model_validate(task["status"]) if task.get("status") else None
         accepted = find_condition(shown.conditions if shown else None, ConditionType.ACCEPTED)
-        if (accepted is not None and accepted.status == "False" and accepted.reason == reason
-                and accepted.observed_generation == generation and shown.phase == REFUSED):
+        announced = (accepted is not None and accepted.status == "False" and accepted.reason == reason
+                     and accepted.observed_generation == generation and shown.phase == REFUSED)
+        # A refused task never runs: it has ended, and `kubectl wait --for=condition=Completed`
+        # must return for it. One refused by an operator that did not write Completed gets it now.
+        if announced and find_condition(shown.conditions, ConditionType.COMPLETED) is not None:
             return
+        now = datetime.now(UTC)
         conditions = set_condition(None, ConditionType.ACCEPTED, "False", reason, message,
-                                   observed_generation=generation, now=datetime.now(UTC))
+                                   observed_generation=generation, now=now)
+        conditions = set_condition(conditions, ConditionType.COMPLETED, "True", REFUSED, f"{reason}: {message}",
+                                   observed_generation=generation, now=now)
         status = TaskStatus(phase=REFUSED, conditions=conditions, observed_generation=generation)
         self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"], as_merge_patch(status))
-        self.warn(task, reason, message)
+        if not announced:
+            self.warn(task, reason, message)
 
     def warn(self, task: dict[str, Any], reason: str, message: str) -> None:
         """A Warning Event about the Task that its status does not carry (a refusal, a requeue
