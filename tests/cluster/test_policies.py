@@ -92,11 +92,13 @@ def test_a_permanent_exit_code_fails_at_once_without_retry(retex):
 
 
 def test_a_delayed_task_waits_scheduled_and_fires_on_time_even_across_an_operator_restart(retex):
-    not_before = datetime.now(UTC) + timedelta(seconds=8)
+    # Far enough ahead that, on a loaded machine, admission shows Scheduled and the restarted
+    # operator leads before the task is due (8 s was not: it went straight to Running under load).
+    not_before = datetime.now(UTC) + timedelta(seconds=30)
     apply(retex, "later", [sh("only", "echo late")], notBefore=not_before.isoformat().replace("+00:00", "Z"))
-    wait_for(lambda: phase_is(retex, "later", "Scheduled"), timeout=20, what="Scheduled")
+    wait_for(lambda: phase_is(retex, "later", "Scheduled"), timeout=25, what="Scheduled")
     retex.operator.restart()
-    wait_for(lambda: status(retex, "later").get("startTime"), timeout=40, what="started")
+    wait_for(lambda: status(retex, "later").get("startTime"), timeout=60, what="started")
     started = datetime.fromisoformat(status(retex, "later")["startTime"].replace("Z", "+00:00"))
     # restart() is a SIGKILL: the new operator first waits out its dead predecessor's election
     # Lease (docs/operator.md, "High availability"), so "on time" allows that on top.
