@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.exceptions import ApiException
 
+from retex.kube.calls import EventNotPosted, StatusNotWritten
 from retex.machine import TaskPhase
 from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
 from tests.unit.test_status import record
@@ -89,7 +90,7 @@ def test_nothing_is_written_onto_a_task_that_is_gone_or_is_another_with_its_name
 
 @pytest.mark.parametrize("code", [404, 409, 422])
 def test_a_write_refused_as_gone_replaced_or_older_than_shown_is_let_go(code):
-    kube = FakeKube(task_object("u"), patch_error=("u", ApiException(status=code)))
+    kube = FakeKube(task_object("u"), patch_error=("u", StatusNotWritten(code)))
     mirror(FakeLedger(rec("u")), kube).mirror("u")  # does not raise: nothing to retry
     assert kube.events == []
 
@@ -140,7 +141,7 @@ def test_the_event_of_a_tasks_end_is_posted_even_when_its_attempt_events_spent_t
 
 
 def test_an_event_the_api_server_refuses_does_not_undo_the_status_write():
-    kube = FakeKube(task_object("u"), event_error=ApiException(status=403, reason="Forbidden"))
+    kube = FakeKube(task_object("u"), event_error=EventNotPosted(403, "events is forbidden"))
     mirror(FakeLedger(rec("u")), kube).mirror("u")
     assert kube.written == [("u", 7, "Running")]
 

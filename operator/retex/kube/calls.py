@@ -54,6 +54,24 @@ class NotPermitted(Refused):
     operator's write rights come from a RoleBinding per tenant namespace)."""
 
 
+class StatusNotWritten(Exception):
+    """A status patch not to retry: the Task is gone (404), another Task now has its name (409: the
+    uid precondition), or it already shows a newer status (422: the CRD's rule that ledgerVersion
+    never goes backwards)."""
+
+    def __init__(self, http_status: int):
+        super().__init__(f"status not written (HTTP {http_status})")
+        self.http_status = http_status
+
+
+class EventNotPosted(Exception):
+    """The API server did not take an Event (e.g. 403 in a namespace not onboarded)."""
+
+    def __init__(self, http_status: int, message: str):
+        super().__init__(message)
+        self.http_status = http_status
+
+
 def api_message(exc: ApiException) -> str:
     """The message of the Status the API server answered with (falls back to the HTTP reason)."""
     return _status_of(exc).get("message") or f"{exc.status} {exc.reason}"
@@ -179,9 +197,14 @@ class KubeCalls:
         """Merge-patch the status subresource. The uid precondition keeps a status from landing
         on a newer Task that reuses the name; the CRD's CEL rule refuses a lower ledgerVersion."""
         body = {"metadata": {"uid": uid}, "status": status}
-        self._custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH
-        )
+        try:
+            self._custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH
+            )
+        except ApiException as exc:
+            if exc.status in (404, 409, 422):
+                raise StatusNotWritten(exc.status) from exc
+            raise
 
     def patch_task_labels(self, namespace: str, name: str, uid: str, labels: dict[str, str | None]) -> None:
         """Merge-patch labels (None removes one) on the Task with this uid."""
@@ -192,23 +215,24 @@ class KubeCalls:
     def post_event(self, task: dict[str, Any], *, reason: str, message: str, warning: bool = False) -> None:
         meta = task["metadata"]
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        self._core.create_namespaced_event(
-            meta["namespace"],
-            {
-                "metadata": {"generateName": f"{meta['name'][:200]}.", "namespace": meta["namespace"]},
-                "involvedObject": {"apiVersion": task["apiVersion"], "kind": task["kind"], "name": meta["name"],
-                                   "namespace": meta["namespace"], "uid": meta["uid"]},
-                "reason": reason,
-                "message": message[:1024],
-                "type": "Warning" if warning else "Normal",
-                "firstTimestamp": now,
-                "lastTimestamp": now,
-                "count": 1,
-                "source": {"component": "retex-operator"},
-                "reportingComponent": "retex.dev/operator",
-                "reportingInstance": self._instance,
-            },
-        )
+        body = {
+            "metadata": {"generateName": f"{meta['name'][:200]}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": task["apiVersion"], "kind": task["kind"], "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta["uid"]},
+            "reason": reason,
+            "message": message[:1024],
+            "type": "Warning" if warning else "Normal",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": "retex-operator"},
+            "reportingComponent": "retex.dev/operator",
+            "reportingInstance": self._instance,
+        }
+        try:
+            self._core.create_namespaced_event(meta["namespace"], body)
+        except ApiException as exc:
+            raise EventNotPosted(exc.status, api_message(exc)) from exc
 
     # -- the reaper's questions about one attempt (attempt lifecycle) ------------------------
 

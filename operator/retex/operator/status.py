@@ -16,11 +16,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes.client.exceptions import ApiException
-
 from retex.api import REFUSED, ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
-from retex.kube.calls import KubeCalls
+from retex.kube.calls import EventNotPosted, KubeCalls, StatusNotWritten
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
 from retex.ledger import Ledger, TaskRecord
@@ -256,9 +254,9 @@ class StatusMirror(Loop):
         if self._limiter.allow(task["metadata"]["uid"], time.monotonic()):
             try:
                 self._kube.post_event(task, reason=reason, message=message, warning=True)
-            except ApiException as exc:  # 403 in a namespace not onboarded: the status says it all
+            except EventNotPosted as exc:  # 403 in a namespace not onboarded: the status says it all
                 event(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
-                      http_status=exc.status)
+                      http_status=exc.http_status)
 
     def _mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger is marked for a write."""
@@ -284,12 +282,10 @@ class StatusMirror(Loop):
         failpoint("in-status-mirror", task=record.name, uid=uid)
         try:
             self._kube.patch_task_status(record.namespace, record.name, uid, as_merge_patch(status))
-        except ApiException as exc:
-            if exc.status in (404, 409, 422):  # gone, replaced, or a newer status already landed
-                event(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
-                      name=record.name, epoch=record.epoch, http_status=exc.status)
-                return
-            raise
+        except StatusNotWritten as exc:  # gone, replaced, or a newer status already landed
+            event(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
+                  name=record.name, epoch=record.epoch, http_status=exc.http_status)
+            return
         with self._lock:
             marked_at = self._marked_at.pop(uid, None)
         if marked_at is not None:
@@ -302,5 +298,5 @@ class StatusMirror(Loop):
             if reason in _FINAL_EVENTS or self._limiter.allow(uid, time.monotonic()):
                 try:
                     self._kube.post_event(task, reason=reason, message=message, warning=warning)
-                except ApiException as exc:
-                    event(log, logging.WARNING, "event not posted", uid=uid, reason=reason, http_status=exc.status)
+                except EventNotPosted as exc:
+                    event(log, logging.WARNING, "event not posted", uid=uid, reason=reason, http_status=exc.http_status)
