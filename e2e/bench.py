@@ -1,6 +1,7 @@
 """`make bench`: retex measured side by side with what users would run instead, on the local rig.
 
-    python -m e2e.bench [--quick] [MEASURE ...]     measures: checkpoint latency throughput recovery
+    python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
+        measures: checkpoint latency throughput recovery profile
 
 Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
 it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -23,7 +25,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +57,23 @@ class Sizes:
     throughput_tasks: int = 300
     throughput_limit: int = 10
     recovery_runs: int = 10
+    profile_tasks: int = 3
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
-                   throughput_limit=2, recovery_runs=1)
+                   throughput_limit=2, recovery_runs=1, profile_tasks=1)
+
+    def with_overrides(self, overrides: list[str]) -> Sizes:
+        """These sizes with `NAME=N` overrides (e.g. `latency_tasks=10`): sizes between --quick and full."""
+        names = {f.name for f in fields(self)}
+        changed = {}
+        for item in overrides:
+            name, _, value = item.partition("=")
+            if name not in names or not value.isdigit():
+                raise ValueError(f"--size {item!r}: expected NAME=N with NAME one of {', '.join(sorted(names))}")
+            changed[name] = int(value)
+        return replace(self, **changed)
 
 
 @dataclass
@@ -95,7 +110,8 @@ class BenchSystem:
         self.dsn = postgres.dsn(dbname=database)
         install_crd(rig.kubectl)
         prepare_namespace(rig.kubectl, self.namespace)
-        self.operator = OperatorProcess(rig.kubeconfig, self.dsn, markers / "operator.log",
+        self.operator_log = markers / "operator.log"
+        self.operator = OperatorProcess(rig.kubeconfig, self.dsn, self.operator_log,
                                         extra_env={"RETEX_NAMESPACES": self.namespace})
         self.operator.start()
         self.ledger = Ledger(self.dsn).open()
@@ -281,6 +297,75 @@ def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                            "job_p50": percentile(jobs, 50), "samples": len(retex)})]
 
 
+PROFILE_STEPS = 3
+
+
+def measure_profile(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """Where the time goes for one no-op 3-step task, create → Succeeded: its timeline merged from
+    the ledger's history, the operator's log, the rig agent's log (container started) and the
+    worker's own log, printed for the last task; against a bare Job running `true; true; true`,
+    create → Complete, alternating."""
+    retex, jobs = [], []
+    steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True} for i in range(PROFILE_STEPS)]
+    timeline: list[tuple[float, str, str]] = []
+    for i in range(sizes.profile_tasks):
+        name = f"profile-task-{i}"
+        created = time.time()
+        uid = system.create_task(name, steps)
+        wait_for(f"{name} Succeeded", lambda u=uid: system.succeeded([u]), timeout=120, interval=0.02)
+        retex.append(time.time() - created)
+        timeline = _task_timeline(system, uid, created)
+        name = f"profile-job-{i}"
+        created = time.time()
+        system.create_job(name, ["sh", "-c", "true; true; true"])
+        wait_for(f"{name} Complete", lambda n=name: system.jobs_finished({n}), timeout=120, interval=0.02)
+        jobs.append(time.time() - created)
+    say(f"  timeline of the last task (seconds from create; {len(timeline)} events):")
+    for offset, source, what in timeline:
+        say(f"    {offset:7.3f}  {source:8}  {what}")
+    r, b = percentile(retex, 50), percentile(jobs, 50)
+    return [Figure(measure=f"profile, create → Succeeded of a no-op {PROFILE_STEPS}-step task, p50", unit="s",
+                   retex=r, baseline=b, baseline_name="bare Job `true; true; true`: create → Complete",
+                   ratio=r / b, target="reported (where the time goes)", met=True,
+                   detail={"samples": len(retex), "timeline": [list(t) for t in timeline]})]
+
+
+def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[float, str, str]]:
+    events = [(h.at.timestamp(), "ledger", h.event + (f" step {h.step_idx}" if h.step_idx is not None else ""))
+              for h in system.ledger.history(uid)]
+    for line in _lines_with(system.operator_log, uid):
+        events.append((_iso_seconds(line["ts"]), "operator", line["msg"]))
+    pods = sorted(system.rig.state_dir.glob(f"nodes/*/pods/{system.namespace}_*"))
+    for log_file in (pod / "worker.log" for pod in pods):
+        lines = _lines_with(log_file, uid)
+        if lines:
+            events += [(_iso_seconds(line["ts"]), "worker", line["msg"]) for line in lines]
+            pod = log_file.parent.name.split("_")[1]
+            for agent_log in system.rig.state_dir.glob("logs/*.log"):
+                for text in agent_log.read_text(errors="replace").splitlines():
+                    if f"/{pod} container worker " in text:
+                        stamp = datetime.strptime(text[:23], "%Y-%m-%d %H:%M:%S,%f").astimezone()
+                        events.append((stamp.timestamp(), "agent", text[text.index("container"):][:60]))
+    return sorted((at - created, source, what) for at, source, what in events)
+
+
+def _lines_with(path: Path, uid: str) -> list[dict[str, Any]]:
+    """The JSON log lines of `path` that name the task `uid`."""
+    found = []
+    if path.exists():
+        for text in path.read_text(errors="replace").splitlines():
+            if uid in text and text.startswith("{"):
+                try:
+                    found.append(json.loads(text))
+                except ValueError:
+                    continue
+    return found
+
+
+def _iso_seconds(stamp: str) -> float:
+    return datetime.fromisoformat(re.sub(r"Z$", "+00:00", stamp)).timestamp()
+
+
 def _uid(system: BenchSystem, name: str) -> str:
     return system.custom.get_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)["metadata"]["uid"]
 
@@ -299,6 +384,7 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "latency": measure_latency,
     "throughput": measure_throughput,
     "recovery": measure_recovery,
+    "profile": measure_profile,
 }
 
 
@@ -355,13 +441,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.bench", description=__doc__.split("\n")[0])
     parser.add_argument("measures", nargs="*", metavar="MEASURE", help=f"one of {', '.join(MEASURES)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every measure")
+    parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
+                        help="override one size (of the full sizes, or of --quick's), e.g. latency_tasks=10")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--charts", type=Path, default=CHARTS)
     args = parser.parse_args(argv)
     unknown = set(args.measures) - set(MEASURES)
     if unknown:
         parser.error(f"unknown measure(s) {', '.join(sorted(unknown))}: choose from {', '.join(MEASURES)}")
-    sizes = Sizes.quick() if args.quick else Sizes()
+    try:
+        sizes = (Sizes.quick() if args.quick else Sizes()).with_overrides(args.size)
+    except ValueError as exc:
+        parser.error(str(exc))
     state = Path(tempfile.mkdtemp(prefix="retex-bench-rig-"))
     say(f"starting the local rig and Postgres (state in {state})")
     rig, postgres = Rig(state / "rig"), PostgresServer()

@@ -212,9 +212,26 @@ def test_a_crashing_verify_is_never_read_as_not_found():
 
 
 def test_a_package_left_in_the_working_directory_cannot_shadow_the_worker_side_of_an_exec_step(tmp_path, monkeypatch):
-    # The step's tether is a `python -m` of the worker's own: with -P a `retex/` that an earlier
-    # step wrote into the working directory is not imported in its place.
+    # The step's tether is a Python file of the worker's own, run isolated (-I): a `retex/` that an
+    # earlier step wrote into the working directory is not imported in its place.
     (tmp_path / "retex").mkdir()
     (tmp_path / "retex" / "__init__.py").write_text("raise SystemExit(97)\n")
     monkeypatch.chdir(tmp_path)
     assert run("print('charged')") == Succeeded({"exitCode": 0, "stdout": "charged\n", "stderr": ""})
+
+
+def test_the_steps_environment_cannot_put_code_into_its_tether(tmp_path):
+    # The tether enforces the step's own deadline; a PYTHONPATH in the step's env (a sitecustomize
+    # there) reaches the step's command, never the tether: it runs with -I -S.
+    (tmp_path / "sitecustomize.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'w').close()\n")
+    s = step(exec={"command": ["true"], "env": [{"name": "PYTHONPATH", "value": str(tmp_path)}]})
+    assert exec_step.run(s.exec, s, call(), supervision()) == Succeeded({"exitCode": 0, "stdout": "", "stderr": ""})
+    assert not (tmp_path / "imported").exists()
+
+
+def test_a_steps_command_starts_with_default_signal_dispositions():
+    # Python ignores SIGPIPE and SIGXFSZ; a command started by the tether must not inherit that
+    # (a `producer | head` would spin on EPIPE instead of ending).
+    s = step(exec={"command": ["sh", "-c", "grep SigIgn /proc/self/status"]})
+    ignored = int(exec_step.run(s.exec, s, call(), supervision()).result["stdout"].split()[1], 16)
+    assert not ignored & (1 << (13 - 1)) and not ignored & (1 << (25 - 1)), hex(ignored)

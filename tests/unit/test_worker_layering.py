@@ -20,3 +20,15 @@ def test_the_worker_never_imports_kopf_or_the_operator():
 def test_step_code_importing_retex_worker_does_not_pull_in_kubernetes_or_the_ledger():
     loaded = modules_after("from retex.worker import PermanentError, RetryableError, StepContext")
     assert "kubernetes" not in loaded and "psycopg" not in loaded
+
+
+def test_the_worker_reaches_the_ledger_without_importing_psycopg():
+    # Workers talk HTTP to the ledger endpoint; psycopg is import time in every pod for nothing.
+    loaded = modules_after("import retex.worker.main")
+    assert "psycopg" not in loaded and "psycopg_pool" not in loaded
+    assert "retex.ledger.store" not in loaded
+
+
+def test_the_ledger_store_still_comes_with_the_ledger_package_on_first_use():
+    loaded = modules_after("from retex.ledger import Ledger, NOTIFY_CHANNEL, spec_hash")
+    assert "psycopg" in loaded and "retex.ledger.store" in loaded

@@ -1,7 +1,14 @@
 """The Postgres step ledger: the one source of truth of retex. Knows nothing of Kubernetes.
 
 Public surface: `Ledger` (operations), the records it returns, and its typed errors.
+
+`Ledger` and `NOTIFY_CHANNEL` are imported on first use: the store brings psycopg, which the
+worker (it reaches the ledger over HTTP) would otherwise load in every pod for nothing.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from retex.ledger.errors import (
     CancelRequested,
@@ -13,6 +20,7 @@ from retex.ledger.errors import (
     TaskNotFound,
     UnstorableValue,
 )
+from retex.ledger.hashing import spec_hash, step_idempotency_key
 from retex.ledger.records import (
     DURATION_BUCKETS,
     RESULT_LIMIT_BYTES,
@@ -29,7 +37,6 @@ from retex.ledger.records import (
     TaskRef,
     WatchedAttempt,
 )
-from retex.ledger.store import NOTIFY_CHANNEL, Ledger, spec_hash, step_idempotency_key
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
@@ -39,3 +46,16 @@ __all__ = [
     "WatchedAttempt",
     "spec_hash", "step_idempotency_key",
 ]
+
+_FROM_THE_STORE = frozenset({"Ledger", "NOTIFY_CHANNEL"})
+
+if TYPE_CHECKING:
+    from retex.ledger.store import NOTIFY_CHANNEL, Ledger
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_THE_STORE:
+        from retex.ledger import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

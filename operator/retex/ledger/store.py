@@ -9,7 +9,6 @@ epoch first, so a stale attempt is rejected even while a new attempt is being st
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import random
@@ -34,6 +33,7 @@ from retex.ledger.errors import (
     TaskNotFound,
     UnstorableValue,
 )
+from retex.ledger.hashing import spec_hash, step_idempotency_key
 from retex.ledger.migrate import migrate
 from retex.ledger.records import (
     DURATION_BUCKETS,
@@ -74,16 +74,6 @@ _TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psy
 # Phases that hold a run slot (Running) or a concurrency key: leaving one may let a queued task start.
 _HOLDS_KEY = (TaskPhase.RUNNING, TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION)
 _CANCEL_REASONS = ("Cancelled", "TaskDeleted")
-
-
-def step_idempotency_key(uid: str, step_name: str, step_spec: Any) -> str:
-    """`<task uid>:<step name>:<version>`: stable across attempts, new if the step changed."""
-    version = hashlib.sha256(json.dumps(step_spec, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{uid}:{step_name}:{version}"
-
-
-def spec_hash(spec: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 class Ledger:

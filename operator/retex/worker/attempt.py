@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
@@ -27,7 +27,6 @@ from retex.failpoints import failpoint
 from retex.ledger import (
     CancelRequested,
     FenceRejected,
-    Ledger,
     LedgerUnavailable,
     StepRecord,
     TaskRecord,
@@ -52,6 +51,9 @@ from retex.worker.outcomes import (
     stored_text,
 )
 from retex.worker.steps import in_flight_seconds, run_step, run_verify
+
+if TYPE_CHECKING:
+    from retex.ledger import Ledger  # the store: a type only, the worker never imports psycopg
 
 log = logging.getLogger(__name__)
 

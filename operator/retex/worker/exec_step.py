@@ -1,5 +1,5 @@
 """`exec` steps: a command run without a shell, in its own process group, tethered to the worker
-(`retex.worker.tether`: the group dies if the worker does).
+(`retex.worker.tether`, started as a file: the group dies if the worker does).
 
 Environment: the worker's (minus its credentials and every Secret value), the step's `env` (a
 valueFrom.secretKeyRef read from the worker's own env, where the Job put it), then RETEX_IDEMPOTENCY_KEY,
@@ -43,6 +43,9 @@ STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024
 ERROR_TAIL_BYTES = 1024
 VERIFY_NOT_FOUND_EXIT_CODE = 44
+# Run as a file with -I -S: no site-packages, no retex package, nothing from the step's working
+# directory (a module an earlier step wrote there is never imported) — and a quick start.
+TETHER = str(Path(__file__).with_name("tether.py"))
 
 
 def exit_outcome(step: Step, code: int, stderr_tail: str) -> Failed | Unknown:
@@ -92,8 +95,7 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
         with open(workdir / "stdout", "w+b") as stdout, open(workdir / "stderr", "w+b") as stderr:
             not_started = workdir / "not-started"
             proc = subprocess.Popen(
-                # -P: a module an earlier step wrote into the working directory is never imported.
-                [sys.executable, "-P", "-m", "retex.worker.tether", str(os.getpid()), str(not_started),
+                [sys.executable, "-I", "-S", TETHER, str(os.getpid()), str(not_started),
                  repr(own_deadline(step, call, sup)), *action.command, *(action.args or [])],
                 env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
             end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,

@@ -1,4 +1,4 @@
-"""Step processes die with their worker: `python -m retex.worker.tether WORKER_PID NOT_STARTED_FILE DEADLINE COMMAND...`.
+"""Step processes die with their worker: `python -I -S tether.py WORKER_PID NOT_STARTED_FILE DEADLINE COMMAND...`.
 
 In a pod, the end of the container kills every process in it. Run directly on a host — or on the
 test rig, which has no PID namespaces — a step in its own process group would outlive a worker
@@ -12,6 +12,11 @@ cannot; the clock is the host's, so this process's start-up is not added to it.
 
 If COMMAND cannot be started at all, the reason is written to NOT_STARTED_FILE: that is a
 permanent failure, and it cannot be told from an exit code the command might use itself.
+
+One of these starts for every exec step, so it is started as a file, isolated and without site
+(`python -I -S`): only the standard library, no site-packages scan, no retex package, nothing of
+the step's working directory or PYTHON* environment; and it starts COMMAND with posix_spawn, not
+the subprocess module (whose import costs more than the rest of this process).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -61,12 +65,14 @@ def main(argv: list[str]) -> int:
     tie_to(worker_pid)
     kill_group_at(deadline)
     try:
-        proc = subprocess.Popen(command)  # same stdio, environment and process group
+        # Same stdio, environment and process group; the signals Python ignores (SIGPIPE, SIGXFSZ)
+        # back to their defaults, as subprocess does.
+        pid = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
     except OSError as exc:
         with open(not_started_file, "w") as reason:
             reason.write(f"cannot start {command[0]!r}: {exc}")
         return 127
-    returncode = proc.wait()
+    returncode = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     if returncode < 0:  # end the way the command did, so the worker sees the signal
         if -returncode not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled anyway
             signal.signal(-returncode, signal.SIG_DFL)
