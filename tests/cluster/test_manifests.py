@@ -123,8 +123,10 @@ def test_operator_runs_two_replicas_on_two_nodes_never_both_down_and_elects_with
     deployment = next(o for o in objects if o["kind"] == "Deployment")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert deployment["spec"]["replicas"] == 2
+    # No surge: with the required anti-affinity and two nodes, a third pod could never be scheduled
+    # and a rollout would never end; the PDB still keeps one replica up.
     assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
-                                              "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+                                              "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}}
     spread = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     [term] = spread["requiredDuringSchedulingIgnoredDuringExecution"]
     assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"] == pod_labels

@@ -346,6 +346,7 @@ def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
 
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", RESOLVE_ANNOTATION))
+@leader_only
 def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """`retex resolve` through the API: the annotation holds the decision as JSON
     ({"step", "markDone", "result"?, "requestedAt"}); the ledger records it with who asked."""
