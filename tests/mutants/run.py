@@ -8,7 +8,8 @@ is a missing test. The table is printed and written into docs/testing.md.
 The copy is a `git worktree` of HEAD under /tmp with its own .venv: the main .venv's packages
 (through a .pth), but the copy's operator/ first on sys.path, and console scripts of its own —
 the rig's node agents run pods with PATH = <repo>/.venv/bin, so worker pods run the mutant too.
-Uncommitted changes are not in the copy: commit first. Exit status: 0 if every mutant was killed,
+Uncommitted changes are not in the copy: commit first. Every mutant runs on the commit HEAD was
+when the run began (patches from that commit too), whatever lands meanwhile. Exit status: 0 if every mutant was killed,
 1 otherwise (a survivor, a patch that no longer applies, or a run that errored).
 """
 
@@ -80,17 +81,17 @@ class Result:
     seconds: float
 
 
-def patch_of(mutant: Mutant) -> Path:
-    return PATCHES / f"{mutant.name}.patch"
+def patch_of(mutant: Mutant, tree: Path = REPO) -> Path:
+    return tree / PATCHES.relative_to(REPO) / f"{mutant.name}.patch"
 
 
 def applies(tree: Path, patch: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["git", "-C", str(tree), "apply", "--check", str(patch)], capture_output=True, text=True)
 
 
-def make_copy(tree: Path) -> Path:
-    """A worktree of HEAD at `tree` with a .venv that runs *its* operator/ (see the module doc)."""
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), "HEAD"], check=True)
+def make_copy(tree: Path, commit: str) -> Path:
+    """A worktree of `commit` at `tree` with a .venv that runs *its* operator/ (see the module doc)."""
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), commit], check=True)
     venv = tree / ".venv"
     base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
     subprocess.run([str(base), "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -111,17 +112,17 @@ def remove_copy(tree: Path) -> None:
     shutil.rmtree(tree, ignore_errors=True)
 
 
-def run_mutant(mutant: Mutant) -> Result:
+def run_mutant(mutant: Mutant, commit: str) -> Result:
     started = time.monotonic()
     tree = Path(tempfile.mkdtemp(prefix=f"retex-mutant-{mutant.name}-")) / "repo"
     tree.parent.chmod(0o755)  # worker pods and Postgres run as `nobody` and read the copy
     try:
-        make_copy(tree)
-        check = applies(tree, patch_of(mutant))
+        make_copy(tree, commit)
+        check = applies(tree, patch_of(mutant, tree))
         if check.returncode != 0:
             print(f"!!! {mutant.name}: PATCH DOES NOT APPLY to HEAD:\n{check.stderr}", file=sys.stderr)
             return Result(mutant, "PATCH DOES NOT APPLY", [], time.monotonic() - started)
-        subprocess.run(["git", "-C", str(tree), "apply", str(patch_of(mutant))], check=True)
+        subprocess.run(["git", "-C", str(tree), "apply", str(patch_of(mutant, tree))], check=True)
         report = tree / "mutant-junit.xml"
         print(f"==> {mutant.name}: {mutant.mechanism} switched off; running {len(mutant.tests)} test(s)", flush=True)
         done = subprocess.run([str(tree / ".venv" / "bin" / "python"), "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
@@ -155,14 +156,13 @@ def table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def write_doc(results: list[Result]) -> None:
+def write_doc(results: list[Result], commit: str, began: str) -> None:
     text = TESTING_DOC.read_text()
     head, _, rest = text.partition(BEGIN)
     _, _, tail = rest.partition(END)
-    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    TESTING_DOC.write_text(f"{head}{BEGIN}\nLast `make mutants`: {stamp}, at {commit}.\n\n{table(results)}\n{END}{tail}")
+    ended = time.strftime("%H:%M UTC", time.gmtime())
+    TESTING_DOC.write_text(f"{head}{BEGIN}\nLast `make mutants`: {began}–{ended}, every mutant on {commit}.\n\n"
+                           f"{table(results)}\n{END}{tail}")
 
 
 def main(names: list[str]) -> int:
@@ -171,10 +171,14 @@ def main(names: list[str]) -> int:
     if unknown:
         print(f"unknown mutant(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
         return 2
-    results = [run_mutant(known[n]) for n in names or known]
+    # One commit for every mutant, whatever lands on the branch meanwhile.
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    began = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    results = [run_mutant(known[n], commit) for n in names or known]
     print(table(results))
     if not names:  # only a full run speaks for the suite in docs/testing.md
-        write_doc(results)
+        write_doc(results, commit, began)
     return 0 if all(r.verdict == "killed" for r in results) else 1
 
 
