@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
@@ -25,6 +25,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from retex.failpoints import failpoint
+from retex.ledger import readers
 from retex.ledger.errors import (
     CancelRequested,
     FenceRejected,
@@ -36,19 +37,16 @@ from retex.ledger.errors import (
 )
 from retex.ledger.migrate import migrate
 from retex.ledger.records import (
-    DURATION_BUCKETS,
     RESULT_LIMIT_BYTES,
     AdmitResult,
     AttemptRecord,
     Dispatch,
-    Histogram,
     HistoryEntry,
     LedgerFigures,
     Refusal,
     StepRecord,
     TaskAdmission,
     TaskRecord,
-    TaskRef,
     WatchedAttempt,
 )
 from retex.machine import (
@@ -65,8 +63,8 @@ from retex.machine import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 
-NOTIFY_CHANNEL = "retex_ledger"
 # Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
 PLACEMENT_LOCK_KEY = 0x706C616365
 # Transient: the operation did not happen or will be found done when repeated.
@@ -153,6 +151,10 @@ class Ledger:
 
         return self._retrying(attempt, op=op)
 
+    def _run(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`operation(cur, ...)` in one transaction of its own, retried, named after the operation."""
+        return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__)
+
     def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         """`_tx` for an operation whose repetition would be refused (a human action that moves the
         task on): when a retry follows a COMMIT whose reply was lost, the earlier try's transaction
@@ -165,7 +167,7 @@ class Ledger:
                 self._lock_task(cur, uid)
                 status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
                 if status == "committed":
-                    return self._record(cur, uid)
+                    return readers.get(cur, uid)
             earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
             return fn(cur)
 
@@ -331,13 +333,6 @@ class Ledger:
             (outcome, settled, uid, epoch),
         )
 
-    def _record(self, cur: psycopg.Cursor, uid: str) -> TaskRecord:
-        row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()
-        if row is None:
-            raise TaskNotFound(uid)
-        steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
-        return _task_record(row, steps)
-
     # -- admission and attempts (operator) ---------------------------------------------------
 
     def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
@@ -358,7 +353,7 @@ class Ledger:
             ).fetchone()
             # Checked after the insert, in its own statement: a purge that committed while the insert
             # waited on the row is seen here (a check before it could miss it).
-            verdict = _prior_verdict(cur, admission)
+            verdict = readers.prior_verdict(cur, admission)
             if verdict is not None:
                 raise _NotAdmitted(verdict)
             if inserted is None:
@@ -378,13 +373,6 @@ class Ledger:
         except _NotAdmitted as not_admitted:
             return not_admitted.verdict
 
-    def prior_verdict(self, admission: TaskAdmission) -> AdmitResult | None:
-        """What `admit` answers for a Task it will never admit, without writing: refused before,
-        purged, or a duplicate of the task (live or purged) that used its idempotencyKey first.
-        None: `admit` would admit it (or has). The operator asks before its Job dry run, so that a
-        decision made once is not made again differently."""
-        return self._tx(lambda cur: _prior_verdict(cur, admission), op="prior_verdict")
-
     def refuse(self, refusal: Refusal) -> Refusal:
         """Record that a Task is not admitted. Final for its uid: the first refusal stored stands
         (and is returned), and `admit` never admits the uid."""
@@ -396,13 +384,9 @@ class Ledger:
                 (refusal.uid, refusal.namespace, refusal.name, refusal.reason, refusal.message[:4096],
                  refusal.generation),
             )
-            return _refusal(cur, refusal.uid)
+            return readers.refusal(cur, refusal.uid)
 
         return self._tx(op, op="refuse")
-
-    def refusal(self, uid: str) -> Refusal | None:
-        """The refusal stored for `uid`, or None."""
-        return self._tx(lambda cur: _refusal(cur, uid), op="refusal")
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
         """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
@@ -414,7 +398,7 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["epoch"] != lost_epoch or task["phase"] != TaskPhase.RUNNING:
-                return self._record(cur, uid)
+                return readers.get(cur, uid)
             self._end_attempt(cur, uid, lost_epoch, "lost")
             if task["cancel_requested"]:
                 self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
@@ -425,7 +409,7 @@ class Ledger:
             else:
                 self._start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
                                     disruptions=task["disruptions"] + 1)
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="replace_attempt")
 
@@ -458,19 +442,6 @@ class Ledger:
 
         return self._tx(op, op="promote_due")
 
-    def next_due_at(self) -> datetime | None:
-        """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
-        the promoter sleeps until then instead of keeping a timer per task."""
-        return self._tx(
-            lambda cur: cur.execute(
-                """SELECT least(
-                       (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
-                       (SELECT min(deadline_at) FROM retex.tasks
-                        WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled'))) AS at"""
-            ).fetchone()["at"],
-            op="next_due_at",
-        )
-
     def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
         """Limits on running attempts, for every process that places tasks; then fill the slots
         that raised limits opened."""
@@ -492,14 +463,14 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
-                return self._record(cur, uid)
+                return readers.get(cur, uid)
             if task["phase"] == TaskPhase.RUNNING:
                 self._touch(cur, uid, cancel_requested=True, cancel_reason=reason)
                 self._history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
             else:
                 self._transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
                                  cancel_reason=reason)
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="request_cancel")
 
@@ -512,7 +483,7 @@ class Ledger:
                 if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
                     self._end_attempt(cur, uid, task["epoch"], "failed", settled=False)
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="fail_task")
 
@@ -528,7 +499,7 @@ class Ledger:
                 if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
                     self._end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
                 self._transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="abandon")
 
@@ -547,7 +518,7 @@ class Ledger:
                                        dead_lettered=False, reason=None, finished_at=None, not_before=None,
                                        deadline_at=None)
             self._place(cur, pending, "requeue", actor)
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx_once(op, uid=uid, op="requeue")
 
@@ -577,29 +548,11 @@ class Ledger:
                 task = self._lock_task(cur, uid)
                 pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
                 self._place(cur, pending, "requeue", actor)
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx_once(op, uid=uid, op="resolve_step")
 
     # -- attempt lifecycle (operator: the reaper and the promoter) -----------------------------
-
-    def watched(self) -> list[WatchedAttempt]:
-        """What the reaper watches: the current attempt of every Running task, and every attempt
-        the operator ended that is not yet known dead (it holds its slot and key until then)."""
-
-        def op(cur: psycopg.Cursor) -> list[WatchedAttempt]:
-            rows = cur.execute(
-                """SELECT t.uid, t.namespace, t.name, a.epoch, t.phase = 'Running' AND a.epoch = t.epoch AS current,
-                          t.cancel_requested, a.job_name,
-                          extract(epoch FROM now() - o.sent_at)::float8 AS dispatched_seconds_ago
-                   FROM retex.attempts a JOIN retex.tasks t ON t.uid = a.task_uid
-                   LEFT JOIN retex.outbox o ON o.task_uid = a.task_uid AND o.epoch = a.epoch AND o.outcome = 'sent'
-                   WHERE (t.phase = 'Running' AND a.epoch = t.epoch AND a.outcome IS NULL)
-                      OR (a.outcome IS NOT NULL AND a.settled_at IS NULL)
-                   ORDER BY t.uid, a.epoch""").fetchall()
-            return [WatchedAttempt(**row) for row in rows]
-
-        return self._tx(op, op="watched")
 
     def settle_attempt(self, uid: str, epoch: int, *, actor: str = "operator") -> None:
         """Attempt `epoch`, already ended by the operator, is known dead: free its slot and key."""
@@ -626,10 +579,10 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
-                return self._record(cur, uid)
+                return readers.get(cur, uid)
             if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
                            (uid, epoch)).fetchone()["pod"] is not None:
-                return self._record(cur, uid)
+                return readers.get(cur, uid)
             self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
             failures = task["failures"] + 1
             if task["cancel_requested"]:
@@ -642,7 +595,7 @@ class Ledger:
                 self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                                  reason="WorkerNotStarted", failures=failures, last_error=error[:4096],
                                  not_before=_db_now(cur) + timedelta(seconds=delay))
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="fail_unstarted")
 
@@ -655,10 +608,10 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
-                return self._record(cur, uid)
+                return readers.get(cur, uid)
             self._end_attempt(cur, uid, epoch, "cancelled")
             self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="cancel_unheld")
 
@@ -666,14 +619,6 @@ class Ledger:
         """Start what may start: the periodic backstop for a placement that skipped a briefly
         locked queue head (SKIP LOCKED) or a slot freed where no placement followed."""
         self._tx(lambda cur: self._fill_slots(cur, actor), op="fill_slots")
-
-    def seconds_until(self, at: datetime) -> float:
-        """`at` minus the database's now(): time left measured on the ledger's clock, the one
-        that set `at` (a deadline), never the caller's wall clock."""
-        return self._tx(
-            lambda cur: cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)).fetchone()["s"],
-            op="seconds_until",
-        )
 
     # -- the outbox relay (operator) ---------------------------------------------------------
 
@@ -732,7 +677,7 @@ class Ledger:
             self._fence(task, epoch)
             cur.execute("UPDATE retex.attempts SET pod = %s, node = %s WHERE task_uid = %s AND epoch = %s",
                         (pod, node, uid, epoch))
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="claim_attempt")
 
@@ -751,7 +696,7 @@ class Ledger:
                 raise CancelRequested(uid)
             steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
             row = steps[idx]
-            prior = _step_record(row)
+            prior = readers.step_record(row)
             if prior.state == StepState.STARTED and prior.attempt == epoch:
                 if request is not None and row["begin_request"] == request:  # the same call again
                     return replace(prior, state=StepState(row["prior_state"]), attempt=row["prior_attempt"],
@@ -841,7 +786,7 @@ class Ledger:
             step = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s",
                                (uid, idx)).fetchone()
             if step and step["state"] == StepState.FAILED and step["attempt"] == epoch and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
+                return readers.get(cur, uid)  # a repeated call
             self._fence(task, epoch)
             self._step_move(cur, uid, idx, StepEvent.FAIL, actor, epoch, error=error[:4096], finished_at=_NOW)
             self._end_attempt(cur, uid, epoch, "failed")
@@ -858,7 +803,7 @@ class Ledger:
                 self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                                  reason="RetryableError", failures=failures, last_error=error[:4096],
                                  not_before=_db_now(cur) + timedelta(seconds=delay))
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         with self._refusal_as_unstorable():
             return self._tx(op, op="fail_step")
@@ -869,14 +814,14 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["phase"] == TaskPhase.NEEDS_ATTENTION and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
+                return readers.get(cur, uid)  # a repeated call
             self._fence(task, epoch)
             self._step_move(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
             self._end_attempt(cur, uid, epoch, "needs-attention")
             task = self._lock_task(cur, uid)
             self._transition(cur, task, TaskEvent.NEED_ATTENTION, actor, reason="AmbiguousStep",
                              last_error=why[:4096])
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         with self._refusal_as_unstorable():
             return self._tx(op, op="flag_step")
@@ -887,7 +832,7 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["phase"] == TaskPhase.SUCCEEDED and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
+                return readers.get(cur, uid)  # a repeated call
             self._fence(task, epoch)
             undone = cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
                                  (uid,)).fetchone()["n"]
@@ -895,7 +840,7 @@ class Ledger:
                 raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
             self._end_attempt(cur, uid, epoch, "succeeded")
             self._transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="complete_task")
 
@@ -905,41 +850,59 @@ class Ledger:
         def op(cur: psycopg.Cursor) -> TaskRecord:
             task = self._lock_task(cur, uid)
             if task["phase"] == TaskPhase.CANCELLED and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
+                return readers.get(cur, uid)  # a repeated call
             self._fence(task, epoch)
             if not task["cancel_requested"]:
                 raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
             self._end_attempt(cur, uid, epoch, "cancelled")
             self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
-            return self._record(cur, uid)
+            return readers.get(cur, uid)
 
         return self._tx(op, op="finish_cancelled")
 
-    # -- readers -----------------------------------------------------------------------------
+    # -- readers (retex.ledger.readers) ------------------------------------------------------
 
     def get(self, uid: str) -> TaskRecord:
-        return self._tx(lambda cur: self._record(cur, uid), op="get")
+        return self._run(readers.get, uid)
 
     def find(self, namespace: str, name: str) -> TaskRecord | None:
-        """The newest task of that namespace/name (a name can be reused after deletion)."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord | None:
-            row = cur.execute(
-                "SELECT uid FROM retex.tasks WHERE namespace = %s AND name = %s ORDER BY created_at DESC LIMIT 1",
-                (namespace, name),
-            ).fetchone()
-            return self._record(cur, row["uid"]) if row else None
-
-        return self._tx(op, op="find")
+        return self._run(readers.find, namespace, name)
 
     def running(self) -> list[TaskRecord]:
-        """Every Running task (without steps): what the lease reaper watches over."""
+        return self._run(readers.running)
 
-        def op(cur: psycopg.Cursor) -> list[TaskRecord]:
-            rows = cur.execute("SELECT * FROM retex.tasks WHERE phase = 'Running' ORDER BY uid").fetchall()
-            return [_task_record(row, []) for row in rows]
+    def versions(self) -> dict[str, int]:
+        return self._run(readers.versions)
 
-        return self._tx(op, op="running")
+    def attempts(self, uid: str) -> list[AttemptRecord]:
+        return self._run(readers.attempts, uid)
+
+    def history(self, uid: str) -> list[HistoryEntry]:
+        return self._run(readers.history, uid)
+
+    def dead_letters(self, namespace: str | None = None) -> list[TaskRecord]:
+        return self._run(readers.dead_letters, namespace)
+
+    def watched(self) -> list[WatchedAttempt]:
+        return self._run(readers.watched)
+
+    def next_due_at(self) -> datetime | None:
+        return self._run(readers.next_due_at)
+
+    def seconds_until(self, at: datetime) -> float:
+        return self._run(readers.seconds_until, at)
+
+    def prior_verdict(self, admission: TaskAdmission) -> AdmitResult | None:
+        return self._run(readers.prior_verdict, admission)
+
+    def refusal(self, uid: str) -> Refusal | None:
+        return self._run(readers.refusal, uid)
+
+    def figures(self) -> LedgerFigures:
+        return self._run(readers.figures)
+
+    def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
+        return readers.listen(self._dsn, timeout=timeout)
 
     def purge_finished(self, *, older_than_seconds: float) -> int:
         """Delete tasks (with their steps, attempts and history) that ended that long ago: the
@@ -956,7 +919,7 @@ class Ledger:
             )]
             if not uids:
                 return 0
-            for (metric, label), value in _tallies(cur, uids).items():
+            for (metric, label), value in readers.tallies(cur, uids).items():
                 cur.execute(
                     """INSERT INTO retex.purged_tallies (metric, label, value) VALUES (%s, %s, %s)
                        ON CONFLICT (metric, label) DO UPDATE SET value = retex.purged_tallies.value + EXCLUDED.value""",
@@ -975,154 +938,11 @@ class Ledger:
 
         return self._tx(op, op="purge_finished")
 
-    def figures(self) -> LedgerFigures:
-        """What the operator exports as metrics, computed from committed state (so worker-side
-        figures need no scraping of short-lived pods). Counts come from append-only rows plus what
-        purges took (LedgerFigures says which figures are counts)."""
-
-        def op(cur: psycopg.Cursor) -> LedgerFigures:
-            phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
-            dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
-            lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
-                              "WHERE sent_at IS NULL").fetchone()["s"]
-            counts = _tallies(cur, None)
-            for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
-                key = (row["metric"], row["label"])
-                counts[key] = counts.get(key, 0.0) + row["value"]
-
-            def labelled(metric: str) -> dict[str, int]:
-                return {label: int(value) for (m, label), value in counts.items() if m == metric}
-
-            def histogram(metric: str) -> Histogram:
-                return Histogram(count=int(counts.get((metric, "count"), 0)), total=counts.get((metric, "sum"), 0.0),
-                                 cumulative=[int(counts.get((metric, f"le={float(b)}"), 0)) for b in DURATION_BUCKETS])
-
-            return LedgerFigures(
-                tasks_by_phase=phases,
-                dead_lettered=dead,
-                outbox_lag_seconds=float(lag or 0.0),
-                submitted=int(counts.get(("submitted", ""), 0)),
-                finished_by_phase=labelled("finished"),
-                dead_lettered_ever=int(counts.get(("dead_lettered", ""), 0)),
-                attempts_by_cause=labelled("attempts"),
-                step_seconds=histogram("step_seconds"),
-                task_seconds=histogram("task_seconds"),
-                first_step_seconds=histogram("first_step_seconds"),
-            )
-
-        return self._tx(op, op="figures")
-
-    def versions(self) -> dict[str, int]:
-        """uid → ledger version of every task: what a status resync compares against."""
-        return self._tx(
-            lambda cur: {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")},
-            op="versions",
-        )
-
-    def attempts(self, uid: str) -> list[AttemptRecord]:
-        rows = self._tx(
-            lambda cur: cur.execute(
-                "SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)
-            ).fetchall(),
-            op="attempts",
-        )
-        return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]
-
-    def history(self, uid: str) -> list[HistoryEntry]:
-        rows = self._tx(
-            lambda cur: cur.execute("SELECT * FROM retex.history WHERE task_uid = %s ORDER BY id", (uid,)).fetchall(),
-            op="history",
-        )
-        return [HistoryEntry(**{k: r[k] for k in HistoryEntry.__dataclass_fields__}) for r in rows]
-
-    def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
-        """Yield (uid, version) for every committed change; None every `timeout` without one.
-
-        Ends with the error that ended its connection (a Postgres restart, a terminated backend,
-        a payload it cannot read): the caller listens again, and changes made while nobody
-        listened are the periodic resync's job, which is why a caller must not rely on this alone.
-        """
-        with psycopg.connect(self._dsn, autocommit=True) as conn:
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            while True:
-                got = False
-                for note in conn.notifies(timeout=timeout, stop_after=1):
-                    uid, _, version = note.payload.rpartition(" ")
-                    got = True
-                    yield uid, int(version)
-                if not got:
-                    yield None
-
-    def dead_letters(self, namespace: str | None = None) -> list[TaskRecord]:
-        """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
-        of one namespace, or of all when `namespace` is None. Oldest failure first."""
-
-        def op(cur: psycopg.Cursor) -> list[TaskRecord]:
-            rows = cur.execute(
-                """SELECT * FROM retex.tasks WHERE phase = 'Failed' AND dead_lettered
-                   AND (%(ns)s::text IS NULL OR namespace = %(ns)s) ORDER BY finished_at, namespace, name""",
-                {"ns": namespace},
-            ).fetchall()
-            return [_task_record(row, []) for row in rows]
-
-        return self._tx(op, op="dead_letters")
-
 
 # A record deferred n times waits min(cap, base·2^(n-1)) seconds: a transient refusal of one Job
 # costs that record a retry, never the records behind it.
 DISPATCH_RETRY_BASE_SECONDS = 1.0
 DISPATCH_RETRY_CAP_SECONDS = 60.0
-
-
-_ENDED_PHASES = "('Succeeded', 'Failed', 'Cancelled')"
-
-
-def _tallies(cur: psycopg.Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]:
-    """Counts from append-only rows (history, attempts) of the tasks `uids` (None: every task),
-    keyed (metric, label); a histogram as labels `count`, `sum` and `le=<bound>`. A requeue or a
-    retry only adds rows, so none of these goes down but by a purge (which keeps what it took)."""
-    params = {"uids": uids}
-
-    def of(column: str) -> str:
-        return "TRUE" if uids is None else f"{column} = ANY(%(uids)s)"
-
-    tallies: dict[tuple[str, str], float] = {}
-
-    def add(metric: str, label: str, value: float) -> None:
-        tallies[(metric, label)] = tallies.get((metric, label), 0.0) + float(value)
-
-    def histogram(metric: str, seconds_sql: str) -> None:
-        bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(DURATION_BUCKETS))
-        row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
-                          params).fetchone()
-        add(metric, "count", row["n"])
-        add(metric, "sum", row["total"])
-        for i, bound in enumerate(DURATION_BUCKETS):
-            add(metric, f"le={float(bound)}", row[f"le{i}"])
-
-    add("submitted", "", cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
-                                     f"{of('task_uid')}", params).fetchone()["n"])
-    ended = f"h.to_state IN {_ENDED_PHASES} AND h.event NOT LIKE 'step-%%' AND {of('h.task_uid')}"
-    for row in cur.execute(f"SELECT h.to_state, count(*) AS n, count(*) FILTER (WHERE h.detail->>'deadLettered' = "
-                           f"'true') AS dead FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):
-        add("finished", row["to_state"], row["n"])
-        add("dead_lettered", "", row["dead"])
-    add("dead_lettered", "", 0)
-    for row in cur.execute(f"SELECT cause, count(*) AS n FROM retex.attempts WHERE {of('task_uid')} GROUP BY cause",
-                           params):
-        add("attempts", row["cause"], row["n"])
-    histogram("task_seconds", f"SELECT extract(epoch FROM h.at - t.created_at) AS s FROM retex.history h "
-                              f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE {ended}")
-    # A step run: from its latest begin to the commit or failure that ended it.
-    histogram("step_seconds", f"""SELECT extract(epoch FROM e.at - b.at) AS s FROM retex.history e
-                                  CROSS JOIN LATERAL (SELECT at FROM retex.history b WHERE b.task_uid = e.task_uid
-                                      AND b.step_idx = e.step_idx AND b.event = 'step-begin' AND b.id < e.id
-                                      ORDER BY b.id DESC LIMIT 1) AS b
-                                  WHERE e.event IN ('step-commit', 'step-fail') AND {of('e.task_uid')}""")
-    histogram("first_step_seconds", f"SELECT extract(epoch FROM min(h.at) - t.created_at) AS s FROM retex.history h "
-                                    f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE h.event = 'step-begin' AND "
-                                    f"{of('h.task_uid')} GROUP BY t.uid, t.created_at")
-    return tallies
 
 
 class DispatchOutcomes:
@@ -1245,45 +1065,3 @@ class _NotAdmitted(Exception):
     def __init__(self, verdict: AdmitResult):
         super().__init__(verdict)
         self.verdict = verdict
-
-
-def _prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult | None:
-    uid = admission.uid
-    refusal = _refusal(cur, uid)
-    if refusal is not None:
-        return AdmitResult(uid=uid, created=False, refusal=refusal)
-    if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (uid,)).fetchone():
-        # It ran to its end and its history was purged (retention): never run it again.
-        return AdmitResult(uid=uid, created=False, purged=True)
-    if admission.idempotency_key is None:
-        return None
-    first = cur.execute(
-        """SELECT uid, namespace, name FROM retex.tasks
-           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
-           UNION ALL
-           SELECT uid, namespace, name FROM retex.tombstones
-           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
-           LIMIT 1""",
-        {"ns": admission.namespace, "key": admission.idempotency_key, "uid": uid},
-    ).fetchone()
-    if first is None:
-        return None
-    return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
-
-
-def _refusal(cur: psycopg.Cursor, uid: str) -> Refusal | None:
-    row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
-                      (uid,)).fetchone()
-    return Refusal(**row) if row else None
-
-
-def _step_record(row: dict[str, Any]) -> StepRecord:
-    return StepRecord(idx=row["idx"], name=row["name"], state=StepState(row["state"]), attempt=row["attempt"],
-                      idempotency_key=row["idempotency_key"], result=row["result"], error=row["error"],
-                      started_at=row["started_at"], finished_at=row["finished_at"])
-
-
-def _task_record(row: dict[str, Any], steps: list[dict[str, Any]]) -> TaskRecord:
-    fields = {k: row[k] for k in TaskRecord.__dataclass_fields__ if k not in ("steps", "phase")}
-    return TaskRecord(phase=TaskPhase(row["phase"]), steps=tuple(_step_record(s) for s in steps), **fields)
-
