@@ -28,16 +28,26 @@ from retex.failpoints import failpoint
 from retex.ledger import readers
 from retex.ledger.errors import (
     CancelRequested,
-    FenceRejected,
     LedgerUnavailable,
-    ResultTooLarge,
     StepOutOfOrder,
     TaskNotFound,
     UnstorableValue,
 )
 from retex.ledger.migrate import migrate
+from retex.ledger.moves import (
+    NOW,
+    cancel_reason,
+    check_result_size,
+    db_now,
+    end_attempt,
+    fence,
+    lock_task,
+    move_step,
+    record_history,
+    set_clause,
+    touch,
+)
 from retex.ledger.records import (
-    RESULT_LIMIT_BYTES,
     AdmitResult,
     AttemptRecord,
     Dispatch,
@@ -57,7 +67,6 @@ from retex.machine import (
     StepState,
     TaskEvent,
     TaskPhase,
-    step_transition,
     task_transition,
 )
 
@@ -164,7 +173,7 @@ class Ledger:
         def once(cur: psycopg.Cursor) -> TaskRecord | T:
             if earlier:
                 # The task row lock waits out a COMMIT still under way (every try takes that lock).
-                self._lock_task(cur, uid)
+                lock_task(cur, uid)
                 status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
                 if status == "committed":
                     return readers.get(cur, uid)
@@ -173,29 +182,10 @@ class Ledger:
 
         return self._tx(once, op=op)
 
+    # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).
+    _history = staticmethod(record_history)
+
     # -- shared pieces of operations (always inside a transaction) ----------------------------
-
-    @staticmethod
-    def _lock_task(cur: psycopg.Cursor, uid: str) -> dict[str, Any]:
-        row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
-        if row is None:
-            raise TaskNotFound(uid)
-        return row
-
-    @staticmethod
-    def _fence(task: dict[str, Any], epoch: int) -> None:
-        if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
-            raise FenceRejected(task["uid"], epoch, task["epoch"], task["phase"])
-
-    @staticmethod
-    def _history(cur: psycopg.Cursor, uid: str, actor: str, event: str, *, epoch: int | None = None,
-                 step_idx: int | None = None, from_state: str | None = None, to_state: str | None = None,
-                 detail: dict[str, Any] | None = None) -> None:
-        cur.execute(
-            """INSERT INTO retex.history (task_uid, actor, event, epoch, step_idx, from_state, to_state, detail)
-               VALUES (%s, %s, %s, %s, %s, %s, %s, %s)""",
-            (uid, actor, event, epoch, step_idx, from_state, to_state, Jsonb(detail) if detail else None),
-        )
 
     def _transition(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
                     detail: dict[str, Any] | None = None, **columns: Any) -> dict[str, Any]:
@@ -205,45 +195,17 @@ class Ledger:
         if columns.get("dead_lettered"):  # in history, so the dead-letter counter survives a requeue
             detail = {**(detail or {}), "deadLettered": True}
         if new_phase in TERMINAL_PHASES:
-            columns.setdefault("finished_at", _NOW)
-        assignments, values = _set_clause(columns)
+            columns.setdefault("finished_at", NOW)
+        assignments, values = set_clause(columns)
         updated = cur.execute(
             f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
             "WHERE uid = %s RETURNING *",
             (*values, task["uid"]),
         ).fetchone()
-        self._history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
+        record_history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
                       to_state=str(new_phase), detail=detail)
         if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
             self._fill_slots(cur, actor)  # a running slot or a concurrency key may have come free
-        return updated
-
-    @staticmethod
-    def _touch(cur: psycopg.Cursor, uid: str, **columns: Any) -> None:
-        """Bump the task's version (a step changed, or a flag did): the mirror must see it."""
-        assignments = "".join(f", {col} = %s" for col in columns)
-        cur.execute(
-            f"UPDATE retex.tasks SET version = version + 1, updated_at = now(){assignments} WHERE uid = %s",
-            (*[_adapt(v) for v in columns.values()], uid),
-        )
-
-    def _step_move(self, cur: psycopg.Cursor, uid: str, idx: int, event: StepEvent, actor: str,
-                   epoch: int | None, **columns: Any) -> dict[str, Any]:
-        step = cur.execute(
-            "SELECT * FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
-        ).fetchone()
-        if step is None:
-            raise IllegalTransition("step", "missing", f"{event} of step {idx}")
-        new_state = step_transition(step["state"], event)
-        columns["state"] = str(new_state)
-        assignments, values = _set_clause(columns)
-        updated = cur.execute(
-            f"UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *",
-            (*values, uid, idx),
-        ).fetchone()
-        self._history(cur, uid, actor, f"step-{event}", epoch=epoch, step_idx=idx, from_state=step["state"],
-                      to_state=str(new_state))
-        self._touch(cur, uid)
         return updated
 
     def _start_attempt(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
@@ -251,10 +213,10 @@ class Ledger:
         """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
         epoch = task["epoch"] + 1
         if task["deadline_at"] is None and task["timeout_seconds"]:
-            columns["deadline_at"] = _db_now(cur) + timedelta(seconds=task["timeout_seconds"])
+            columns["deadline_at"] = db_now(cur) + timedelta(seconds=task["timeout_seconds"])
         updated = self._transition(cur, task, event, actor, detail={"cause": cause}, epoch=epoch,
                                    not_before=None, reason=None, next_cause=None,
-                                   started_at=task["started_at"] or _NOW, **columns)
+                                   started_at=task["started_at"] or NOW, **columns)
         cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
                     (task["uid"], epoch, cause))
         cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task["uid"], epoch))
@@ -322,17 +284,6 @@ class Ledger:
             total += 1
             by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
 
-    @staticmethod
-    def _end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
-        """Record the attempt's outcome. `settled`: it is known dead (its worker ended it, or its
-        lease was released or expired, or it never held it). The operator ending an attempt whose
-        worker may still be inside a step passes False; the reaper settles it later."""
-        cur.execute(
-            "UPDATE retex.attempts SET outcome = %s, ended_at = now(), settled_at = CASE WHEN %s THEN now() END "
-            "WHERE task_uid = %s AND epoch = %s AND outcome IS NULL",
-            (outcome, settled, uid, epoch),
-        )
-
     # -- admission and attempts (operator) ---------------------------------------------------
 
     def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
@@ -364,7 +315,7 @@ class Ledger:
                     "INSERT INTO retex.steps (task_uid, idx, name, idempotency_key) VALUES (%s, %s, %s, %s)",
                     (admission.uid, idx, name, step_idempotency_key(admission.uid, name, step_spec)),
                 )
-            self._history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
+            record_history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
             self._place(cur, inserted, "first", actor)
             return AdmitResult(uid=admission.uid, created=True)
 
@@ -396,12 +347,12 @@ class Ledger:
         """
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["epoch"] != lost_epoch or task["phase"] != TaskPhase.RUNNING:
                 return readers.get(cur, uid)
-            self._end_attempt(cur, uid, lost_epoch, "lost")
+            end_attempt(cur, uid, lost_epoch, "lost")
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             elif task["disruptions"] + 1 > task["max_disruptions"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
                                  dead_lettered=True, disruptions=task["disruptions"] + 1,
@@ -425,7 +376,7 @@ class Ledger:
             ).fetchall()
             for task in overdue:
                 if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-                    self._end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
+                    end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
                                  last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
             due = cur.execute(
@@ -461,12 +412,12 @@ class Ledger:
             raise ValueError(f"cancel reason {reason!r} is not one of {', '.join(_CANCEL_REASONS)}")
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
                 return readers.get(cur, uid)
             if task["phase"] == TaskPhase.RUNNING:
-                self._touch(cur, uid, cancel_requested=True, cancel_reason=reason)
-                self._history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
+                touch(cur, uid, cancel_requested=True, cancel_reason=reason)
+                record_history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
             else:
                 self._transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
                                  cancel_reason=reason)
@@ -478,10 +429,10 @@ class Ledger:
         """Operator-side terminal failure (for example the task timeout). No-op once terminal."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["phase"] not in TERMINAL_PHASES:
                 if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-                    self._end_attempt(cur, uid, task["epoch"], "failed", settled=False)
+                    end_attempt(cur, uid, task["epoch"], "failed", settled=False)
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
             return readers.get(cur, uid)
 
@@ -497,7 +448,7 @@ class Ledger:
                 return None
             if row["phase"] not in TERMINAL_PHASES:
                 if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-                    self._end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
+                    end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
                 self._transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
             return readers.get(cur, uid)
 
@@ -507,7 +458,7 @@ class Ledger:
         """A fresh attempt with a fresh budget for a Failed or NeedsAttention task."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             flagged = cur.execute(
                 "SELECT name FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
             ).fetchall()
@@ -530,22 +481,22 @@ class Ledger:
         """
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             step = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
                                (uid, step_name)).fetchone()
             if step is None:
                 raise IllegalTransition("step", "missing", f"resolve of unknown step {step_name!r}")
             if mark_done:
-                _check_result_size(result)
-                self._step_move(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,
-                                result=Jsonb(result), error=None, finished_at=_NOW)
+                check_result_size(result)
+                move_step(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,
+                                result=Jsonb(result), error=None, finished_at=NOW)
             else:
-                self._step_move(cur, uid, step["idx"], StepEvent.RESOLVE_RERUN, actor, None, error=None)
+                move_step(cur, uid, step["idx"], StepEvent.RESOLVE_RERUN, actor, None, error=None)
             still_flagged = cur.execute(
                 "SELECT 1 FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
             ).fetchone()
             if task["phase"] == TaskPhase.NEEDS_ATTENTION and not still_flagged:
-                task = self._lock_task(cur, uid)
+                task = lock_task(cur, uid)
                 pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
                 self._place(cur, pending, "requeue", actor)
             return readers.get(cur, uid)
@@ -562,7 +513,7 @@ class Ledger:
                 """UPDATE retex.attempts SET settled_at = now() WHERE task_uid = %s AND epoch = %s
                    AND outcome IS NOT NULL AND settled_at IS NULL""", (uid, epoch)).rowcount
             if settled:
-                self._history(cur, uid, actor, "attempt-settled", epoch=epoch)
+                record_history(cur, uid, actor, "attempt-settled", epoch=epoch)
                 self._fill_slots(cur, actor)
 
         self._tx(op, op="settle_attempt")
@@ -577,16 +528,16 @@ class Ledger:
         saw no lease, and may then be inside a step."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
                 return readers.get(cur, uid)
             if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
                            (uid, epoch)).fetchone()["pod"] is not None:
                 return readers.get(cur, uid)
-            self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
+            end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
             failures = task["failures"] + 1
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
+                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             elif failures >= task["max_attempts"]:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
                                  dead_lettered=True, last_error=error[:4096])
@@ -594,7 +545,7 @@ class Ledger:
                 delay = Backoff(**task["backoff"]).delay(failures, rng)
                 self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                                  reason="WorkerNotStarted", failures=failures, last_error=error[:4096],
-                                 not_before=_db_now(cur) + timedelta(seconds=delay))
+                                 not_before=db_now(cur) + timedelta(seconds=delay))
             return readers.get(cur, uid)
 
         return self._tx(op, op="fail_unstarted")
@@ -606,11 +557,11 @@ class Ledger:
         No-op unless `epoch` is current, Running and cancel was requested."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
                 return readers.get(cur, uid)
-            self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
+            end_attempt(cur, uid, epoch, "cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             return readers.get(cur, uid)
 
         return self._tx(op, op="cancel_unheld")
@@ -673,8 +624,8 @@ class Ledger:
         """Read the task for attempt `epoch` and record which pod runs it. Fenced."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
+            task = lock_task(cur, uid)
+            fence(task, epoch)
             cur.execute("UPDATE retex.attempts SET pod = %s, node = %s WHERE task_uid = %s AND epoch = %s",
                         (pod, node, uid, epoch))
             return readers.get(cur, uid)
@@ -690,8 +641,8 @@ class Ledger:
         or a begin whose answer nobody kept)."""
 
         def op(cur: psycopg.Cursor) -> tuple[StepRecord, str]:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
+            task = lock_task(cur, uid)
+            fence(task, epoch)
             if task["cancel_requested"]:
                 raise CancelRequested(uid)
             steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
@@ -704,7 +655,7 @@ class Ledger:
                 return prior, task["name"]  # a repeated call
             if any(s["state"] != StepState.DONE for s in steps[:idx]):
                 raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
-            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
+            move_step(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
             # The moment of this write, not the transaction's start (now(), before the lock wait):
             # a later attempt's deadline wait counts from it.
             cur.execute(
@@ -725,8 +676,8 @@ class Ledger:
         Fenced: a run whose start is not recorded before a newer epoch exists never runs."""
 
         def op(cur: psycopg.Cursor) -> None:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
+            task = lock_task(cur, uid)
+            fence(task, epoch)
             row = cur.execute(
                 """UPDATE retex.steps SET started_at = clock_timestamp()
                    WHERE task_uid = %s AND idx = %s AND state = 'started' AND attempt = %s RETURNING idx""",
@@ -734,8 +685,8 @@ class Ledger:
             ).fetchone()
             if row is None:
                 raise IllegalTransition("step", "not started by this attempt", f"start a run of step {idx}")
-            self._history(cur, uid, actor, "step-run", epoch=epoch, step_idx=idx)
-            self._touch(cur, uid)
+            record_history(cur, uid, actor, "step-run", epoch=epoch, step_idx=idx)
+            touch(cur, uid)
 
         self._tx(op, op="start_run")
 
@@ -761,17 +712,17 @@ class Ledger:
 
     def commit_step(self, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
         """Record the step's result: the one durable proof that its effect happened. Fenced."""
-        _check_result_size(result)
+        check_result_size(result)
 
         def op(cur: psycopg.Cursor) -> None:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
+            task = lock_task(cur, uid)
+            fence(task, epoch)
             state = cur.execute("SELECT state FROM retex.steps WHERE task_uid = %s AND idx = %s",
                                 (uid, idx)).fetchone()
             if state and state["state"] == StepState.DONE:
                 return  # a repeated call
-            step = self._step_move(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result),
-                                   error=None, finished_at=_NOW)
+            step = move_step(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result),
+                                   error=None, finished_at=NOW)
             failpoint("in-commit", step["name"], task=task["name"], uid=uid)  # crash-matrix R8: dies before COMMIT
 
         with self._refusal_as_unstorable():
@@ -782,16 +733,16 @@ class Ledger:
         """The step failed: retry after backoff, or fail the task (permanently or out of budget). Fenced."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             step = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s",
                                (uid, idx)).fetchone()
             if step and step["state"] == StepState.FAILED and step["attempt"] == epoch and task["epoch"] == epoch:
                 return readers.get(cur, uid)  # a repeated call
-            self._fence(task, epoch)
-            self._step_move(cur, uid, idx, StepEvent.FAIL, actor, epoch, error=error[:4096], finished_at=_NOW)
-            self._end_attempt(cur, uid, epoch, "failed")
+            fence(task, epoch)
+            move_step(cur, uid, idx, StepEvent.FAIL, actor, epoch, error=error[:4096], finished_at=NOW)
+            end_attempt(cur, uid, epoch, "failed")
             failures = task["failures"] + 1
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if not retryable:
                 self._transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
                                  last_error=error[:4096])
@@ -802,7 +753,7 @@ class Ledger:
                 delay = Backoff(**task["backoff"]).delay(failures, rng)
                 self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                                  reason="RetryableError", failures=failures, last_error=error[:4096],
-                                 not_before=_db_now(cur) + timedelta(seconds=delay))
+                                 not_before=db_now(cur) + timedelta(seconds=delay))
             return readers.get(cur, uid)
 
         with self._refusal_as_unstorable():
@@ -812,13 +763,13 @@ class Ledger:
         """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["phase"] == TaskPhase.NEEDS_ATTENTION and task["epoch"] == epoch:
                 return readers.get(cur, uid)  # a repeated call
-            self._fence(task, epoch)
-            self._step_move(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
-            self._end_attempt(cur, uid, epoch, "needs-attention")
-            task = self._lock_task(cur, uid)
+            fence(task, epoch)
+            move_step(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
+            end_attempt(cur, uid, epoch, "needs-attention")
+            task = lock_task(cur, uid)
             self._transition(cur, task, TaskEvent.NEED_ATTENTION, actor, reason="AmbiguousStep",
                              last_error=why[:4096])
             return readers.get(cur, uid)
@@ -830,15 +781,15 @@ class Ledger:
         """Every step is done: the task Succeeded. Fenced."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["phase"] == TaskPhase.SUCCEEDED and task["epoch"] == epoch:
                 return readers.get(cur, uid)  # a repeated call
-            self._fence(task, epoch)
+            fence(task, epoch)
             undone = cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
                                  (uid,)).fetchone()["n"]
             if undone:
                 raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
-            self._end_attempt(cur, uid, epoch, "succeeded")
+            end_attempt(cur, uid, epoch, "succeeded")
             self._transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
             return readers.get(cur, uid)
 
@@ -848,14 +799,14 @@ class Ledger:
         """The worker stopped at a step boundary because cancel was requested. Fenced."""
 
         def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
+            task = lock_task(cur, uid)
             if task["phase"] == TaskPhase.CANCELLED and task["epoch"] == epoch:
                 return readers.get(cur, uid)  # a repeated call
-            self._fence(task, epoch)
+            fence(task, epoch)
             if not task["cancel_requested"]:
                 raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
-            self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
+            end_attempt(cur, uid, epoch, "cancelled")
+            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             return readers.get(cur, uid)
 
         return self._tx(op, op="finish_cancelled")
@@ -958,7 +909,7 @@ class DispatchOutcomes:
                           (outcome, dispatch.id))
 
     def _current_task(self, dispatch: Dispatch) -> dict[str, Any] | None:
-        task = self._ledger._lock_task(self._cur, dispatch.task_uid)
+        task = lock_task(self._cur, dispatch.task_uid)
         if task["epoch"] != dispatch.epoch or task["phase"] != TaskPhase.RUNNING:
             return None  # moved on since the claim (replaced, timed out): nothing to end
         return task
@@ -967,7 +918,7 @@ class DispatchOutcomes:
         """End the attempt of a record that was not sent. `job_name`: a Job was found for it after
         all (a relay died between creating it and its commit, crash-matrix R3) and deleted; its
         worker may be inside a step, so the attempt holds its slot and key until known dead."""
-        self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, outcome, settled=job_name is None)
+        end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, outcome, settled=job_name is None)
         if job_name is not None:
             self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
                               (job_name, dispatch.task_uid, dispatch.epoch))
@@ -1028,35 +979,6 @@ def _durable_commits(conn: psycopg.Connection) -> None:
     if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
         conn.execute("SET synchronous_commit = on")
     conn.commit()
-
-
-# A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
-_NOW = object()
-
-
-def _set_clause(columns: dict[str, Any]) -> tuple[str, list[Any]]:
-    """`col = %s, ...` and its values for an UPDATE; `_NOW` becomes the database's now()."""
-    assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
-    return assignments, [_adapt(val) for val in columns.values() if val is not _NOW]
-
-
-def _adapt(value: Any) -> Any:
-    return Jsonb(value) if isinstance(value, dict | list) else value
-
-
-def _cancel_reason(task: dict[str, Any]) -> str:
-    """What a task whose cancel was requested ends with: TaskDeleted when its Task was deleted."""
-    return task["cancel_reason"] or "Cancelled"
-
-
-def _db_now(cur: psycopg.Cursor) -> datetime:
-    return cur.execute("SELECT now() AS now").fetchone()["now"]
-
-
-def _check_result_size(result: Any) -> None:
-    size = len(json.dumps(result).encode())
-    if size > RESULT_LIMIT_BYTES:
-        raise ResultTooLarge(f"step result is {size} bytes; the limit is {RESULT_LIMIT_BYTES} (store large data by reference)")
 
 
 class _NotAdmitted(Exception):
