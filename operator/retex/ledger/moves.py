@@ -1,5 +1,6 @@
 """The moves every operation shares, always inside the caller's transaction: lock the task row,
-check the fence, move a step, end an attempt, write history."""
+check the fence, move a step, end an attempt, write history. A task's phase moves in
+retex.ledger.placement (`transition`), because leaving a phase may free a run slot."""
 
 from __future__ import annotations
 

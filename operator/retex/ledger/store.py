@@ -25,7 +25,7 @@ from psycopg.types.json import Jsonb
 from psycopg_pool import ConnectionPool
 
 from retex.failpoints import failpoint
-from retex.ledger import readers
+from retex.ledger import placement, readers
 from retex.ledger.errors import (
     CancelRequested,
     LedgerUnavailable,
@@ -44,9 +44,9 @@ from retex.ledger.moves import (
     lock_task,
     move_step,
     record_history,
-    set_clause,
     touch,
 )
+from retex.ledger.placement import fill_slots, place, start_attempt, transition
 from retex.ledger.records import (
     AdmitResult,
     AttemptRecord,
@@ -67,19 +67,14 @@ from retex.machine import (
     StepState,
     TaskEvent,
     TaskPhase,
-    task_transition,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 P = ParamSpec("P")
 
-# Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
-PLACEMENT_LOCK_KEY = 0x706C616365
 # Transient: the operation did not happen or will be found done when repeated.
 _TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
-# Phases that hold a run slot (Running) or a concurrency key: leaving one may let a queued task start.
-_HOLDS_KEY = (TaskPhase.RUNNING, TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION)
 _CANCEL_REASONS = ("Cancelled", "TaskDeleted")
 
 
@@ -185,105 +180,6 @@ class Ledger:
     # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).
     _history = staticmethod(record_history)
 
-    # -- shared pieces of operations (always inside a transaction) ----------------------------
-
-    def _transition(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
-                    detail: dict[str, Any] | None = None, **columns: Any) -> dict[str, Any]:
-        """Move the task by `event` (checked by the state machine), set `columns`, bump the version."""
-        new_phase = task_transition(task["phase"], event)
-        columns["phase"] = str(new_phase)
-        if columns.get("dead_lettered"):  # in history, so the dead-letter counter survives a requeue
-            detail = {**(detail or {}), "deadLettered": True}
-        if new_phase in TERMINAL_PHASES:
-            columns.setdefault("finished_at", NOW)
-        assignments, values = set_clause(columns)
-        updated = cur.execute(
-            f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
-            "WHERE uid = %s RETURNING *",
-            (*values, task["uid"]),
-        ).fetchone()
-        record_history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
-                      to_state=str(new_phase), detail=detail)
-        if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
-            self._fill_slots(cur, actor)  # a running slot or a concurrency key may have come free
-        return updated
-
-    def _start_attempt(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
-                       actor: str, **columns: Any) -> dict[str, Any]:
-        """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
-        epoch = task["epoch"] + 1
-        if task["deadline_at"] is None and task["timeout_seconds"]:
-            columns["deadline_at"] = db_now(cur) + timedelta(seconds=task["timeout_seconds"])
-        updated = self._transition(cur, task, event, actor, detail={"cause": cause}, epoch=epoch,
-                                   not_before=None, reason=None, next_cause=None,
-                                   started_at=task["started_at"] or NOW, **columns)
-        cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
-                    (task["uid"], epoch, cause))
-        cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task["uid"], epoch))
-        return updated
-
-    def _place(self, cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> None:
-        """A task that may run: schedule it for later, or queue it and fill the free slots (which
-        starts it at once when limits, its concurrency key and the queue ahead of it allow)."""
-        due = task["not_before"] is None or cur.execute(
-            "SELECT %s <= now() AS due", (task["not_before"],)
-        ).fetchone()["due"]
-        if not due:
-            self._transition(cur, task, TaskEvent.SCHEDULE, actor)
-            return
-        self._transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
-        self._fill_slots(cur, actor)
-
-    def _fill_slots(self, cur: psycopg.Cursor, actor: str) -> None:
-        """Start Queued tasks while the run limits allow: per concurrency key only the oldest
-        queued task may run, and only when no task of that key is Running, Retrying or waiting
-        for a human (per-entity order); among what may run, higher priority first, then older.
-
-        Serialized by a transaction-scoped advisory lock, so concurrent placements never exceed
-        a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
-        while holding the lock (whoever holds that row places it when it is done)."""
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
-        limits = cur.execute("SELECT * FROM retex.run_limits").fetchone()
-        # An attempt the operator ended (timeout, deletion) may still be running a step until it is
-        # known dead (settled): until then it keeps its slot and its key.
-        unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
-        by_namespace = {r["namespace"]: r["n"] for r in cur.execute(
-            f"""SELECT namespace, count(*) AS n FROM retex.tasks WHERE uid IN (
-                    SELECT uid FROM retex.tasks WHERE phase = 'Running' UNION {unsettled})
-                GROUP BY namespace""")}
-        total = sum(by_namespace.values())
-        busy_keys = {(r["namespace"], r["concurrency_key"]) for r in cur.execute(
-            f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
-                AND uid IN (SELECT uid FROM retex.tasks WHERE phase IN ('Running', 'Retrying', 'NeedsAttention')
-                            UNION {unsettled})""")}
-        candidates = cur.execute(
-            """SELECT uid, namespace, concurrency_key, priority, submitted, created_at FROM (
-                   SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
-                          coalesce(submitted_at, created_at) AS submitted, created_at
-                   FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL
-                   ORDER BY namespace, concurrency_key, coalesce(submitted_at, created_at), created_at, uid
-               ) AS key_heads
-               UNION ALL
-               SELECT uid, namespace, concurrency_key, priority, coalesce(submitted_at, created_at), created_at
-               FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL
-               ORDER BY priority DESC, submitted, created_at, uid""").fetchall()
-        for candidate in candidates:
-            if limits["max_running"] is not None and total >= limits["max_running"]:
-                return
-            namespace = candidate["namespace"]
-            per_namespace = limits["max_running_per_namespace"]
-            if per_namespace is not None and by_namespace.get(namespace, 0) >= per_namespace:
-                continue
-            if (namespace, candidate["concurrency_key"]) in busy_keys:
-                continue
-            task = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s AND phase = 'Queued' FOR UPDATE SKIP LOCKED",
-                               (candidate["uid"],)).fetchone()
-            if task is None:
-                continue
-            self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, task["next_cause"] or "first", actor)
-            total += 1
-            by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
-
     # -- admission and attempts (operator) ---------------------------------------------------
 
     def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
@@ -316,7 +212,7 @@ class Ledger:
                     (admission.uid, idx, name, step_idempotency_key(admission.uid, name, step_spec)),
                 )
             record_history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
-            self._place(cur, inserted, "first", actor)
+            place(cur, inserted, "first", actor)
             return AdmitResult(uid=admission.uid, created=True)
 
         try:
@@ -352,13 +248,13 @@ class Ledger:
                 return readers.get(cur, uid)
             end_attempt(cur, uid, lost_epoch, "lost")
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+                transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             elif task["disruptions"] + 1 > task["max_disruptions"]:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
+                transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
                                  dead_lettered=True, disruptions=task["disruptions"] + 1,
                                  last_error=f"attempt {lost_epoch} lost ({cause}); disruption cap reached")
             else:
-                self._start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
+                start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
                                     disruptions=task["disruptions"] + 1)
             return readers.get(cur, uid)
 
@@ -377,7 +273,7 @@ class Ledger:
             for task in overdue:
                 if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
                     end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
+                transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
                                  last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
             due = cur.execute(
                 """SELECT * FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying') AND not_before <= now()
@@ -386,23 +282,15 @@ class Ledger:
             ).fetchall()
             for task in due:
                 cause = "retry" if task["phase"] == TaskPhase.RETRYING else "first"
-                self._transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
+                transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
             if due:
-                self._fill_slots(cur, actor)
+                fill_slots(cur, actor)
             return [task["uid"] for task in due]
 
         return self._tx(op, op="promote_due")
 
     def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
-        """Limits on running attempts, for every process that places tasks; then fill the slots
-        that raised limits opened."""
-
-        def op(cur: psycopg.Cursor) -> None:
-            cur.execute("UPDATE retex.run_limits SET max_running = %s, max_running_per_namespace = %s",
-                        (max_running, max_running_per_namespace))
-            self._fill_slots(cur, "operator")
-
-        self._tx(op, op="set_run_limits")
+        self._run(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
 
     def request_cancel(self, uid: str, *, reason: str = "Cancelled", actor: str = "operator") -> TaskRecord:
         """Waiting tasks are cancelled at once; a running one at its worker's next step boundary
@@ -419,7 +307,7 @@ class Ledger:
                 touch(cur, uid, cancel_requested=True, cancel_reason=reason)
                 record_history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
             else:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
+                transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
                                  cancel_reason=reason)
             return readers.get(cur, uid)
 
@@ -433,7 +321,7 @@ class Ledger:
             if task["phase"] not in TERMINAL_PHASES:
                 if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
                     end_attempt(cur, uid, task["epoch"], "failed", settled=False)
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
+                transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
             return readers.get(cur, uid)
 
         return self._tx(op, op="fail_task")
@@ -449,7 +337,7 @@ class Ledger:
             if row["phase"] not in TERMINAL_PHASES:
                 if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
                     end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
-                self._transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
+                transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
             return readers.get(cur, uid)
 
         return self._tx(op, op="abandon")
@@ -465,10 +353,10 @@ class Ledger:
             if flagged:
                 names = ", ".join(row["name"] for row in flagged)
                 raise IllegalTransition("task", task["phase"], f"requeue before resolving step(s) {names}")
-            pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
+            pending = transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
                                        dead_lettered=False, reason=None, finished_at=None, not_before=None,
                                        deadline_at=None)
-            self._place(cur, pending, "requeue", actor)
+            place(cur, pending, "requeue", actor)
             return readers.get(cur, uid)
 
         return self._tx_once(op, uid=uid, op="requeue")
@@ -497,8 +385,8 @@ class Ledger:
             ).fetchone()
             if task["phase"] == TaskPhase.NEEDS_ATTENTION and not still_flagged:
                 task = lock_task(cur, uid)
-                pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
-                self._place(cur, pending, "requeue", actor)
+                pending = transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
+                place(cur, pending, "requeue", actor)
             return readers.get(cur, uid)
 
         return self._tx_once(op, uid=uid, op="resolve_step")
@@ -514,7 +402,7 @@ class Ledger:
                    AND outcome IS NOT NULL AND settled_at IS NULL""", (uid, epoch)).rowcount
             if settled:
                 record_history(cur, uid, actor, "attempt-settled", epoch=epoch)
-                self._fill_slots(cur, actor)
+                fill_slots(cur, actor)
 
         self._tx(op, op="settle_attempt")
 
@@ -537,13 +425,13 @@ class Ledger:
             end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
             failures = task["failures"] + 1
             if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+                transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             elif failures >= task["max_attempts"]:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
+                transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
                                  dead_lettered=True, last_error=error[:4096])
             else:
                 delay = Backoff(**task["backoff"]).delay(failures, rng)
-                self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
+                transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                                  reason="WorkerNotStarted", failures=failures, last_error=error[:4096],
                                  not_before=db_now(cur) + timedelta(seconds=delay))
             return readers.get(cur, uid)
@@ -561,7 +449,7 @@ class Ledger:
             if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
                 return readers.get(cur, uid)
             end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+            transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             return readers.get(cur, uid)
 
         return self._tx(op, op="cancel_unheld")
@@ -569,7 +457,7 @@ class Ledger:
     def fill_slots(self, *, actor: str = "operator") -> None:
         """Start what may start: the periodic backstop for a placement that skipped a briefly
         locked queue head (SKIP LOCKED) or a slot freed where no placement followed."""
-        self._tx(lambda cur: self._fill_slots(cur, actor), op="fill_slots")
+        self._run(placement.fill_slots, actor)
 
     # -- the outbox relay (operator) ---------------------------------------------------------
 
@@ -601,7 +489,7 @@ class Ledger:
             stale = [row["id"] for row in rows if not row["current"]]
             if stale:
                 cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
-            outcomes = DispatchOutcomes(self, cur, {row["id"]: row["attempts"] for row in rows})
+            outcomes = DispatchOutcomes(cur, {row["id"]: row["attempts"] for row in rows})
             yield [Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
                             name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
                             deferred_seconds=r["deferred_seconds"],
@@ -744,14 +632,14 @@ class Ledger:
             failures = task["failures"] + 1
             task = lock_task(cur, uid)
             if not retryable:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
+                transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
                                  last_error=error[:4096])
             elif failures >= task["max_attempts"]:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
+                transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
                                  dead_lettered=True, last_error=error[:4096])
             else:
                 delay = Backoff(**task["backoff"]).delay(failures, rng)
-                self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
+                transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                                  reason="RetryableError", failures=failures, last_error=error[:4096],
                                  not_before=db_now(cur) + timedelta(seconds=delay))
             return readers.get(cur, uid)
@@ -770,7 +658,7 @@ class Ledger:
             move_step(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
             end_attempt(cur, uid, epoch, "needs-attention")
             task = lock_task(cur, uid)
-            self._transition(cur, task, TaskEvent.NEED_ATTENTION, actor, reason="AmbiguousStep",
+            transition(cur, task, TaskEvent.NEED_ATTENTION, actor, reason="AmbiguousStep",
                              last_error=why[:4096])
             return readers.get(cur, uid)
 
@@ -790,7 +678,7 @@ class Ledger:
             if undone:
                 raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
             end_attempt(cur, uid, epoch, "succeeded")
-            self._transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
+            transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
             return readers.get(cur, uid)
 
         return self._tx(op, op="complete_task")
@@ -806,7 +694,7 @@ class Ledger:
             if not task["cancel_requested"]:
                 raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
             end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+            transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
             return readers.get(cur, uid)
 
         return self._tx(op, op="finish_cancelled")
@@ -900,8 +788,8 @@ class DispatchOutcomes:
     """How the relay settles each claimed record, in the batch's transaction. Each settlement
     runs in its own savepoint, so one that fails leaves the others (and the claim) intact."""
 
-    def __init__(self, ledger: Ledger, cur: psycopg.Cursor, attempts: dict[int, int]):
-        self._ledger, self._cur, self._attempts = ledger, cur, attempts
+    def __init__(self, cur: psycopg.Cursor, attempts: dict[int, int]):
+        self._cur, self._attempts = cur, attempts
         self.claimed = len(attempts)  # records claimed, settled by the ledger (stale, dropped) or not
 
     def _settle(self, dispatch: Dispatch, outcome: str) -> None:
@@ -939,8 +827,7 @@ class DispatchOutcomes:
             task = self._current_task(dispatch)
             if task is not None:
                 self._end_attempt(dispatch, "failed", job_name)
-                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason=reason,
-                                         last_error=message[:4096])
+                transition(self._cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message[:4096])
             self._settle(dispatch, "rejected")
             self._cur.execute("UPDATE retex.outbox SET last_error = %s WHERE id = %s", (message[:4096], dispatch.id))
 
@@ -953,8 +840,7 @@ class DispatchOutcomes:
             task = self._current_task(dispatch)
             if task is not None:
                 self._end_attempt(dispatch, "cancelled", job_name)
-                self._ledger._transition(self._cur, task, TaskEvent.CANCEL, actor, reason=reason,
-                                         cancel_requested=True)
+                transition(self._cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
             self._settle(dispatch, "dropped")
 
     def deferred(self, dispatch: Dispatch, error: str) -> float:
