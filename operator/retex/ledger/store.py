@@ -11,24 +11,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from datetime import datetime, timedelta
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 
 from retex.failpoints import failpoint
-from retex.ledger import placement, readers
+from retex.ledger import placement, readers, transactions
 from retex.ledger.errors import (
     CancelRequested,
-    LedgerUnavailable,
     StepOutOfOrder,
     TaskNotFound,
     UnstorableValue,
@@ -69,12 +64,9 @@ from retex.machine import (
     TaskPhase,
 )
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 P = ParamSpec("P")
 
-# Transient: the operation did not happen or will be found done when repeated.
-_TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
 _CANCEL_REASONS = ("Cancelled", "TaskDeleted")
 
 
@@ -93,16 +85,7 @@ class Ledger:
 
     def __init__(self, dsn: str, *, max_connections: int = 10, retry_for_seconds: float = 120.0):
         self._retry_for = retry_for_seconds
-        self._pool = ConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=max_connections,
-            kwargs={"row_factory": dict_row},
-            check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
-            configure=_durable_commits,
-            open=False,
-            name="retex-ledger",
-        )
+        self._pool = transactions.connection_pool(dsn, max_connections=max_connections)
         self._dsn = dsn
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -133,49 +116,24 @@ class Ledger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- transaction plumbing ----------------------------------------------------------------
+    # -- transactions (retex.ledger.transactions) ---------------------------------------------
 
     def _retrying(self, fn: Callable[[], T], *, op: str) -> T:
-        deadline = time.monotonic() + self._retry_for
-        delay = 0.05
-        while True:
-            try:
-                return fn()
-            except _TRANSIENT as exc:
-                if time.monotonic() + delay > deadline:
-                    raise LedgerUnavailable(f"{op}: Postgres unavailable for {self._retry_for:.0f}s: {exc}") from exc
-                log.warning("ledger %s: transient error, retrying in %.2fs: %s", op, delay, exc)
-                time.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, 2.0)
+        return transactions.retrying(fn, op=op, retry_for=self._retry_for)
 
     def _tx(self, fn: Callable[[psycopg.Cursor], T], *, op: str) -> T:
         def attempt() -> T:
-            with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
+            with transactions.transaction(self._pool) as cur:
                 return fn(cur)
 
         return self._retrying(attempt, op=op)
 
+    def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
+        return self._tx(transactions.once(fn, uid=uid), op=op)
+
     def _run(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`operation(cur, ...)` in one transaction of its own, retried, named after the operation."""
         return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__)
-
-    def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
-        """`_tx` for an operation whose repetition would be refused (a human action that moves the
-        task on): when a retry follows a COMMIT whose reply was lost, the earlier try's transaction
-        is found committed, so the retry returns the task as it is instead of trying again."""
-        earlier: list[str] = []  # the id of the transaction of the latest try
-
-        def once(cur: psycopg.Cursor) -> TaskRecord | T:
-            if earlier:
-                # The task row lock waits out a COMMIT still under way (every try takes that lock).
-                lock_task(cur, uid)
-                status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
-                if status == "committed":
-                    return readers.get(cur, uid)
-            earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
-            return fn(cur)
-
-        return self._tx(once, op=op)
 
     # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).
     _history = staticmethod(record_history)
@@ -476,7 +434,7 @@ class Ledger:
         relay sends them again; the deterministic Job name turns that into AlreadyExists, which
         is success.
         """
-        with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
+        with transactions.transaction(self._pool) as cur:
             rows = cur.execute(
                 """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
                           extract(epoch FROM now() - o.deferred_since)::float8 AS deferred_seconds,
@@ -856,15 +814,6 @@ class DispatchOutcomes:
                 (tries, delay, error[:4096], dispatch.id),
             )
         return delay
-
-
-def _durable_commits(conn: psycopg.Connection) -> None:
-    """A worker moves on to the next external effect once its commit returns, so the commit must
-    be on disk by then: with synchronous_commit=off a crash could lose an acknowledged step and
-    the step would run again. Stronger server settings (remote_write, remote_apply) are kept."""
-    if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
-        conn.execute("SET synchronous_commit = on")
-    conn.commit()
 
 
 class _NotAdmitted(Exception):
