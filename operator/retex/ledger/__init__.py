@@ -13,6 +13,7 @@ from retex.ledger.errors import (
     TaskNotFound,
     UnstorableValue,
 )
+from retex.ledger.operator_operations import spec_hash, step_idempotency_key
 from retex.ledger.readers import NOTIFY_CHANNEL
 from retex.ledger.records import (
     DURATION_BUCKETS,
@@ -30,7 +31,7 @@ from retex.ledger.records import (
     TaskRef,
     WatchedAttempt,
 )
-from retex.ledger.store import Ledger, spec_hash, step_idempotency_key
+from retex.ledger.store import Ledger
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
