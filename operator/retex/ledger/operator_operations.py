@@ -10,7 +10,6 @@ import hashlib
 import json
 import random
 from dataclasses import asdict
-from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -21,16 +20,15 @@ from retex.ledger.moves import (
     NOW,
     cancel_reason,
     check_result_size,
-    db_now,
     end_attempt,
     lock_task,
     move_step,
     record_history,
     touch,
 )
-from retex.ledger.placement import fill_slots, place, start_attempt, transition
+from retex.ledger.placement import fill_slots, place, retry_or_fail, start_attempt, transition
 from retex.ledger.records import AdmitResult, Refusal, TaskAdmission, TaskRecord
-from retex.machine import TERMINAL_PHASES, Backoff, IllegalTransition, StepEvent, TaskEvent, TaskPhase
+from retex.machine import TERMINAL_PHASES, IllegalTransition, StepEvent, TaskEvent, TaskPhase
 
 CANCEL_REASONS = ("Cancelled", "TaskDeleted")
 
@@ -152,14 +150,8 @@ def fail_unstarted(cur: psycopg.Cursor, uid: str, epoch: int, error: str, *, act
     failures = task["failures"] + 1
     if task["cancel_requested"]:
         transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
-    elif failures >= task["max_attempts"]:
-        transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
-                   dead_lettered=True, last_error=error[:4096])
     else:
-        delay = Backoff(**task["backoff"]).delay(failures, rng)
-        transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
-                   reason="WorkerNotStarted", failures=failures, last_error=error[:4096],
-                   not_before=db_now(cur) + timedelta(seconds=delay))
+        retry_or_fail(cur, task, failures, error, retry_reason="WorkerNotStarted", actor=actor, rng=rng)
     return readers.get(cur, uid)
 
 

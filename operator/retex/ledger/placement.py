@@ -5,13 +5,14 @@ a transition. Always inside the caller's transaction."""
 
 from __future__ import annotations
 
+import random
 from datetime import timedelta
 from typing import Any
 
 import psycopg
 
 from retex.ledger.moves import NOW, db_now, record_history, set_clause
-from retex.machine import TERMINAL_PHASES, TaskEvent, TaskPhase, task_transition
+from retex.machine import TERMINAL_PHASES, Backoff, TaskEvent, TaskPhase, task_transition
 
 # Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
 PLACEMENT_LOCK_KEY = 0x706C616365
@@ -39,6 +40,21 @@ def transition(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, acto
     if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
         fill_slots(cur, actor)  # a running slot or a concurrency key may have come free
     return updated
+
+
+def retry_or_fail(cur: psycopg.Cursor, task: dict[str, Any], failures: int, error: str, *, retry_reason: str,
+                  actor: str, rng: random.Random | None) -> None:
+    """A failed attempt, counted against the retry budget (`failures` with it): Failed and
+    dead-lettered (RetriesExhausted) once it reaches max_attempts, else Retrying with
+    `retry_reason` until the backoff has passed."""
+    if failures >= task["max_attempts"]:
+        transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
+                   dead_lettered=True, last_error=error[:4096])
+    else:
+        delay = Backoff(**task["backoff"]).delay(failures, rng)
+        transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
+                   reason=retry_reason, failures=failures, last_error=error[:4096],
+                   not_before=db_now(cur) + timedelta(seconds=delay))
 
 
 def start_attempt(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, cause: str,

@@ -12,7 +12,7 @@ import contextlib
 import random
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -21,10 +21,10 @@ from psycopg.types.json import Jsonb
 from retex.failpoints import failpoint
 from retex.ledger import readers
 from retex.ledger.errors import CancelRequested, StepOutOfOrder, TaskNotFound, UnstorableValue
-from retex.ledger.moves import NOW, cancel_reason, db_now, end_attempt, fence, lock_task, move_step, record_history, touch
-from retex.ledger.placement import transition
+from retex.ledger.moves import NOW, cancel_reason, end_attempt, fence, lock_task, move_step, record_history, touch
+from retex.ledger.placement import retry_or_fail, transition
 from retex.ledger.records import StepRecord, TaskRecord
-from retex.machine import Backoff, IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
+from retex.machine import IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
 
 
 @contextlib.contextmanager
@@ -145,14 +145,8 @@ def fail_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, error: str, *
     if not retryable:
         transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
                    last_error=error[:4096])
-    elif failures >= task["max_attempts"]:
-        transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
-                   dead_lettered=True, last_error=error[:4096])
     else:
-        delay = Backoff(**task["backoff"]).delay(failures, rng)
-        transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
-                   reason="RetryableError", failures=failures, last_error=error[:4096],
-                   not_before=db_now(cur) + timedelta(seconds=delay))
+        retry_or_fail(cur, task, failures, error, retry_reason="RetryableError", actor=actor, rng=rng)
     return readers.get(cur, uid)
 
 
