@@ -20,6 +20,8 @@ from retex.ledger import (
     TaskNotFound,
     TaskRecord,
     UnstorableValue,
+    readers,
+    worker_operations,
 )
 from retex.ledger.wire import OPERATIONS, UNFENCED, error_from_json, error_to_json, task_from_json, to_json
 from retex.machine import IllegalTransition, StepState, TaskPhase
@@ -68,3 +70,16 @@ def test_the_endpoint_offers_exactly_the_operations_the_worker_client_has_with_t
         server_supplied = {"pod"} if operation == "claim_attempt" else ({"actor"} if operation not in UNFENCED else set())
         assert list(params)[:len(fixed)] == fixed, operation
         assert set(params) - set(fixed) - {"rng"} == set(arguments) | server_supplied, operation
+
+
+def test_every_operation_a_worker_may_name_is_one_function_of_worker_operations_or_the_reader_get():
+    # The one home of the worker's operations (retex.ledger.worker_operations); the Ledger method
+    # the endpoint runs takes the same arguments as the function, less the cursor.
+    homes = {name: readers if name == "get" else worker_operations for name in OPERATIONS}
+    defined_there = {name for name, fn in inspect.getmembers(worker_operations, inspect.isfunction)
+                     if fn.__module__ == worker_operations.__name__ and "cur" in inspect.signature(fn).parameters}
+    assert set(OPERATIONS) - {"get"} == defined_there
+    for operation, home in homes.items():
+        params = list(inspect.signature(getattr(home, operation)).parameters)
+        assert params[0] == "cur", operation
+        assert params[1:] == list(inspect.signature(getattr(Ledger, operation)).parameters)[1:], operation

@@ -2,12 +2,13 @@
 
 Public surface: `Ledger` (operations), the records it returns, and its typed errors.
 
-`Ledger` and `NOTIFY_CHANNEL` are imported on first use: the store brings psycopg, which the
-worker (it reaches the ledger over HTTP) would otherwise load in every pod for nothing.
+`Ledger` and `NOTIFY_CHANNEL` are imported on first use: the store and its readers bring psycopg,
+which the worker (it reaches the ledger over HTTP) would otherwise load in every pod for nothing.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from retex.ledger.errors import (
@@ -47,15 +48,14 @@ __all__ = [
     "spec_hash", "step_idempotency_key",
 ]
 
-_FROM_THE_STORE = frozenset({"Ledger", "NOTIFY_CHANNEL"})
+_ON_FIRST_USE = {"Ledger": "retex.ledger.store", "NOTIFY_CHANNEL": "retex.ledger.readers"}
 
 if TYPE_CHECKING:
-    from retex.ledger.store import NOTIFY_CHANNEL, Ledger
+    from retex.ledger.readers import NOTIFY_CHANNEL
+    from retex.ledger.store import Ledger
 
 
 def __getattr__(name: str) -> Any:
-    if name in _FROM_THE_STORE:
-        from retex.ledger import store
-
-        return getattr(store, name)
+    if name in _ON_FIRST_USE:
+        return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

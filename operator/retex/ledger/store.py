@@ -1,79 +1,46 @@
-"""The step ledger: every operation is one transaction, idempotent when repeated.
+"""The ledger's facade, `Ledger`: the only door to the ledger tables, for every caller outside
+retex.ledger. Each method runs one operation in one transaction of its own, retried through a
+transient error (retex.ledger.transactions). The operations themselves are top-level functions
+that take a cursor, split by caller, so a test can run one inside a transaction of its own:
 
-Idempotency is what makes the transient-error retry safe: when a connection drops during COMMIT
-the caller cannot know whether it landed, so the operation runs again and must find its own
-effect already there. Fenced operations (the worker's) lock the task row and check the caller's
-epoch first, so a stale attempt is rejected even while a new attempt is being started elsewhere.
+- retex.ledger.operator_operations: admission, attempts, deadlines, human actions, retention
+- retex.ledger.outbox: the relay's dispatch batch and how each record is settled
+- retex.ledger.worker_operations: the fenced operations a worker asks for through the endpoint
+- retex.ledger.readers: operations that write nothing
+- retex.ledger.placement: run limits, concurrency keys and the task's phase moves
+- retex.ledger.moves: the lock, the fence, step moves and history that all of them share
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
 import random
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, replace
-from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
-from psycopg.rows import dict_row
-from psycopg.types.json import Jsonb
-from psycopg_pool import ConnectionPool
 
 from retex.failpoints import failpoint
-from retex.ledger.errors import (
-    CancelRequested,
-    FenceRejected,
-    LedgerUnavailable,
-    ResultTooLarge,
-    StepOutOfOrder,
-    TaskNotFound,
-    UnstorableValue,
-)
-from retex.ledger.hashing import spec_hash, step_idempotency_key
+from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
 from retex.ledger.migrate import migrate
+from retex.ledger.moves import check_result_size, record_history
+from retex.ledger.outbox import DispatchOutcomes
 from retex.ledger.records import (
-    DURATION_BUCKETS,
-    RESULT_LIMIT_BYTES,
     AdmitResult,
     AttemptRecord,
     Dispatch,
-    Histogram,
     HistoryEntry,
     LedgerFigures,
     Refusal,
     StepRecord,
     TaskAdmission,
     TaskRecord,
-    TaskRef,
     WatchedAttempt,
 )
-from retex.machine import (
-    TERMINAL_PHASES,
-    Backoff,
-    IllegalTransition,
-    StepEvent,
-    StepState,
-    TaskEvent,
-    TaskPhase,
-    step_transition,
-    task_transition,
-)
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-NOTIFY_CHANNEL = "retex_ledger"
-# Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
-PLACEMENT_LOCK_KEY = 0x706C616365
-# Transient: the operation did not happen or will be found done when repeated.
-_TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
-# Phases that hold a run slot (Running) or a concurrency key: leaving one may let a queued task start.
-_HOLDS_KEY = (TaskPhase.RUNNING, TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION)
-_CANCEL_REASONS = ("Cancelled", "TaskDeleted")
+P = ParamSpec("P")
 
 
 class Ledger:
@@ -81,16 +48,7 @@ class Ledger:
 
     def __init__(self, dsn: str, *, max_connections: int = 10, retry_for_seconds: float = 120.0):
         self._retry_for = retry_for_seconds
-        self._pool = ConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=max_connections,
-            kwargs={"row_factory": dict_row},
-            check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
-            configure=_durable_commits,
-            open=False,
-            name="retex-ledger",
-        )
+        self._pool = transactions.connection_pool(dsn, max_connections=max_connections)
         self._dsn = dsn
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -121,551 +79,88 @@ class Ledger:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- transaction plumbing ----------------------------------------------------------------
+    # -- transactions (retex.ledger.transactions) ---------------------------------------------
 
     def _retrying(self, fn: Callable[[], T], *, op: str) -> T:
-        deadline = time.monotonic() + self._retry_for
-        delay = 0.05
-        while True:
-            try:
-                return fn()
-            except _TRANSIENT as exc:
-                if time.monotonic() + delay > deadline:
-                    raise LedgerUnavailable(f"{op}: Postgres unavailable for {self._retry_for:.0f}s: {exc}") from exc
-                log.warning("ledger %s: transient error, retrying in %.2fs: %s", op, delay, exc)
-                time.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, 2.0)
+        return transactions.retrying(fn, op=op, retry_for=self._retry_for)
 
     def _tx(self, fn: Callable[[psycopg.Cursor], T], *, op: str) -> T:
         def attempt() -> T:
-            with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
+            with transactions.transaction(self._pool) as cur:
                 return fn(cur)
 
         return self._retrying(attempt, op=op)
 
     def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
-        """`_tx` for an operation whose repetition would be refused (a human action that moves the
-        task on): when a retry follows a COMMIT whose reply was lost, the earlier try's transaction
-        is found committed, so the retry returns the task as it is instead of trying again."""
-        earlier: list[str] = []  # the id of the transaction of the latest try
+        return self._tx(transactions.once(fn, uid=uid), op=op)
 
-        def once(cur: psycopg.Cursor) -> TaskRecord | T:
-            if earlier:
-                # The task row lock waits out a COMMIT still under way (every try takes that lock).
-                self._lock_task(cur, uid)
-                status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
-                if status == "committed":
-                    return self._record(cur, uid)
-            earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
-            return fn(cur)
+    def _run(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """`operation(cur, ...)` in one transaction of its own, retried, named after the operation."""
+        return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__)
 
-        return self._tx(once, op=op)
+    # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).
+    _history = staticmethod(record_history)
 
-    # -- shared pieces of operations (always inside a transaction) ----------------------------
-
-    @staticmethod
-    def _lock_task(cur: psycopg.Cursor, uid: str) -> dict[str, Any]:
-        row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
-        if row is None:
-            raise TaskNotFound(uid)
-        return row
-
-    @staticmethod
-    def _fence(task: dict[str, Any], epoch: int) -> None:
-        if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
-            raise FenceRejected(task["uid"], epoch, task["epoch"], task["phase"])
-
-    @staticmethod
-    def _history(cur: psycopg.Cursor, uid: str, actor: str, event: str, *, epoch: int | None = None,
-                 step_idx: int | None = None, from_state: str | None = None, to_state: str | None = None,
-                 detail: dict[str, Any] | None = None) -> None:
-        cur.execute(
-            """INSERT INTO retex.history (task_uid, actor, event, epoch, step_idx, from_state, to_state, detail)
-               VALUES (%s, %s, %s, %s, %s, %s, %s, %s)""",
-            (uid, actor, event, epoch, step_idx, from_state, to_state, Jsonb(detail) if detail else None),
-        )
-
-    def _transition(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
-                    detail: dict[str, Any] | None = None, **columns: Any) -> dict[str, Any]:
-        """Move the task by `event` (checked by the state machine), set `columns`, bump the version."""
-        new_phase = task_transition(task["phase"], event)
-        columns["phase"] = str(new_phase)
-        if columns.get("dead_lettered"):  # in history, so the dead-letter counter survives a requeue
-            detail = {**(detail or {}), "deadLettered": True}
-        if new_phase in TERMINAL_PHASES:
-            columns.setdefault("finished_at", _NOW)
-        assignments, values = _set_clause(columns)
-        updated = cur.execute(
-            f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
-            "WHERE uid = %s RETURNING *",
-            (*values, task["uid"]),
-        ).fetchone()
-        self._history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
-                      to_state=str(new_phase), detail=detail)
-        if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
-            self._fill_slots(cur, actor)  # a running slot or a concurrency key may have come free
-        return updated
-
-    @staticmethod
-    def _touch(cur: psycopg.Cursor, uid: str, **columns: Any) -> None:
-        """Bump the task's version (a step changed, or a flag did): the mirror must see it."""
-        assignments = "".join(f", {col} = %s" for col in columns)
-        cur.execute(
-            f"UPDATE retex.tasks SET version = version + 1, updated_at = now(){assignments} WHERE uid = %s",
-            (*[_adapt(v) for v in columns.values()], uid),
-        )
-
-    def _step_move(self, cur: psycopg.Cursor, uid: str, idx: int, event: StepEvent, actor: str,
-                   epoch: int | None, **columns: Any) -> dict[str, Any]:
-        step = cur.execute(
-            "SELECT * FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
-        ).fetchone()
-        if step is None:
-            raise IllegalTransition("step", "missing", f"{event} of step {idx}")
-        new_state = step_transition(step["state"], event)
-        columns["state"] = str(new_state)
-        assignments, values = _set_clause(columns)
-        updated = cur.execute(
-            f"UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *",
-            (*values, uid, idx),
-        ).fetchone()
-        self._history(cur, uid, actor, f"step-{event}", epoch=epoch, step_idx=idx, from_state=step["state"],
-                      to_state=str(new_state))
-        self._touch(cur, uid)
-        return updated
-
-    def _start_attempt(self, cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
-                       actor: str, **columns: Any) -> dict[str, Any]:
-        """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
-        epoch = task["epoch"] + 1
-        if task["deadline_at"] is None and task["timeout_seconds"]:
-            columns["deadline_at"] = _db_now(cur) + timedelta(seconds=task["timeout_seconds"])
-        updated = self._transition(cur, task, event, actor, detail={"cause": cause}, epoch=epoch,
-                                   not_before=None, reason=None, next_cause=None,
-                                   started_at=task["started_at"] or _NOW, **columns)
-        cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
-                    (task["uid"], epoch, cause))
-        cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task["uid"], epoch))
-        return updated
-
-    def _place(self, cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> None:
-        """A task that may run: schedule it for later, or queue it and fill the free slots (which
-        starts it at once when limits, its concurrency key and the queue ahead of it allow)."""
-        due = task["not_before"] is None or cur.execute(
-            "SELECT %s <= now() AS due", (task["not_before"],)
-        ).fetchone()["due"]
-        if not due:
-            self._transition(cur, task, TaskEvent.SCHEDULE, actor)
-            return
-        self._transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
-        self._fill_slots(cur, actor)
-
-    def _fill_slots(self, cur: psycopg.Cursor, actor: str) -> None:
-        """Start Queued tasks while the run limits allow: per concurrency key only the oldest
-        queued task may run, and only when no task of that key is Running, Retrying or waiting
-        for a human (per-entity order); among what may run, higher priority first, then older.
-
-        Serialized by a transaction-scoped advisory lock, so concurrent placements never exceed
-        a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
-        while holding the lock (whoever holds that row places it when it is done)."""
-        cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
-        limits = cur.execute("SELECT * FROM retex.run_limits").fetchone()
-        # An attempt the operator ended (timeout, deletion) may still be running a step until it is
-        # known dead (settled): until then it keeps its slot and its key.
-        unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
-        by_namespace = {r["namespace"]: r["n"] for r in cur.execute(
-            f"""SELECT namespace, count(*) AS n FROM retex.tasks WHERE uid IN (
-                    SELECT uid FROM retex.tasks WHERE phase = 'Running' UNION {unsettled})
-                GROUP BY namespace""")}
-        total = sum(by_namespace.values())
-        busy_keys = {(r["namespace"], r["concurrency_key"]) for r in cur.execute(
-            f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
-                AND uid IN (SELECT uid FROM retex.tasks WHERE phase IN ('Running', 'Retrying', 'NeedsAttention')
-                            UNION {unsettled})""")}
-        candidates = cur.execute(
-            """SELECT uid, namespace, concurrency_key, priority, submitted, created_at FROM (
-                   SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
-                          coalesce(submitted_at, created_at) AS submitted, created_at
-                   FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL
-                   ORDER BY namespace, concurrency_key, coalesce(submitted_at, created_at), created_at, uid
-               ) AS key_heads
-               UNION ALL
-               SELECT uid, namespace, concurrency_key, priority, coalesce(submitted_at, created_at), created_at
-               FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL
-               ORDER BY priority DESC, submitted, created_at, uid""").fetchall()
-        for candidate in candidates:
-            if limits["max_running"] is not None and total >= limits["max_running"]:
-                return
-            namespace = candidate["namespace"]
-            per_namespace = limits["max_running_per_namespace"]
-            if per_namespace is not None and by_namespace.get(namespace, 0) >= per_namespace:
-                continue
-            if (namespace, candidate["concurrency_key"]) in busy_keys:
-                continue
-            task = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s AND phase = 'Queued' FOR UPDATE SKIP LOCKED",
-                               (candidate["uid"],)).fetchone()
-            if task is None:
-                continue
-            self._start_attempt(cur, task, TaskEvent.START_ATTEMPT, task["next_cause"] or "first", actor)
-            total += 1
-            by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
-
-    @staticmethod
-    def _end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
-        """Record the attempt's outcome. `settled`: it is known dead (its worker ended it, or its
-        lease was released or expired, or it never held it). The operator ending an attempt whose
-        worker may still be inside a step passes False; the reaper settles it later."""
-        cur.execute(
-            "UPDATE retex.attempts SET outcome = %s, ended_at = now(), settled_at = CASE WHEN %s THEN now() END "
-            "WHERE task_uid = %s AND epoch = %s AND outcome IS NULL",
-            (outcome, settled, uid, epoch),
-        )
-
-    def _record(self, cur: psycopg.Cursor, uid: str) -> TaskRecord:
-        row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()
-        if row is None:
-            raise TaskNotFound(uid)
-        steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
-        return _task_record(row, steps)
-
-    # -- admission and attempts (operator) ---------------------------------------------------
+    # -- control plane (retex.ledger.operator_operations, placement) ----------------------------
 
     def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
-        """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
-
-        def op(cur: psycopg.Cursor) -> AdmitResult:
-            inserted = cur.execute(
-                """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
-                                            max_attempts, max_disruptions, backoff, not_before,
-                                            concurrency_key, priority, timeout_seconds, submitted_at)
-                   VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s, %s, %s, %s, %s)
-                   ON CONFLICT DO NOTHING RETURNING *""",
-                (admission.uid, admission.namespace, admission.name, Jsonb(admission.spec),
-                 spec_hash(admission.spec), admission.idempotency_key, admission.max_attempts,
-                 admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before,
-                 admission.concurrency_key, admission.priority, admission.timeout_seconds,
-                 admission.submitted_at),
-            ).fetchone()
-            # Checked after the insert, in its own statement: a purge that committed while the insert
-            # waited on the row is seen here (a check before it could miss it).
-            verdict = _prior_verdict(cur, admission)
-            if verdict is not None:
-                raise _NotAdmitted(verdict)
-            if inserted is None:
-                return AdmitResult(uid=admission.uid, created=False)  # admitted before
-            step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
-            for idx, (name, step_spec) in enumerate(zip(admission.step_names, step_specs, strict=True)):
-                cur.execute(
-                    "INSERT INTO retex.steps (task_uid, idx, name, idempotency_key) VALUES (%s, %s, %s, %s)",
-                    (admission.uid, idx, name, step_idempotency_key(admission.uid, name, step_spec)),
-                )
-            self._history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
-            self._place(cur, inserted, "first", actor)
-            return AdmitResult(uid=admission.uid, created=True)
-
         try:
-            return self._tx(op, op="admit")
-        except _NotAdmitted as not_admitted:
+            return self._run(operator_operations.admit, admission, actor=actor)
+        except operator_operations.NotAdmitted as not_admitted:
             return not_admitted.verdict
 
-    def prior_verdict(self, admission: TaskAdmission) -> AdmitResult | None:
-        """What `admit` answers for a Task it will never admit, without writing: refused before,
-        purged, or a duplicate of the task (live or purged) that used its idempotencyKey first.
-        None: `admit` would admit it (or has). The operator asks before its Job dry run, so that a
-        decision made once is not made again differently."""
-        return self._tx(lambda cur: _prior_verdict(cur, admission), op="prior_verdict")
-
     def refuse(self, refusal: Refusal) -> Refusal:
-        """Record that a Task is not admitted. Final for its uid: the first refusal stored stands
-        (and is returned), and `admit` never admits the uid."""
-
-        def op(cur: psycopg.Cursor) -> Refusal:
-            cur.execute(
-                """INSERT INTO retex.refusals (uid, namespace, name, reason, message, generation)
-                   VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (uid) DO NOTHING""",
-                (refusal.uid, refusal.namespace, refusal.name, refusal.reason, refusal.message[:4096],
-                 refusal.generation),
-            )
-            return _refusal(cur, refusal.uid)
-
-        return self._tx(op, op="refuse")
-
-    def refusal(self, uid: str) -> Refusal | None:
-        """The refusal stored for `uid`, or None."""
-        return self._tx(lambda cur: _refusal(cur, uid), op="refusal")
+        return self._run(operator_operations.refuse, refusal)
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
-        """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
-
-        A disruption does not consume the retry budget; it has its own cap. Repeating the call for
-        the same lost epoch changes nothing.
-        """
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["epoch"] != lost_epoch or task["phase"] != TaskPhase.RUNNING:
-                return self._record(cur, uid)
-            self._end_attempt(cur, uid, lost_epoch, "lost")
-            if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
-            elif task["disruptions"] + 1 > task["max_disruptions"]:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
-                                 dead_lettered=True, disruptions=task["disruptions"] + 1,
-                                 last_error=f"attempt {lost_epoch} lost ({cause}); disruption cap reached")
-            else:
-                self._start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
-                                    disruptions=task["disruptions"] + 1)
-            return self._record(cur, uid)
-
-        return self._tx(op, op="replace_attempt")
-
-    def promote_due(self, *, limit: int = 100, actor: str = "operator") -> list[str]:
-        """Queue the Scheduled and Retrying tasks whose time has come, fail those past their
-        deadline, and fill the free slots. Returns the uids that were due."""
-
-        def op(cur: psycopg.Cursor) -> list[str]:
-            overdue = cur.execute(
-                """SELECT * FROM retex.tasks WHERE deadline_at <= now()
-                   AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled') LIMIT %s FOR UPDATE SKIP LOCKED""",
-                (limit,),
-            ).fetchall()
-            for task in overdue:
-                if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-                    self._end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
-                                 last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
-            due = cur.execute(
-                """SELECT * FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying') AND not_before <= now()
-                   ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
-                (limit,),
-            ).fetchall()
-            for task in due:
-                cause = "retry" if task["phase"] == TaskPhase.RETRYING else "first"
-                self._transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
-            if due:
-                self._fill_slots(cur, actor)
-            return [task["uid"] for task in due]
-
-        return self._tx(op, op="promote_due")
-
-    def next_due_at(self) -> datetime | None:
-        """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
-        the promoter sleeps until then instead of keeping a timer per task."""
-        return self._tx(
-            lambda cur: cur.execute(
-                """SELECT least(
-                       (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
-                       (SELECT min(deadline_at) FROM retex.tasks
-                        WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled'))) AS at"""
-            ).fetchone()["at"],
-            op="next_due_at",
-        )
-
-    def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
-        """Limits on running attempts, for every process that places tasks; then fill the slots
-        that raised limits opened."""
-
-        def op(cur: psycopg.Cursor) -> None:
-            cur.execute("UPDATE retex.run_limits SET max_running = %s, max_running_per_namespace = %s",
-                        (max_running, max_running_per_namespace))
-            self._fill_slots(cur, "operator")
-
-        self._tx(op, op="set_run_limits")
-
-    def request_cancel(self, uid: str, *, reason: str = "Cancelled", actor: str = "operator") -> TaskRecord:
-        """Waiting tasks are cancelled at once; a running one at its worker's next step boundary
-        (or by the reaper at once when its attempt holds no lease). `reason` is what the task ends
-        with when the operator ends it: Cancelled, or TaskDeleted for a deletion."""
-        if reason not in _CANCEL_REASONS:
-            raise ValueError(f"cancel reason {reason!r} is not one of {', '.join(_CANCEL_REASONS)}")
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
-                return self._record(cur, uid)
-            if task["phase"] == TaskPhase.RUNNING:
-                self._touch(cur, uid, cancel_requested=True, cancel_reason=reason)
-                self._history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
-            else:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
-                                 cancel_reason=reason)
-            return self._record(cur, uid)
-
-        return self._tx(op, op="request_cancel")
-
-    def fail_task(self, uid: str, *, reason: str, message: str, actor: str = "operator") -> TaskRecord:
-        """Operator-side terminal failure (for example the task timeout). No-op once terminal."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["phase"] not in TERMINAL_PHASES:
-                if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-                    self._end_attempt(cur, uid, task["epoch"], "failed", settled=False)
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
-            return self._record(cur, uid)
-
-        return self._tx(op, op="fail_task")
-
-    def abandon(self, uid: str, *, reason: str, actor: str = "operator") -> TaskRecord:
-        """Cancel now, not at a step boundary (the Task object is gone). A worker still running
-        is fenced out at its next write. No-op once terminal or for an unknown task."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord | None:
-            row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
-            if row is None:
-                return None
-            if row["phase"] not in TERMINAL_PHASES:
-                if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-                    self._end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
-                self._transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
-            return self._record(cur, uid)
-
-        return self._tx(op, op="abandon")
-
-    def requeue(self, uid: str, *, actor: str) -> TaskRecord:
-        """A fresh attempt with a fresh budget for a Failed or NeedsAttention task."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            flagged = cur.execute(
-                "SELECT name FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
-            ).fetchall()
-            if flagged:
-                names = ", ".join(row["name"] for row in flagged)
-                raise IllegalTransition("task", task["phase"], f"requeue before resolving step(s) {names}")
-            pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
-                                       dead_lettered=False, reason=None, finished_at=None, not_before=None,
-                                       deadline_at=None)
-            self._place(cur, pending, "requeue", actor)
-            return self._record(cur, uid)
-
-        return self._tx_once(op, uid=uid, op="requeue")
-
-    def resolve_step(self, uid: str, step_name: str, *, mark_done: bool, result: Any = None,
-                     actor: str) -> TaskRecord:
-        """The human hand-off of an ambiguous step: it happened (mark done) or it did not (re-run).
-
-        When no flagged step remains, the task is requeued so the next attempt carries on.
-        """
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            step = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
-                               (uid, step_name)).fetchone()
-            if step is None:
-                raise IllegalTransition("step", "missing", f"resolve of unknown step {step_name!r}")
-            if mark_done:
-                _check_result_size(result)
-                self._step_move(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,
-                                result=Jsonb(result), error=None, finished_at=_NOW)
-            else:
-                self._step_move(cur, uid, step["idx"], StepEvent.RESOLVE_RERUN, actor, None, error=None)
-            still_flagged = cur.execute(
-                "SELECT 1 FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
-            ).fetchone()
-            if task["phase"] == TaskPhase.NEEDS_ATTENTION and not still_flagged:
-                task = self._lock_task(cur, uid)
-                pending = self._transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
-                self._place(cur, pending, "requeue", actor)
-            return self._record(cur, uid)
-
-        return self._tx_once(op, uid=uid, op="resolve_step")
-
-    # -- attempt lifecycle (operator: the reaper and the promoter) -----------------------------
-
-    def watched(self) -> list[WatchedAttempt]:
-        """What the reaper watches: the current attempt of every Running task, and every attempt
-        the operator ended that is not yet known dead (it holds its slot and key until then)."""
-
-        def op(cur: psycopg.Cursor) -> list[WatchedAttempt]:
-            rows = cur.execute(
-                """SELECT t.uid, t.namespace, t.name, a.epoch, t.phase = 'Running' AND a.epoch = t.epoch AS current,
-                          t.cancel_requested, a.job_name,
-                          extract(epoch FROM now() - o.sent_at)::float8 AS dispatched_seconds_ago
-                   FROM retex.attempts a JOIN retex.tasks t ON t.uid = a.task_uid
-                   LEFT JOIN retex.outbox o ON o.task_uid = a.task_uid AND o.epoch = a.epoch AND o.outcome = 'sent'
-                   WHERE (t.phase = 'Running' AND a.epoch = t.epoch AND a.outcome IS NULL)
-                      OR (a.outcome IS NOT NULL AND a.settled_at IS NULL)
-                   ORDER BY t.uid, a.epoch""").fetchall()
-            return [WatchedAttempt(**row) for row in rows]
-
-        return self._tx(op, op="watched")
+        return self._run(operator_operations.replace_attempt, uid, lost_epoch, cause=cause, actor=actor)
 
     def settle_attempt(self, uid: str, epoch: int, *, actor: str = "operator") -> None:
-        """Attempt `epoch`, already ended by the operator, is known dead: free its slot and key."""
-
-        def op(cur: psycopg.Cursor) -> None:
-            settled = cur.execute(
-                """UPDATE retex.attempts SET settled_at = now() WHERE task_uid = %s AND epoch = %s
-                   AND outcome IS NOT NULL AND settled_at IS NULL""", (uid, epoch)).rowcount
-            if settled:
-                self._history(cur, uid, actor, "attempt-settled", epoch=epoch)
-                self._fill_slots(cur, actor)
-
-        self._tx(op, op="settle_attempt")
+        self._run(operator_operations.settle_attempt, uid, epoch, actor=actor)
 
     def fail_unstarted(self, uid: str, epoch: int, error: str, *, actor: str = "operator",
                        rng: random.Random | None = None) -> TaskRecord:
-        """Attempt `epoch` never took its lease in time (its pod could not start: image, config,
-        scheduling, quota). A failed attempt, counted against the retry budget like a step failure
-        (a broken spec would otherwise loop for ever); a cancel request makes it Cancelled.
-        No-op unless `epoch` is current and Running and its worker has not claimed it: a slow
-        worker may take the lease and claim the attempt (under this row lock) after the caller
-        saw no lease, and may then be inside a step."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
-                return self._record(cur, uid)
-            if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
-                           (uid, epoch)).fetchone()["pod"] is not None:
-                return self._record(cur, uid)
-            self._end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
-            failures = task["failures"] + 1
-            if task["cancel_requested"]:
-                self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
-            elif failures >= task["max_attempts"]:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
-                                 dead_lettered=True, last_error=error[:4096])
-            else:
-                delay = Backoff(**task["backoff"]).delay(failures, rng)
-                self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
-                                 reason="WorkerNotStarted", failures=failures, last_error=error[:4096],
-                                 not_before=_db_now(cur) + timedelta(seconds=delay))
-            return self._record(cur, uid)
-
-        return self._tx(op, op="fail_unstarted")
+        return self._run(operator_operations.fail_unstarted, uid, epoch, error, actor=actor, rng=rng)
 
     def cancel_unheld(self, uid: str, epoch: int, *, actor: str = "operator") -> TaskRecord:
-        """A cancel (or delete) was requested and attempt `epoch` holds no lease (never took it, or
-        its worker is gone): no worker will reach a step boundary, so the task ends now with its
-        cancel reason. A worker that starts later is fenced at its first write.
-        No-op unless `epoch` is current, Running and cancel was requested."""
+        return self._run(operator_operations.cancel_unheld, uid, epoch, actor=actor)
 
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
-                return self._record(cur, uid)
-            self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
-            return self._record(cur, uid)
+    def promote_due(self, *, limit: int = 100, actor: str = "operator") -> list[str]:
+        return self._run(operator_operations.promote_due, limit=limit, actor=actor)
 
-        return self._tx(op, op="cancel_unheld")
+    def purge_finished(self, *, older_than_seconds: float) -> int:
+        return self._run(operator_operations.purge_finished, older_than_seconds=older_than_seconds)
+
+    def request_cancel(self, uid: str, *, reason: str = "Cancelled", actor: str = "operator") -> TaskRecord:
+        if reason not in operator_operations.CANCEL_REASONS:
+            raise ValueError(f"cancel reason {reason!r} is not one of {', '.join(operator_operations.CANCEL_REASONS)}")
+        return self._run(operator_operations.request_cancel, uid, reason=reason, actor=actor)
+
+    def fail_task(self, uid: str, *, reason: str, message: str, actor: str = "operator") -> TaskRecord:
+        return self._run(operator_operations.fail_task, uid, reason=reason, message=message, actor=actor)
+
+    def abandon(self, uid: str, *, reason: str, actor: str = "operator") -> TaskRecord | None:
+        return self._run(operator_operations.abandon, uid, reason=reason, actor=actor)
+
+    def requeue(self, uid: str, *, actor: str) -> TaskRecord:
+        return self._tx_once(lambda cur: operator_operations.requeue(cur, uid, actor=actor), uid=uid, op="requeue")
+
+    def resolve_step(self, uid: str, step_name: str, *, mark_done: bool, result: Any = None,
+                     actor: str) -> TaskRecord:
+        return self._tx_once(
+            lambda cur: operator_operations.resolve_step(cur, uid, step_name, mark_done=mark_done, result=result,
+                                                         actor=actor),
+            uid=uid, op="resolve_step")
+
+    def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
+        self._run(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
 
     def fill_slots(self, *, actor: str = "operator") -> None:
         """Start what may start: the periodic backstop for a placement that skipped a briefly
         locked queue head (SKIP LOCKED) or a slot freed where no placement followed."""
-        self._tx(lambda cur: self._fill_slots(cur, actor), op="fill_slots")
+        self._run(placement.fill_slots, actor)
 
-    def seconds_until(self, at: datetime) -> float:
-        """`at` minus the database's now(): time left measured on the ledger's clock, the one
-        that set `at` (a deadline), never the caller's wall clock."""
-        return self._tx(
-            lambda cur: cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)).fetchone()["s"],
-            op="seconds_until",
-        )
-
-    # -- the outbox relay (operator) ---------------------------------------------------------
+    # -- the outbox relay (retex.ledger.outbox) --------------------------------------------------
 
     @contextlib.contextmanager
     def dispatch_batch(self, *, limit: int = 20) -> Iterator[tuple[list[Dispatch], DispatchOutcomes]]:
@@ -680,604 +175,90 @@ class Ledger:
         (the relay drops it, after looking for a Job a dead relay may have created).
         If the caller dies before the transaction commits, the claims vanish with it and another
         relay sends them again; the deterministic Job name turns that into AlreadyExists, which
-        is success.
+        is success. Not retried: the caller's own work happens inside the transaction.
         """
-        with self._pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
-            rows = cur.execute(
-                """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
-                          extract(epoch FROM now() - o.deferred_since)::float8 AS deferred_seconds,
-                          t.cancel_requested, t.cancel_reason, (o.epoch = t.epoch AND t.phase = 'Running') AS current
-                   FROM retex.outbox o JOIN retex.tasks t ON t.uid = o.task_uid
-                   WHERE o.sent_at IS NULL AND (o.not_before IS NULL OR o.not_before <= now())
-                   ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
-                (limit,),
-            ).fetchall()
-            stale = [row["id"] for row in rows if not row["current"]]
-            if stale:
-                cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
-            outcomes = DispatchOutcomes(self, cur, {row["id"]: row["attempts"] for row in rows})
-            yield [Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                            name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
-                            deferred_seconds=r["deferred_seconds"],
-                            cancel_reason=(r["cancel_reason"] or "Cancelled") if r["cancel_requested"] else None)
-                   for r in rows if r["current"]], outcomes
+        with transactions.transaction(self._pool) as cur:
+            yield outbox.claim(cur, limit=limit)
 
-    # -- fenced operations (worker) ----------------------------------------------------------
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _refusal_as_unstorable() -> Iterator[None]:
-        """A value Postgres (or psycopg, before sending) refuses: NUL in text, NaN or \\u0000 in
-        jsonb, a lone surrogate. Not transient: repeating the write cannot help."""
-        try:
-            yield
-        except (psycopg.DataError, UnicodeEncodeError) as exc:
-            raise UnstorableValue(f"the ledger refused the value: {type(exc).__name__}: {exc}") from exc
+    # -- the worker's operations (retex.ledger.worker_operations) ----------------------------------
 
     def claim_attempt(self, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
-        """Read the task for attempt `epoch` and record which pod runs it. Fenced."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
-            cur.execute("UPDATE retex.attempts SET pod = %s, node = %s WHERE task_uid = %s AND epoch = %s",
-                        (pod, node, uid, epoch))
-            return self._record(cur, uid)
-
-        return self._tx(op, op="claim_attempt")
+        return self._run(worker_operations.claim_attempt, uid, epoch, pod=pod, node=node)
 
     def begin_step(self, uid: str, epoch: int, idx: int, *, actor: str, request: str | None = None) -> StepRecord:
-        """Mark step `idx` started by this attempt; returns it as it was before. Fenced.
-
-        `request` names this call: the same call sent again (its reply was lost) gets the same
-        answer. Without it, or with another, a repeat finds the step started by this attempt and
-        returns that: the caller treats the step as interrupted (another process of the attempt,
-        or a begin whose answer nobody kept)."""
-
-        def op(cur: psycopg.Cursor) -> tuple[StepRecord, str]:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
-            if task["cancel_requested"]:
-                raise CancelRequested(uid)
-            steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
-            row = steps[idx]
-            prior = _step_record(row)
-            if prior.state == StepState.STARTED and prior.attempt == epoch:
-                if request is not None and row["begin_request"] == request:  # the same call again
-                    return replace(prior, state=StepState(row["prior_state"]), attempt=row["prior_attempt"],
-                                   started_at=row["prior_started_at"]), task["name"]
-                return prior, task["name"]  # a repeated call
-            if any(s["state"] != StepState.DONE for s in steps[:idx]):
-                raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
-            self._step_move(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
-            # The moment of this write, not the transaction's start (now(), before the lock wait):
-            # a later attempt's deadline wait counts from it.
-            cur.execute(
-                """UPDATE retex.steps SET started_at = clock_timestamp(), begin_request = %s,
-                          prior_state = %s, prior_attempt = %s, prior_started_at = %s
-                   WHERE task_uid = %s AND idx = %s""",
-                (request, prior.state, prior.attempt, prior.started_at, uid, idx))
-            return prior, task["name"]
-
-        prior, name = self._tx(op, op="begin_step")
+        prior, name = self._run(worker_operations.begin_step, uid, epoch, idx, actor=actor, request=request)
         failpoint("after-begin-commit", prior.name, task=name, uid=uid)  # crash-matrix R8b: committed, no reply
         return prior
 
     def start_run(self, uid: str, epoch: int, idx: int, *, actor: str) -> None:
-        """Step `idx`, begun by this attempt and found `started` from an earlier one, is about to
-        run now (after its verify found nothing, or as an idempotent re-run): its started_at
-        becomes this moment, so a later attempt waits out this run's deadline, not the begin's.
-        Fenced: a run whose start is not recorded before a newer epoch exists never runs."""
-
-        def op(cur: psycopg.Cursor) -> None:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
-            row = cur.execute(
-                """UPDATE retex.steps SET started_at = clock_timestamp()
-                   WHERE task_uid = %s AND idx = %s AND state = 'started' AND attempt = %s RETURNING idx""",
-                (uid, idx, epoch),
-            ).fetchone()
-            if row is None:
-                raise IllegalTransition("step", "not started by this attempt", f"start a run of step {idx}")
-            self._history(cur, uid, actor, "step-run", epoch=epoch, step_idx=idx)
-            self._touch(cur, uid)
-
-        self._tx(op, op="start_run")
+        self._run(worker_operations.start_run, uid, epoch, idx, actor=actor)
 
     def seconds_until_step_deadline(self, uid: str, idx: int, *, begun_at: datetime | None,
                                     after_seconds: float) -> float:
-        """Seconds left, by the database's clock, until `after_seconds` past the step's begin
-        (`begun_at` as an earlier `begin_step` returned it, else the step row's own started_at);
-        0 once that has passed. The worker waits it out before verifying a step that may still be
-        in flight: its own clock is never compared with the database's. Unfenced reader."""
-
-        def op(cur: psycopg.Cursor) -> float:
-            row = cur.execute(
-                """SELECT greatest(0, extract(epoch FROM coalesce(%s::timestamptz, started_at)
-                                  + make_interval(secs => %s) - now())) AS left
-                   FROM retex.steps WHERE task_uid = %s AND idx = %s""",
-                (begun_at, after_seconds, uid, idx),
-            ).fetchone()
-            if row is None:
-                raise TaskNotFound(uid)
-            return float(row["left"] or 0)
-
-        return self._tx(op, op="seconds_until_step_deadline")
+        return self._run(worker_operations.seconds_until_step_deadline, uid, idx, begun_at=begun_at,
+                         after_seconds=after_seconds)
 
     def commit_step(self, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
-        """Record the step's result: the one durable proof that its effect happened. Fenced."""
-        _check_result_size(result)
-
-        def op(cur: psycopg.Cursor) -> None:
-            task = self._lock_task(cur, uid)
-            self._fence(task, epoch)
-            state = cur.execute("SELECT state FROM retex.steps WHERE task_uid = %s AND idx = %s",
-                                (uid, idx)).fetchone()
-            if state and state["state"] == StepState.DONE:
-                return  # a repeated call
-            step = self._step_move(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result),
-                                   error=None, finished_at=_NOW)
-            failpoint("in-commit", step["name"], task=task["name"], uid=uid)  # crash-matrix R8: dies before COMMIT
-
-        with self._refusal_as_unstorable():
-            self._tx(op, op="commit_step")
+        check_result_size(result)
+        with worker_operations.refusal_as_unstorable():
+            self._run(worker_operations.commit_step, uid, epoch, idx, result, actor=actor)
 
     def fail_step(self, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
                   rng: random.Random | None = None) -> TaskRecord:
-        """The step failed: retry after backoff, or fail the task (permanently or out of budget). Fenced."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            step = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s",
-                               (uid, idx)).fetchone()
-            if step and step["state"] == StepState.FAILED and step["attempt"] == epoch and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
-            self._fence(task, epoch)
-            self._step_move(cur, uid, idx, StepEvent.FAIL, actor, epoch, error=error[:4096], finished_at=_NOW)
-            self._end_attempt(cur, uid, epoch, "failed")
-            failures = task["failures"] + 1
-            task = self._lock_task(cur, uid)
-            if not retryable:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
-                                 last_error=error[:4096])
-            elif failures >= task["max_attempts"]:
-                self._transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
-                                 dead_lettered=True, last_error=error[:4096])
-            else:
-                delay = Backoff(**task["backoff"]).delay(failures, rng)
-                self._transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
-                                 reason="RetryableError", failures=failures, last_error=error[:4096],
-                                 not_before=_db_now(cur) + timedelta(seconds=delay))
-            return self._record(cur, uid)
-
-        with self._refusal_as_unstorable():
-            return self._tx(op, op="fail_step")
+        with worker_operations.refusal_as_unstorable():
+            return self._run(worker_operations.fail_step, uid, epoch, idx, error, retryable=retryable, actor=actor,
+                             rng=rng)
 
     def flag_step(self, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
-        """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["phase"] == TaskPhase.NEEDS_ATTENTION and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
-            self._fence(task, epoch)
-            self._step_move(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
-            self._end_attempt(cur, uid, epoch, "needs-attention")
-            task = self._lock_task(cur, uid)
-            self._transition(cur, task, TaskEvent.NEED_ATTENTION, actor, reason="AmbiguousStep",
-                             last_error=why[:4096])
-            return self._record(cur, uid)
-
-        with self._refusal_as_unstorable():
-            return self._tx(op, op="flag_step")
+        with worker_operations.refusal_as_unstorable():
+            return self._run(worker_operations.flag_step, uid, epoch, idx, why, actor=actor)
 
     def complete_task(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
-        """Every step is done: the task Succeeded. Fenced."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["phase"] == TaskPhase.SUCCEEDED and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
-            self._fence(task, epoch)
-            undone = cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
-                                 (uid,)).fetchone()["n"]
-            if undone:
-                raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
-            self._end_attempt(cur, uid, epoch, "succeeded")
-            self._transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
-            return self._record(cur, uid)
-
-        return self._tx(op, op="complete_task")
+        return self._run(worker_operations.complete_task, uid, epoch, actor=actor)
 
     def finish_cancelled(self, uid: str, epoch: int, *, actor: str) -> TaskRecord:
-        """The worker stopped at a step boundary because cancel was requested. Fenced."""
+        return self._run(worker_operations.finish_cancelled, uid, epoch, actor=actor)
 
-        def op(cur: psycopg.Cursor) -> TaskRecord:
-            task = self._lock_task(cur, uid)
-            if task["phase"] == TaskPhase.CANCELLED and task["epoch"] == epoch:
-                return self._record(cur, uid)  # a repeated call
-            self._fence(task, epoch)
-            if not task["cancel_requested"]:
-                raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
-            self._end_attempt(cur, uid, epoch, "cancelled")
-            self._transition(cur, task, TaskEvent.CANCEL, actor, reason=_cancel_reason(task))
-            return self._record(cur, uid)
-
-        return self._tx(op, op="finish_cancelled")
-
-    # -- readers -----------------------------------------------------------------------------
+    # -- readers (retex.ledger.readers) ------------------------------------------------------
 
     def get(self, uid: str) -> TaskRecord:
-        return self._tx(lambda cur: self._record(cur, uid), op="get")
+        return self._run(readers.get, uid)
 
     def find(self, namespace: str, name: str) -> TaskRecord | None:
-        """The newest task of that namespace/name (a name can be reused after deletion)."""
-
-        def op(cur: psycopg.Cursor) -> TaskRecord | None:
-            row = cur.execute(
-                "SELECT uid FROM retex.tasks WHERE namespace = %s AND name = %s ORDER BY created_at DESC LIMIT 1",
-                (namespace, name),
-            ).fetchone()
-            return self._record(cur, row["uid"]) if row else None
-
-        return self._tx(op, op="find")
+        return self._run(readers.find, namespace, name)
 
     def running(self) -> list[TaskRecord]:
-        """Every Running task (without steps): what the lease reaper watches over."""
-
-        def op(cur: psycopg.Cursor) -> list[TaskRecord]:
-            rows = cur.execute("SELECT * FROM retex.tasks WHERE phase = 'Running' ORDER BY uid").fetchall()
-            return [_task_record(row, []) for row in rows]
-
-        return self._tx(op, op="running")
-
-    def purge_finished(self, *, older_than_seconds: float) -> int:
-        """Delete tasks (with their steps, attempts and history) that ended that long ago: the
-        history-retention setting. Each leaves a tombstone (uid, name, final phase, idempotencyKey)
-        that is kept forever, and what its rows counted is added to retex.purged_tallies (so the
-        exported counters do not go down). Returns how many went."""
-
-        def op(cur: psycopg.Cursor) -> int:
-            # Locked, so a requeue cannot move one of them between its count and its delete.
-            uids = [row["uid"] for row in cur.execute(
-                """SELECT uid FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
-                   AND finished_at < now() - make_interval(secs => %s) FOR UPDATE""",
-                (older_than_seconds,),
-            )]
-            if not uids:
-                return 0
-            for (metric, label), value in _tallies(cur, uids).items():
-                cur.execute(
-                    """INSERT INTO retex.purged_tallies (metric, label, value) VALUES (%s, %s, %s)
-                       ON CONFLICT (metric, label) DO UPDATE SET value = retex.purged_tallies.value + EXCLUDED.value""",
-                    (metric, label, value),
-                )
-            # The Task object may outlive its row; the tombstone keeps `admit` from running it again,
-            # and keeps its idempotencyKey taken.
-            return cur.execute(
-                """WITH gone AS (
-                       DELETE FROM retex.tasks WHERE uid = ANY(%s)
-                       RETURNING uid, namespace, name, phase, idempotency_key)
-                   INSERT INTO retex.tombstones (uid, namespace, name, phase, idempotency_key)
-                   SELECT uid, namespace, name, phase, idempotency_key FROM gone ON CONFLICT DO NOTHING""",
-                (uids,),
-            ).rowcount
-
-        return self._tx(op, op="purge_finished")
-
-    def figures(self) -> LedgerFigures:
-        """What the operator exports as metrics, computed from committed state (so worker-side
-        figures need no scraping of short-lived pods). Counts come from append-only rows plus what
-        purges took (LedgerFigures says which figures are counts)."""
-
-        def op(cur: psycopg.Cursor) -> LedgerFigures:
-            phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
-            dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
-            lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
-                              "WHERE sent_at IS NULL").fetchone()["s"]
-            # The promoter fails a task at its deadline: one left unfinished past it means that did not happen.
-            overrun = cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) AS s FROM retex.tasks "
-                                  f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}").fetchone()["s"]
-            counts = _tallies(cur, None)
-            for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
-                key = (row["metric"], row["label"])
-                counts[key] = counts.get(key, 0.0) + row["value"]
-
-            def labelled(metric: str) -> dict[str, int]:
-                return {label: int(value) for (m, label), value in counts.items() if m == metric}
-
-            def histogram(metric: str) -> Histogram:
-                return Histogram(count=int(counts.get((metric, "count"), 0)), total=counts.get((metric, "sum"), 0.0),
-                                 cumulative=[int(counts.get((metric, f"le={float(b)}"), 0)) for b in DURATION_BUCKETS])
-
-            return LedgerFigures(
-                tasks_by_phase=phases,
-                dead_lettered=dead,
-                outbox_lag_seconds=float(lag or 0.0),
-                deadline_overrun_seconds=float(overrun or 0.0),
-                submitted=int(counts.get(("submitted", ""), 0)),
-                finished_by_phase=labelled("finished"),
-                dead_lettered_ever=int(counts.get(("dead_lettered", ""), 0)),
-                attempts_by_cause=labelled("attempts"),
-                step_seconds=histogram("step_seconds"),
-                task_seconds=histogram("task_seconds"),
-                first_step_seconds=histogram("first_step_seconds"),
-            )
-
-        return self._tx(op, op="figures")
+        return self._run(readers.running)
 
     def versions(self) -> dict[str, int]:
-        """uid → ledger version of every task: what a status resync compares against."""
-        return self._tx(
-            lambda cur: {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")},
-            op="versions",
-        )
+        return self._run(readers.versions)
 
     def attempts(self, uid: str) -> list[AttemptRecord]:
-        rows = self._tx(
-            lambda cur: cur.execute(
-                "SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)
-            ).fetchall(),
-            op="attempts",
-        )
-        return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]
+        return self._run(readers.attempts, uid)
 
     def history(self, uid: str) -> list[HistoryEntry]:
-        rows = self._tx(
-            lambda cur: cur.execute("SELECT * FROM retex.history WHERE task_uid = %s ORDER BY id", (uid,)).fetchall(),
-            op="history",
-        )
-        return [HistoryEntry(**{k: r[k] for k in HistoryEntry.__dataclass_fields__}) for r in rows]
-
-    def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
-        """Yield (uid, version) for every committed change; None every `timeout` without one.
-
-        Ends with the error that ended its connection (a Postgres restart, a terminated backend,
-        a payload it cannot read): the caller listens again, and changes made while nobody
-        listened are the periodic resync's job, which is why a caller must not rely on this alone.
-        """
-        with psycopg.connect(self._dsn, autocommit=True) as conn:
-            conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            while True:
-                got = False
-                for note in conn.notifies(timeout=timeout, stop_after=1):
-                    uid, _, version = note.payload.rpartition(" ")
-                    got = True
-                    yield uid, int(version)
-                if not got:
-                    yield None
+        return self._run(readers.history, uid)
 
     def dead_letters(self, namespace: str | None = None) -> list[TaskRecord]:
-        """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
-        of one namespace, or of all when `namespace` is None. Oldest failure first."""
+        return self._run(readers.dead_letters, namespace)
 
-        def op(cur: psycopg.Cursor) -> list[TaskRecord]:
-            rows = cur.execute(
-                """SELECT * FROM retex.tasks WHERE phase = 'Failed' AND dead_lettered
-                   AND (%(ns)s::text IS NULL OR namespace = %(ns)s) ORDER BY finished_at, namespace, name""",
-                {"ns": namespace},
-            ).fetchall()
-            return [_task_record(row, []) for row in rows]
+    def watched(self) -> list[WatchedAttempt]:
+        return self._run(readers.watched)
 
-        return self._tx(op, op="dead_letters")
+    def next_due_at(self) -> datetime | None:
+        return self._run(readers.next_due_at)
 
+    def seconds_until(self, at: datetime) -> float:
+        return self._run(readers.seconds_until, at)
 
-# A record deferred n times waits min(cap, base·2^(n-1)) seconds: a transient refusal of one Job
-# costs that record a retry, never the records behind it.
-DISPATCH_RETRY_BASE_SECONDS = 1.0
-DISPATCH_RETRY_CAP_SECONDS = 60.0
+    def prior_verdict(self, admission: TaskAdmission) -> AdmitResult | None:
+        return self._run(readers.prior_verdict, admission)
 
+    def refusal(self, uid: str) -> Refusal | None:
+        return self._run(readers.refusal, uid)
 
-_ENDED_PHASES = "('Succeeded', 'Failed', 'Cancelled')"
+    def figures(self) -> LedgerFigures:
+        return self._run(readers.figures)
 
-
-def _tallies(cur: psycopg.Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]:
-    """Counts from append-only rows (history, attempts) of the tasks `uids` (None: every task),
-    keyed (metric, label); a histogram as labels `count`, `sum` and `le=<bound>`. A requeue or a
-    retry only adds rows, so none of these goes down but by a purge (which keeps what it took)."""
-    params = {"uids": uids}
-
-    def of(column: str) -> str:
-        return "TRUE" if uids is None else f"{column} = ANY(%(uids)s)"
-
-    tallies: dict[tuple[str, str], float] = {}
-
-    def add(metric: str, label: str, value: float) -> None:
-        tallies[(metric, label)] = tallies.get((metric, label), 0.0) + float(value)
-
-    def histogram(metric: str, seconds_sql: str) -> None:
-        bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(DURATION_BUCKETS))
-        row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
-                          params).fetchone()
-        add(metric, "count", row["n"])
-        add(metric, "sum", row["total"])
-        for i, bound in enumerate(DURATION_BUCKETS):
-            add(metric, f"le={float(bound)}", row[f"le{i}"])
-
-    add("submitted", "", cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
-                                     f"{of('task_uid')}", params).fetchone()["n"])
-    ended = f"h.to_state IN {_ENDED_PHASES} AND h.event NOT LIKE 'step-%%' AND {of('h.task_uid')}"
-    for row in cur.execute(f"SELECT h.to_state, count(*) AS n, count(*) FILTER (WHERE h.detail->>'deadLettered' = "
-                           f"'true') AS dead FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):
-        add("finished", row["to_state"], row["n"])
-        add("dead_lettered", "", row["dead"])
-    add("dead_lettered", "", 0)
-    for row in cur.execute(f"SELECT cause, count(*) AS n FROM retex.attempts WHERE {of('task_uid')} GROUP BY cause",
-                           params):
-        add("attempts", row["cause"], row["n"])
-    histogram("task_seconds", f"SELECT extract(epoch FROM h.at - t.created_at) AS s FROM retex.history h "
-                              f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE {ended}")
-    # A step run: from its latest begin to the commit or failure that ended it.
-    histogram("step_seconds", f"""SELECT extract(epoch FROM e.at - b.at) AS s FROM retex.history e
-                                  CROSS JOIN LATERAL (SELECT at FROM retex.history b WHERE b.task_uid = e.task_uid
-                                      AND b.step_idx = e.step_idx AND b.event = 'step-begin' AND b.id < e.id
-                                      ORDER BY b.id DESC LIMIT 1) AS b
-                                  WHERE e.event IN ('step-commit', 'step-fail') AND {of('e.task_uid')}""")
-    histogram("first_step_seconds", f"SELECT extract(epoch FROM min(h.at) - t.created_at) AS s FROM retex.history h "
-                                    f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE h.event = 'step-begin' AND "
-                                    f"{of('h.task_uid')} GROUP BY t.uid, t.created_at")
-    return tallies
-
-
-class DispatchOutcomes:
-    """How the relay settles each claimed record, in the batch's transaction. Each settlement
-    runs in its own savepoint, so one that fails leaves the others (and the claim) intact."""
-
-    def __init__(self, ledger: Ledger, cur: psycopg.Cursor, attempts: dict[int, int]):
-        self._ledger, self._cur, self._attempts = ledger, cur, attempts
-        self.claimed = len(attempts)  # records claimed, settled by the ledger (stale, dropped) or not
-
-    def _settle(self, dispatch: Dispatch, outcome: str) -> None:
-        self._cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = %s WHERE id = %s",
-                          (outcome, dispatch.id))
-
-    def _current_task(self, dispatch: Dispatch) -> dict[str, Any] | None:
-        task = self._ledger._lock_task(self._cur, dispatch.task_uid)
-        if task["epoch"] != dispatch.epoch or task["phase"] != TaskPhase.RUNNING:
-            return None  # moved on since the claim (replaced, timed out): nothing to end
-        return task
-
-    def _end_attempt(self, dispatch: Dispatch, outcome: str, job_name: str | None) -> None:
-        """End the attempt of a record that was not sent. `job_name`: a Job was found for it after
-        all (a relay died between creating it and its commit, crash-matrix R3) and deleted; its
-        worker may be inside a step, so the attempt holds its slot and key until known dead."""
-        self._ledger._end_attempt(self._cur, dispatch.task_uid, dispatch.epoch, outcome, settled=job_name is None)
-        if job_name is not None:
-            self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
-                              (job_name, dispatch.task_uid, dispatch.epoch))
-
-    def sent(self, dispatch: Dispatch, job_name: str) -> None:
-        with self._cur.connection.transaction():
-            self._settle(dispatch, "sent")
-            self._cur.execute("UPDATE retex.attempts SET job_name = %s WHERE task_uid = %s AND epoch = %s",
-                              (job_name, dispatch.task_uid, dispatch.epoch))
-
-    def rejected(self, dispatch: Dispatch, message: str, *, reason: str = "JobRejected",
-                 job_name: str | None = None, actor: str = "operator") -> None:
-        """The attempt's Job cannot be created: the API server refused it for good (JobRejected:
-        invalid, forbidden, namespace gone), or it could not be dispatched at all (DispatchFailed:
-        deferred past the cap, or a failure repeating cannot cure). The task fails with `reason`
-        and `message`. Not dead-lettered: no budget was spent; fix the cause, then requeue."""
-        with self._cur.connection.transaction():
-            task = self._current_task(dispatch)
-            if task is not None:
-                self._end_attempt(dispatch, "failed", job_name)
-                self._ledger._transition(self._cur, task, TaskEvent.FAIL, actor, reason=reason,
-                                         last_error=message[:4096])
-            self._settle(dispatch, "rejected")
-            self._cur.execute("UPDATE retex.outbox SET last_error = %s WHERE id = %s", (message[:4096], dispatch.id))
-
-    def dropped(self, dispatch: Dispatch, *, reason: str, job_name: str | None = None,
-                actor: str = "operator") -> None:
-        """Not sent: the task was cancelled or deleted (`reason` Cancelled or TaskDeleted) or its
-        Task object is gone. It ends Cancelled now: no Job of its remains, so no worker will
-        reach a step boundary."""
-        with self._cur.connection.transaction():
-            task = self._current_task(dispatch)
-            if task is not None:
-                self._end_attempt(dispatch, "cancelled", job_name)
-                self._ledger._transition(self._cur, task, TaskEvent.CANCEL, actor, reason=reason,
-                                         cancel_requested=True)
-            self._settle(dispatch, "dropped")
-
-    def deferred(self, dispatch: Dispatch, error: str) -> float:
-        """A transient failure (API server busy or unreachable): this record waits out its own
-        backoff; the records behind it go on. Returns the delay in seconds. The first deferral's
-        time is kept (`deferred_since`): the relay gives the record up past its cap."""
-        tries = self._attempts.get(dispatch.id, 0) + 1
-        delay = min(DISPATCH_RETRY_CAP_SECONDS, DISPATCH_RETRY_BASE_SECONDS * 2 ** (tries - 1))
-        with self._cur.connection.transaction():
-            self._cur.execute(
-                "UPDATE retex.outbox SET attempts = %s, not_before = now() + make_interval(secs => %s), "
-                "last_error = %s, deferred_since = coalesce(deferred_since, now()) WHERE id = %s",
-                (tries, delay, error[:4096], dispatch.id),
-            )
-        return delay
-
-
-def _durable_commits(conn: psycopg.Connection) -> None:
-    """A worker moves on to the next external effect once its commit returns, so the commit must
-    be on disk by then: with synchronous_commit=off a crash could lose an acknowledged step and
-    the step would run again. Stronger server settings (remote_write, remote_apply) are kept."""
-    if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
-        conn.execute("SET synchronous_commit = on")
-    conn.commit()
-
-
-# A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
-_NOW = object()
-
-
-def _set_clause(columns: dict[str, Any]) -> tuple[str, list[Any]]:
-    """`col = %s, ...` and its values for an UPDATE; `_NOW` becomes the database's now()."""
-    assignments = ", ".join(f"{col} = now()" if val is _NOW else f"{col} = %s" for col, val in columns.items())
-    return assignments, [_adapt(val) for val in columns.values() if val is not _NOW]
-
-
-def _adapt(value: Any) -> Any:
-    return Jsonb(value) if isinstance(value, dict | list) else value
-
-
-def _cancel_reason(task: dict[str, Any]) -> str:
-    """What a task whose cancel was requested ends with: TaskDeleted when its Task was deleted."""
-    return task["cancel_reason"] or "Cancelled"
-
-
-def _db_now(cur: psycopg.Cursor) -> datetime:
-    return cur.execute("SELECT now() AS now").fetchone()["now"]
-
-
-def _check_result_size(result: Any) -> None:
-    size = len(json.dumps(result).encode())
-    if size > RESULT_LIMIT_BYTES:
-        raise ResultTooLarge(f"step result is {size} bytes; the limit is {RESULT_LIMIT_BYTES} (store large data by reference)")
-
-
-class _NotAdmitted(Exception):
-    """Inside `admit`: the task must not be admitted; rolls the transaction back."""
-
-    def __init__(self, verdict: AdmitResult):
-        super().__init__(verdict)
-        self.verdict = verdict
-
-
-def _prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult | None:
-    uid = admission.uid
-    refusal = _refusal(cur, uid)
-    if refusal is not None:
-        return AdmitResult(uid=uid, created=False, refusal=refusal)
-    if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (uid,)).fetchone():
-        # It ran to its end and its history was purged (retention): never run it again.
-        return AdmitResult(uid=uid, created=False, purged=True)
-    if admission.idempotency_key is None:
-        return None
-    first = cur.execute(
-        """SELECT uid, namespace, name FROM retex.tasks
-           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
-           UNION ALL
-           SELECT uid, namespace, name FROM retex.tombstones
-           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
-           LIMIT 1""",
-        {"ns": admission.namespace, "key": admission.idempotency_key, "uid": uid},
-    ).fetchone()
-    if first is None:
-        return None
-    return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
-
-
-def _refusal(cur: psycopg.Cursor, uid: str) -> Refusal | None:
-    row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
-                      (uid,)).fetchone()
-    return Refusal(**row) if row else None
-
-
-def _step_record(row: dict[str, Any]) -> StepRecord:
-    return StepRecord(idx=row["idx"], name=row["name"], state=StepState(row["state"]), attempt=row["attempt"],
-                      idempotency_key=row["idempotency_key"], result=row["result"], error=row["error"],
-                      started_at=row["started_at"], finished_at=row["finished_at"])
-
-
-def _task_record(row: dict[str, Any], steps: list[dict[str, Any]]) -> TaskRecord:
-    fields = {k: row[k] for k in TaskRecord.__dataclass_fields__ if k not in ("steps", "phase")}
-    return TaskRecord(phase=TaskPhase(row["phase"]), steps=tuple(_step_record(s) for s in steps), **fields)
-
+    def listen(self, *, timeout: float = 1.0) -> Iterator[tuple[str, int] | None]:
+        return readers.listen(self._dsn, timeout=timeout)

@@ -30,7 +30,8 @@ TOKEN_AUDIENCE = "retex-ledger"
 PATH_PREFIX = "/v1/attempt/"
 
 # operation → the arguments a request carries besides the attempt's own (uid, epoch). Exactly the
-# Ledger methods a worker calls; each is fenced by epoch inside its transaction, or a read.
+# Ledger methods a worker calls: the functions of retex.ledger.worker_operations, each fenced by
+# epoch inside its transaction or a read, and the reader `get`.
 OPERATIONS: dict[str, tuple[str, ...]] = {
     "get": (),
     "claim_attempt": ("node",),

@@ -1,0 +1,303 @@
+"""The control plane's operations: admission and refusals (the operator's handlers), attempts
+ended, replaced or settled (the reaper), due tasks and deadlines (the promoter), the human
+actions (the handlers for a Kubernetes user, the CLI for an administrator), and history
+retention. Each takes a cursor of the caller's transaction (`Ledger` runs it in one of its own)
+and is idempotent when repeated, except where its docstring says how a repeat is told apart."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict
+from typing import Any
+
+import psycopg
+from psycopg.types.json import Jsonb
+
+from retex.ledger import readers
+from retex.ledger.hashing import spec_hash, step_idempotency_key
+from retex.ledger.moves import (
+    NOW,
+    cancel_reason,
+    check_result_size,
+    end_attempt,
+    lock_task,
+    move_step,
+    record_history,
+    touch,
+)
+from retex.ledger.placement import fill_slots, place, retry_or_fail, start_attempt, transition
+from retex.ledger.records import AdmitResult, Refusal, TaskAdmission, TaskRecord
+from retex.machine import TERMINAL_PHASES, IllegalTransition, StepEvent, TaskEvent, TaskPhase
+
+CANCEL_REASONS = ("Cancelled", "TaskDeleted")
+
+
+# -- admission (the handlers) ---------------------------------------------------------------
+
+class NotAdmitted(Exception):
+    """Raised by `admit` when the task must not be admitted: rolls the transaction back, and
+    `Ledger.admit` returns its verdict."""
+
+    def __init__(self, verdict: AdmitResult):
+        super().__init__(verdict)
+        self.verdict = verdict
+
+
+def admit(cur: psycopg.Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
+    """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
+    inserted = cur.execute(
+        """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
+                                    max_attempts, max_disruptions, backoff, not_before,
+                                    concurrency_key, priority, timeout_seconds, submitted_at)
+           VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s, %s, %s, %s, %s)
+           ON CONFLICT DO NOTHING RETURNING *""",
+        (admission.uid, admission.namespace, admission.name, Jsonb(admission.spec),
+         spec_hash(admission.spec), admission.idempotency_key, admission.max_attempts,
+         admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before,
+         admission.concurrency_key, admission.priority, admission.timeout_seconds,
+         admission.submitted_at),
+    ).fetchone()
+    # Checked after the insert, in its own statement: a purge that committed while the insert
+    # waited on the row is seen here (a check before it could miss it).
+    verdict = readers.prior_verdict(cur, admission)
+    if verdict is not None:
+        raise NotAdmitted(verdict)
+    if inserted is None:
+        return AdmitResult(uid=admission.uid, created=False)  # admitted before
+    step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
+    for idx, (name, step_spec) in enumerate(zip(admission.step_names, step_specs, strict=True)):
+        cur.execute(
+            "INSERT INTO retex.steps (task_uid, idx, name, idempotency_key) VALUES (%s, %s, %s, %s)",
+            (admission.uid, idx, name, step_idempotency_key(admission.uid, name, step_spec)),
+        )
+    record_history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
+    place(cur, inserted, "first", actor)
+    return AdmitResult(uid=admission.uid, created=True)
+
+
+def refuse(cur: psycopg.Cursor, refusal: Refusal) -> Refusal:
+    """Record that a Task is not admitted. Final for its uid: the first refusal stored stands
+    (and is returned), and `admit` never admits the uid."""
+    cur.execute(
+        """INSERT INTO retex.refusals (uid, namespace, name, reason, message, generation)
+           VALUES (%s, %s, %s, %s, %s, %s) ON CONFLICT (uid) DO NOTHING""",
+        (refusal.uid, refusal.namespace, refusal.name, refusal.reason, refusal.message[:4096],
+         refusal.generation),
+    )
+    return readers.refusal(cur, refusal.uid)
+
+
+# -- attempts (the reaper) ------------------------------------------------------------------
+
+def replace_attempt(cur: psycopg.Cursor, uid: str, lost_epoch: int, *, cause: str, actor: str) -> TaskRecord:
+    """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
+
+    A disruption does not consume the retry budget; it has its own cap. Repeating the call for
+    the same lost epoch changes nothing.
+    """
+    task = lock_task(cur, uid)
+    if task["epoch"] != lost_epoch or task["phase"] != TaskPhase.RUNNING:
+        return readers.get(cur, uid)
+    end_attempt(cur, uid, lost_epoch, "lost")
+    if task["cancel_requested"]:
+        transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+    elif task["disruptions"] + 1 > task["max_disruptions"]:
+        transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
+                   dead_lettered=True, disruptions=task["disruptions"] + 1,
+                   last_error=f"attempt {lost_epoch} lost ({cause}); disruption cap reached")
+    else:
+        start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
+                      disruptions=task["disruptions"] + 1)
+    return readers.get(cur, uid)
+
+
+def settle_attempt(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> None:
+    """Attempt `epoch`, already ended by the operator, is known dead: free its slot and key."""
+    settled = cur.execute(
+        """UPDATE retex.attempts SET settled_at = now() WHERE task_uid = %s AND epoch = %s
+           AND outcome IS NOT NULL AND settled_at IS NULL""", (uid, epoch)).rowcount
+    if settled:
+        record_history(cur, uid, actor, "attempt-settled", epoch=epoch)
+        fill_slots(cur, actor)
+
+
+def fail_unstarted(cur: psycopg.Cursor, uid: str, epoch: int, error: str, *, actor: str,
+                   rng: random.Random | None) -> TaskRecord:
+    """Attempt `epoch` never took its lease in time (its pod could not start: image, config,
+    scheduling, quota). A failed attempt, counted against the retry budget like a step failure
+    (a broken spec would otherwise loop for ever); a cancel request makes it Cancelled.
+    No-op unless `epoch` is current and Running and its worker has not claimed it: a slow
+    worker may take the lease and claim the attempt (under this row lock) after the caller
+    saw no lease, and may then be inside a step."""
+    task = lock_task(cur, uid)
+    if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
+        return readers.get(cur, uid)
+    if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
+                   (uid, epoch)).fetchone()["pod"] is not None:
+        return readers.get(cur, uid)
+    end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
+    failures = task["failures"] + 1
+    if task["cancel_requested"]:
+        transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+    else:
+        retry_or_fail(cur, task, failures, error, retry_reason="WorkerNotStarted", actor=actor, rng=rng)
+    return readers.get(cur, uid)
+
+
+def cancel_unheld(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+    """A cancel (or delete) was requested and attempt `epoch` holds no lease (never took it, or
+    its worker is gone): no worker will reach a step boundary, so the task ends now with its
+    cancel reason. A worker that starts later is fenced at its first write.
+    No-op unless `epoch` is current, Running and cancel was requested."""
+    task = lock_task(cur, uid)
+    if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
+        return readers.get(cur, uid)
+    end_attempt(cur, uid, epoch, "cancelled")
+    transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
+    return readers.get(cur, uid)
+
+
+# -- due tasks and deadlines (the promoter) -------------------------------------------------
+
+def promote_due(cur: psycopg.Cursor, *, limit: int, actor: str) -> list[str]:
+    """Queue the Scheduled and Retrying tasks whose time has come, fail those past their
+    deadline, and fill the free slots. Returns the uids that were due."""
+    overdue = cur.execute(
+        """SELECT * FROM retex.tasks WHERE deadline_at <= now()
+           AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled') LIMIT %s FOR UPDATE SKIP LOCKED""",
+        (limit,),
+    ).fetchall()
+    for task in overdue:
+        if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+            end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
+        transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
+                   last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
+    due = cur.execute(
+        """SELECT * FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying') AND not_before <= now()
+           ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
+        (limit,),
+    ).fetchall()
+    for task in due:
+        cause = "retry" if task["phase"] == TaskPhase.RETRYING else "first"
+        transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
+    if due:
+        fill_slots(cur, actor)
+    return [task["uid"] for task in due]
+
+
+def purge_finished(cur: psycopg.Cursor, *, older_than_seconds: float) -> int:
+    """Delete tasks (with their steps, attempts and history) that ended that long ago: the
+    history-retention setting. Each leaves a tombstone (uid, name, final phase, idempotencyKey)
+    that is kept forever, and what its rows counted is added to retex.purged_tallies (so the
+    exported counters do not go down). Returns how many went."""
+    # Locked, so a requeue cannot move one of them between its count and its delete.
+    uids = [row["uid"] for row in cur.execute(
+        """SELECT uid FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
+           AND finished_at < now() - make_interval(secs => %s) FOR UPDATE""",
+        (older_than_seconds,),
+    )]
+    if not uids:
+        return 0
+    for (metric, label), value in readers.tallies(cur, uids).items():
+        cur.execute(
+            """INSERT INTO retex.purged_tallies (metric, label, value) VALUES (%s, %s, %s)
+               ON CONFLICT (metric, label) DO UPDATE SET value = retex.purged_tallies.value + EXCLUDED.value""",
+            (metric, label, value),
+        )
+    # The Task object may outlive its row; the tombstone keeps `admit` from running it again,
+    # and keeps its idempotencyKey taken.
+    return cur.execute(
+        """WITH gone AS (
+               DELETE FROM retex.tasks WHERE uid = ANY(%s)
+               RETURNING uid, namespace, name, phase, idempotency_key)
+           INSERT INTO retex.tombstones (uid, namespace, name, phase, idempotency_key)
+           SELECT uid, namespace, name, phase, idempotency_key FROM gone ON CONFLICT DO NOTHING""",
+        (uids,),
+    ).rowcount
+
+
+# -- ending a task, and the human actions ---------------------------------------------------
+
+def request_cancel(cur: psycopg.Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord:
+    """Waiting tasks are cancelled at once; a running one at its worker's next step boundary
+    (or by the reaper at once when its attempt holds no lease). `reason` is what the task ends
+    with when the operator ends it: Cancelled, or TaskDeleted for a deletion (one of
+    CANCEL_REASONS, checked by `Ledger.request_cancel` before its transaction)."""
+    task = lock_task(cur, uid)
+    if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
+        return readers.get(cur, uid)
+    if task["phase"] == TaskPhase.RUNNING:
+        touch(cur, uid, cancel_requested=True, cancel_reason=reason)
+        record_history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
+    else:
+        transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
+                   cancel_reason=reason)
+    return readers.get(cur, uid)
+
+
+def fail_task(cur: psycopg.Cursor, uid: str, *, reason: str, message: str, actor: str) -> TaskRecord:
+    """Operator-side terminal failure (for example the task timeout). No-op once terminal."""
+    task = lock_task(cur, uid)
+    if task["phase"] not in TERMINAL_PHASES:
+        if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+            end_attempt(cur, uid, task["epoch"], "failed", settled=False)
+        transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
+    return readers.get(cur, uid)
+
+
+def abandon(cur: psycopg.Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord | None:
+    """Cancel now, not at a step boundary (the Task object is gone). A worker still running
+    is fenced out at its next write. No-op once terminal; None for an unknown task."""
+    row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
+    if row is None:
+        return None
+    if row["phase"] not in TERMINAL_PHASES:
+        if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+            end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
+        transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
+    return readers.get(cur, uid)
+
+
+def requeue(cur: psycopg.Cursor, uid: str, *, actor: str) -> TaskRecord:
+    """A fresh attempt with a fresh budget for a Failed or NeedsAttention task. Refused when
+    repeated: `Ledger.requeue` runs it once (`transactions.once`)."""
+    task = lock_task(cur, uid)
+    flagged = cur.execute(
+        "SELECT name FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
+    ).fetchall()
+    if flagged:
+        names = ", ".join(row["name"] for row in flagged)
+        raise IllegalTransition("task", task["phase"], f"requeue before resolving step(s) {names}")
+    pending = transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
+                         dead_lettered=False, reason=None, finished_at=None, not_before=None,
+                         deadline_at=None)
+    place(cur, pending, "requeue", actor)
+    return readers.get(cur, uid)
+
+
+def resolve_step(cur: psycopg.Cursor, uid: str, step_name: str, *, mark_done: bool, result: Any,
+                 actor: str) -> TaskRecord:
+    """The human hand-off of an ambiguous step: it happened (mark done) or it did not (re-run).
+
+    When no flagged step remains, the task is requeued so the next attempt carries on. Refused
+    when repeated: `Ledger.resolve_step` runs it once (`transactions.once`).
+    """
+    task = lock_task(cur, uid)
+    step = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
+                       (uid, step_name)).fetchone()
+    if step is None:
+        raise IllegalTransition("step", "missing", f"resolve of unknown step {step_name!r}")
+    if mark_done:
+        check_result_size(result)
+        move_step(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,
+                  result=Jsonb(result), error=None, finished_at=NOW)
+    else:
+        move_step(cur, uid, step["idx"], StepEvent.RESOLVE_RERUN, actor, None, error=None)
+    still_flagged = cur.execute(
+        "SELECT 1 FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
+    ).fetchone()
+    if task["phase"] == TaskPhase.NEEDS_ATTENTION and not still_flagged:
+        task = lock_task(cur, uid)
+        pending = transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
+        place(cur, pending, "requeue", actor)
+    return readers.get(cur, uid)

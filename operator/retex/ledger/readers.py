@@ -1,0 +1,263 @@
+"""The ledger's readers: operations that write nothing. Each takes a cursor of the caller's
+transaction (`Ledger` runs it in one of its own), except `listen`, which holds a connection of
+its own. The other operations read their records here too (`get`, `step_record`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from retex.ledger.errors import TaskNotFound
+from retex.ledger.records import (
+    DURATION_BUCKETS,
+    AdmitResult,
+    AttemptRecord,
+    Histogram,
+    HistoryEntry,
+    LedgerFigures,
+    Refusal,
+    StepRecord,
+    TaskAdmission,
+    TaskRecord,
+    TaskRef,
+    WatchedAttempt,
+)
+from retex.machine import StepState, TaskPhase
+
+NOTIFY_CHANNEL = "retex_ledger"
+_ENDED_PHASES = "('Succeeded', 'Failed', 'Cancelled')"
+
+
+def get(cur: psycopg.Cursor, uid: str) -> TaskRecord:
+    row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()
+    if row is None:
+        raise TaskNotFound(uid)
+    steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
+    return task_record(row, steps)
+
+
+def find(cur: psycopg.Cursor, namespace: str, name: str) -> TaskRecord | None:
+    """The newest task of that namespace/name (a name can be reused after deletion)."""
+    row = cur.execute(
+        "SELECT uid FROM retex.tasks WHERE namespace = %s AND name = %s ORDER BY created_at DESC LIMIT 1",
+        (namespace, name),
+    ).fetchone()
+    return get(cur, row["uid"]) if row else None
+
+
+def running(cur: psycopg.Cursor) -> list[TaskRecord]:
+    """Every Running task (without steps): what the lease reaper watches over."""
+    rows = cur.execute("SELECT * FROM retex.tasks WHERE phase = 'Running' ORDER BY uid").fetchall()
+    return [task_record(row, []) for row in rows]
+
+
+def versions(cur: psycopg.Cursor) -> dict[str, int]:
+    """uid → ledger version of every task: what a status resync compares against."""
+    return {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")}
+
+
+def attempts(cur: psycopg.Cursor, uid: str) -> list[AttemptRecord]:
+    rows = cur.execute("SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)).fetchall()
+    return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]
+
+
+def history(cur: psycopg.Cursor, uid: str) -> list[HistoryEntry]:
+    rows = cur.execute("SELECT * FROM retex.history WHERE task_uid = %s ORDER BY id", (uid,)).fetchall()
+    return [HistoryEntry(**{k: r[k] for k in HistoryEntry.__dataclass_fields__}) for r in rows]
+
+
+def dead_letters(cur: psycopg.Cursor, namespace: str | None) -> list[TaskRecord]:
+    """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
+    of one namespace, or of all when `namespace` is None. Oldest failure first."""
+    rows = cur.execute(
+        """SELECT * FROM retex.tasks WHERE phase = 'Failed' AND dead_lettered
+           AND (%(ns)s::text IS NULL OR namespace = %(ns)s) ORDER BY finished_at, namespace, name""",
+        {"ns": namespace},
+    ).fetchall()
+    return [task_record(row, []) for row in rows]
+
+
+def watched(cur: psycopg.Cursor) -> list[WatchedAttempt]:
+    """What the reaper watches: the current attempt of every Running task, and every attempt
+    the operator ended that is not yet known dead (it holds its slot and key until then)."""
+    rows = cur.execute(
+        """SELECT t.uid, t.namespace, t.name, a.epoch, t.phase = 'Running' AND a.epoch = t.epoch AS current,
+                  t.cancel_requested, a.job_name,
+                  extract(epoch FROM now() - o.sent_at)::float8 AS dispatched_seconds_ago
+           FROM retex.attempts a JOIN retex.tasks t ON t.uid = a.task_uid
+           LEFT JOIN retex.outbox o ON o.task_uid = a.task_uid AND o.epoch = a.epoch AND o.outcome = 'sent'
+           WHERE (t.phase = 'Running' AND a.epoch = t.epoch AND a.outcome IS NULL)
+              OR (a.outcome IS NOT NULL AND a.settled_at IS NULL)
+           ORDER BY t.uid, a.epoch""").fetchall()
+    return [WatchedAttempt(**row) for row in rows]
+
+
+def next_due_at(cur: psycopg.Cursor) -> datetime | None:
+    """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
+    the promoter sleeps until then instead of keeping a timer per task."""
+    return cur.execute(
+        """SELECT least(
+               (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
+               (SELECT min(deadline_at) FROM retex.tasks
+                WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled'))) AS at"""
+    ).fetchone()["at"]
+
+
+def seconds_until(cur: psycopg.Cursor, at: datetime) -> float:
+    """`at` minus the database's now(): time left measured on the ledger's clock, the one
+    that set `at` (a deadline), never the caller's wall clock."""
+    return cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)).fetchone()["s"]
+
+
+def prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult | None:
+    """What `admit` answers for a Task it will never admit, without writing: refused before,
+    purged, or a duplicate of the task (live or purged) that used its idempotencyKey first.
+    None: `admit` would admit it (or has). The operator asks before its Job dry run, so that a
+    decision made once is not made again differently."""
+    uid = admission.uid
+    stored = refusal(cur, uid)
+    if stored is not None:
+        return AdmitResult(uid=uid, created=False, refusal=stored)
+    if cur.execute("SELECT 1 FROM retex.tombstones WHERE uid = %s", (uid,)).fetchone():
+        # It ran to its end and its history was purged (retention): never run it again.
+        return AdmitResult(uid=uid, created=False, purged=True)
+    if admission.idempotency_key is None:
+        return None
+    first = cur.execute(
+        """SELECT uid, namespace, name FROM retex.tasks
+           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
+           UNION ALL
+           SELECT uid, namespace, name FROM retex.tombstones
+           WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
+           LIMIT 1""",
+        {"ns": admission.namespace, "key": admission.idempotency_key, "uid": uid},
+    ).fetchone()
+    if first is None:
+        return None
+    return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
+
+
+def refusal(cur: psycopg.Cursor, uid: str) -> Refusal | None:
+    """The refusal stored for `uid`, or None."""
+    row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
+                      (uid,)).fetchone()
+    return Refusal(**row) if row else None
+
+
+def figures(cur: psycopg.Cursor) -> LedgerFigures:
+    """What the operator exports as metrics, computed from committed state (so worker-side
+    figures need no scraping of short-lived pods). Counts come from append-only rows plus what
+    purges took (LedgerFigures says which figures are counts)."""
+    phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
+    dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
+    lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
+                      "WHERE sent_at IS NULL").fetchone()["s"]
+    # The promoter fails a task at its deadline: one left unfinished past it means that did not happen.
+    overrun = cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) AS s FROM retex.tasks "
+                          f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}").fetchone()["s"]
+    counts = tallies(cur, None)
+    for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
+        key = (row["metric"], row["label"])
+        counts[key] = counts.get(key, 0.0) + row["value"]
+
+    def labelled(metric: str) -> dict[str, int]:
+        return {label: int(value) for (m, label), value in counts.items() if m == metric}
+
+    def histogram(metric: str) -> Histogram:
+        return Histogram(count=int(counts.get((metric, "count"), 0)), total=counts.get((metric, "sum"), 0.0),
+                         cumulative=[int(counts.get((metric, f"le={float(b)}"), 0)) for b in DURATION_BUCKETS])
+
+    return LedgerFigures(
+        tasks_by_phase=phases,
+        dead_lettered=dead,
+        outbox_lag_seconds=float(lag or 0.0),
+        deadline_overrun_seconds=float(overrun or 0.0),
+        submitted=int(counts.get(("submitted", ""), 0)),
+        finished_by_phase=labelled("finished"),
+        dead_lettered_ever=int(counts.get(("dead_lettered", ""), 0)),
+        attempts_by_cause=labelled("attempts"),
+        step_seconds=histogram("step_seconds"),
+        task_seconds=histogram("task_seconds"),
+        first_step_seconds=histogram("first_step_seconds"),
+    )
+
+
+def tallies(cur: psycopg.Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]:
+    """Counts from append-only rows (history, attempts) of the tasks `uids` (None: every task),
+    keyed (metric, label); a histogram as labels `count`, `sum` and `le=<bound>`. A requeue or a
+    retry only adds rows, so none of these goes down but by a purge (which keeps what it took)."""
+    params = {"uids": uids}
+
+    def of(column: str) -> str:
+        return "TRUE" if uids is None else f"{column} = ANY(%(uids)s)"
+
+    counted: dict[tuple[str, str], float] = {}
+
+    def add(metric: str, label: str, value: float) -> None:
+        counted[(metric, label)] = counted.get((metric, label), 0.0) + float(value)
+
+    def histogram(metric: str, seconds_sql: str) -> None:
+        bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(DURATION_BUCKETS))
+        row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
+                          params).fetchone()
+        add(metric, "count", row["n"])
+        add(metric, "sum", row["total"])
+        for i, bound in enumerate(DURATION_BUCKETS):
+            add(metric, f"le={float(bound)}", row[f"le{i}"])
+
+    add("submitted", "", cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
+                                     f"{of('task_uid')}", params).fetchone()["n"])
+    ended = f"h.to_state IN {_ENDED_PHASES} AND h.event NOT LIKE 'step-%%' AND {of('h.task_uid')}"
+    for row in cur.execute(f"SELECT h.to_state, count(*) AS n, count(*) FILTER (WHERE h.detail->>'deadLettered' = "
+                           f"'true') AS dead FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):
+        add("finished", row["to_state"], row["n"])
+        add("dead_lettered", "", row["dead"])
+    add("dead_lettered", "", 0)
+    for row in cur.execute(f"SELECT cause, count(*) AS n FROM retex.attempts WHERE {of('task_uid')} GROUP BY cause",
+                           params):
+        add("attempts", row["cause"], row["n"])
+    histogram("task_seconds", f"SELECT extract(epoch FROM h.at - t.created_at) AS s FROM retex.history h "
+                              f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE {ended}")
+    # A step run: from its latest begin to the commit or failure that ended it.
+    histogram("step_seconds", f"""SELECT extract(epoch FROM e.at - b.at) AS s FROM retex.history e
+                                  CROSS JOIN LATERAL (SELECT at FROM retex.history b WHERE b.task_uid = e.task_uid
+                                      AND b.step_idx = e.step_idx AND b.event = 'step-begin' AND b.id < e.id
+                                      ORDER BY b.id DESC LIMIT 1) AS b
+                                  WHERE e.event IN ('step-commit', 'step-fail') AND {of('e.task_uid')}""")
+    histogram("first_step_seconds", f"SELECT extract(epoch FROM min(h.at) - t.created_at) AS s FROM retex.history h "
+                                    f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE h.event = 'step-begin' AND "
+                                    f"{of('h.task_uid')} GROUP BY t.uid, t.created_at")
+    return counted
+
+
+def listen(dsn: str, *, timeout: float) -> Iterator[tuple[str, int] | None]:
+    """Yield (uid, version) for every committed change; None every `timeout` without one.
+
+    Ends with the error that ended its connection (a Postgres restart, a terminated backend,
+    a payload it cannot read): the caller listens again, and changes made while nobody
+    listened are the periodic resync's job, which is why a caller must not rely on this alone.
+    """
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        while True:
+            got = False
+            for note in conn.notifies(timeout=timeout, stop_after=1):
+                uid, _, version = note.payload.rpartition(" ")
+                got = True
+                yield uid, int(version)
+            if not got:
+                yield None
+
+
+def step_record(row: dict[str, Any]) -> StepRecord:
+    return StepRecord(idx=row["idx"], name=row["name"], state=StepState(row["state"]), attempt=row["attempt"],
+                      idempotency_key=row["idempotency_key"], result=row["result"], error=row["error"],
+                      started_at=row["started_at"], finished_at=row["finished_at"])
+
+
+def task_record(row: dict[str, Any], steps: list[dict[str, Any]]) -> TaskRecord:
+    fields = {k: row[k] for k in TaskRecord.__dataclass_fields__ if k not in ("steps", "phase")}
+    return TaskRecord(phase=TaskPhase(row["phase"]), steps=tuple(step_record(s) for s in steps), **fields)

@@ -1,0 +1,98 @@
+"""The pool, transactions and retries: how an operation reaches Postgres.
+
+Every operation is one transaction, idempotent when repeated. Idempotency is what makes the
+transient-error retry safe: when a connection drops during COMMIT the caller cannot know whether
+it landed, so the operation runs again and must find its own effect already there. An operation
+whose repetition would be refused instead is run `once`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from retex.ledger import readers
+from retex.ledger.errors import LedgerUnavailable
+from retex.ledger.moves import lock_task
+from retex.ledger.records import TaskRecord
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Transient: the operation did not happen or will be found done when repeated.
+TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+
+
+def connection_pool(dsn: str, *, max_connections: int) -> ConnectionPool:
+    """Not yet open (`Ledger.open` opens it after migrating); rows come as dicts."""
+    return ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_connections,
+        kwargs={"row_factory": dict_row},
+        check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
+        configure=_durable_commits,
+        open=False,
+        name="retex-ledger",
+    )
+
+
+def _durable_commits(conn: psycopg.Connection) -> None:
+    """A worker moves on to the next external effect once its commit returns, so the commit must
+    be on disk by then: with synchronous_commit=off a crash could lose an acknowledged step and
+    the step would run again. Stronger server settings (remote_write, remote_apply) are kept."""
+    if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
+        conn.execute("SET synchronous_commit = on")
+    conn.commit()
+
+
+@contextlib.contextmanager
+def transaction(pool: ConnectionPool) -> Iterator[psycopg.Cursor]:
+    """A cursor in a transaction on a pooled connection: committed when the block ends, rolled
+    back when it raises."""
+    with pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
+        yield cur
+
+
+def retrying(fn: Callable[[], T], *, op: str, retry_for: float) -> T:
+    """`fn()`, tried again after a transient error with capped backoff for `retry_for` seconds;
+    then LedgerUnavailable."""
+    deadline = time.monotonic() + retry_for
+    delay = 0.05
+    while True:
+        try:
+            return fn()
+        except TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                raise LedgerUnavailable(f"{op}: Postgres unavailable for {retry_for:.0f}s: {exc}") from exc
+            log.warning("ledger %s: transient error, retrying in %.2fs: %s", op, delay, exc)
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, 2.0)
+
+
+def once(fn: Callable[[psycopg.Cursor], T], *, uid: str) -> Callable[[psycopg.Cursor], TaskRecord | T]:
+    """`fn` for an operation on task `uid` whose repetition would be refused (a human action that
+    moves the task on), to be retried as a whole: when a retry follows a COMMIT whose reply was
+    lost, the earlier try's transaction is found committed, so the retry returns the task as it
+    is instead of trying again."""
+    earlier: list[str] = []  # the id of the transaction of the latest try
+
+    def first_time(cur: psycopg.Cursor) -> TaskRecord | T:
+        if earlier:
+            # The task row lock waits out a COMMIT still under way (every try takes that lock).
+            lock_task(cur, uid)
+            status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
+            if status == "committed":
+                return readers.get(cur, uid)
+        earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
+        return fn(cur)
+
+    return first_time
