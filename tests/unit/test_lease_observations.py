@@ -128,3 +128,35 @@ def test_a_new_leader_gives_every_worker_lease_a_fresh_grace_period_from_its_tak
         "a failover must not condemn a worker on what a standby saw"
     clock.now += 1.1
     assert leases.get("ns", "t-abc", "uid-1").expired(clock.now), "a dead worker is still replaced after the grace"
+
+
+def test_the_watch_survives_a_stream_that_breaks_and_relists(monkeypatch):
+    """An API-server restart ends the watch stream mid-way: the watcher must log, relist and
+    watch again, never die (a dead watch leaves the reaper blind for good)."""
+    import urllib3
+
+    import retex.kube.leasewatch as leasewatch
+
+    leases = observer(Clock())
+    lists = []
+
+    def list_leases(**kwargs):
+        lists.append(kwargs)
+        if len(lists) >= 2:
+            leases.stop()
+        return client.V1LeaseList(items=[], metadata=client.V1ListMeta(resource_version=str(len(lists))))
+
+    class BrokenStream:
+        def stream(self, *args, **kwargs):
+            yield {"type": "ADDED", "raw_object": {**lease(R1), "metadata": {**lease(R1)["metadata"],
+                                                                              "resourceVersion": "1"}}}
+            raise urllib3.exceptions.ProtocolError("Response ended prematurely")
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(leases._coordination, "list_lease_for_all_namespaces", list_leases)
+    monkeypatch.setattr(leasewatch.watch, "Watch", BrokenStream)
+    monkeypatch.setattr(leases._stop, "wait", lambda seconds: None)
+    leases.run()  # returns once stopped; a crash in the error path would raise here
+    assert len(lists) == 2, "relisted after the broken stream"

@@ -30,6 +30,7 @@ from kubernetes.client.exceptions import ApiException
 
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
+from retex.logs import event
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class LeaseObserver:
                     version = plain["metadata"]["resourceVersion"]
                     self.synced.set()
                 stream = watch.Watch()
-                for event in stream.stream(
+                for change in stream.stream(
                     self._coordination.list_lease_for_all_namespaces, label_selector=LABEL_TASK_UID,
                     resource_version=version, allow_watch_bookmarks=True, timeout_seconds=60,
                     _request_timeout=90,
@@ -178,9 +179,9 @@ class LeaseObserver:
                     if self._stop.is_set():
                         stream.stop()
                         return
-                    version = event["raw_object"]["metadata"]["resourceVersion"]
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self._observe(event["raw_object"], deleted=event["type"] == "DELETED")
+                    version = change["raw_object"]["metadata"]["resourceVersion"]
+                    if change["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                        self._observe(change["raw_object"], deleted=change["type"] == "DELETED")
             except ApiException as exc:
                 version = None
                 self.went_blind()
