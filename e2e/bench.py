@@ -35,7 +35,7 @@ from kubernetes import client
 
 from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
-from e2e.system import OperatorProcess, install_crd, prepare_namespace
+from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.api import GROUP, PLURAL, VERSION
 from retex.ledger import Ledger
 
@@ -122,7 +122,7 @@ class BenchSystem:
         self.operator.kill()
         self.ledger.close()
         self._api.close()
-        self.rig.kubectl("delete", "namespace", self.namespace, "--wait=false", check=False)
+        discard_namespace(self.rig.kubectl, self.namespace)
 
     # -- what both sides run -----------------------------------------------------------------
 

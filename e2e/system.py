@@ -98,6 +98,17 @@ def prepare_namespace(kubectl, namespace: str, task_policy: dict[str, Any] | Non
         apply_task_policy(kubectl, namespace, task_policy)
 
 
+def discard_namespace(kubectl, namespace: str) -> None:
+    """Delete a test's namespace without waiting, its Tasks' finalizers taken off first: with no
+    operator left to run their delete handlers they would hold the namespace in Terminating for
+    good, and a later cluster-wide operator would find those Tasks (seen: the RBAC test's operator
+    refusing another test's leftovers, namespaces it was never granted)."""
+    names = kubectl("get", "tasks", "-n", namespace, "-o", "name", check=False).stdout.split()
+    for name in names:
+        kubectl("patch", "-n", namespace, name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+    kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
 def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
     """Apply `policy` in a namespace that had none, and wait until the API server judges Tasks by
     it: its admission plugin finds the TaskPolicy kind (a CRD just established) and then the

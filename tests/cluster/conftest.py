@@ -13,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from e2e.stub import serve
-from e2e.system import OperatorProcess, install_crd, prepare_namespace
+from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.ledger import Ledger
 
 _namespaces = itertools.count()
@@ -62,7 +62,7 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
         finally:
             operator.kill()
             print(f"--- operator log tail ({namespace}) ---\n{operator.log_tail()}")
-            rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+            discard_namespace(rig.kubectl, namespace)
 
 
 @dataclass

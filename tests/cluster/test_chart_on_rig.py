@@ -13,7 +13,7 @@ import pytest
 
 from e2e.helm import CHART, run_helm, template
 from e2e.rig.controlplane import wait_for
-from e2e.system import NO_TASK_POLICY, task_manifest, wait_established
+from e2e.system import NO_TASK_POLICY, discard_namespace, task_manifest, wait_established
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE, NAMESPACE = "retex", "retex-system"
@@ -43,7 +43,7 @@ def cluster(rig):
     rig.kubectl("delete", "--ignore-not-found", "-f", "-", input=as_list(found))
     yield rig
     for namespace in (SHOP, BILLING, NOT_ONBOARDED):
-        rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(rig.kubectl, namespace)
     if had_base:
         rig.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(ROOT / "manifests" / "overlays" / "local"))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.system import apply_task_policy, default_task_policy, install_crd
+from e2e.system import apply_task_policy, default_task_policy, discard_namespace, install_crd
 from retex.api import TaskSpec
 from retex.kube.objects import WorkerDefaults, build_job
 
@@ -55,7 +55,7 @@ def namespaces(rig):
     # nothing else.
     apply_task_policy(rig.kubectl, "examples-check", default_task_policy(images=["shop-worker:"]))
     yield
-    rig.kubectl("delete", "namespace", "examples-check", "--wait=false", check=False)
+    discard_namespace(rig.kubectl, "examples-check")
 
 
 @pytest.mark.parametrize("name", sorted(OVERLAYS))

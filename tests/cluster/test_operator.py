@@ -9,7 +9,7 @@ import random
 import time
 
 from e2e.rig import pki as pkilib
-from e2e.system import prepare_namespace, task_manifest, wait_for
+from e2e.system import discard_namespace, prepare_namespace, task_manifest, wait_for
 
 
 def task(system, name):
@@ -137,7 +137,7 @@ def test_an_operator_scoped_by_retex_namespaces_never_admits_a_task_of_another_n
         assert not unwatched.get("status") and not unwatched["metadata"].get("finalizers")
         assert not json.loads(retex.rig.kubectl("get", "jobs", "-n", other, "-o", "json").stdout)["items"]
     finally:
-        retex.rig.kubectl("delete", "namespace", other, "--wait=false", check=False)
+        discard_namespace(retex.rig.kubectl, other)
 
 
 def test_a_ledger_ca_rotated_while_the_operator_runs_reaches_the_jobs_dispatched_after_it(retex, tmp_path):

@@ -26,7 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.rig import pki as pkilib
 from e2e.service import RoundRobinService
-from e2e.system import LEADER_ELECTION_FOR_TESTS, OperatorProcess, install_crd, prepare_namespace, task_manifest, wait_for
+from e2e.system import (
+    LEADER_ELECTION_FOR_TESTS,
+    OperatorProcess,
+    discard_namespace,
+    install_crd,
+    prepare_namespace,
+    task_manifest,
+    wait_for,
+)
 from retex.ledger import Ledger
 
 LEASE_SECONDS = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_LEASE_SECONDS"])
@@ -116,7 +124,7 @@ def pair(rig, postgres, tmp_path):
             for pod in pods:
                 name = pod["metadata"]["name"]
                 print(f"--- pod {name} log tail ---\n{rig.pod_log(namespace, name)[-2000:]}")
-            rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+            discard_namespace(rig.kubectl, namespace)
 
 
 def submit(pair: Pair, stub, names: list[str], sleep: float) -> None:

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e.system import install_policies, prepare_namespace, wait_established
+from e2e.system import discard_namespace, install_policies, prepare_namespace, wait_established
 from retex.api import (
     Condition,
     ConditionType,
@@ -87,7 +87,7 @@ def tasks(rig) -> Tasks:
     install_policies(rig.kubectl)  # the shipped admission policies judge these Tasks too
     prepare_namespace(rig.kubectl, NAMESPACE)  # with a TaskPolicy allowing any image, ServiceAccount, placement
     yield Tasks(rig)
-    rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
+    discard_namespace(rig.kubectl, NAMESPACE)
 
 
 def refusal_lines(stderr: str, name: str) -> set[str]:
@@ -595,4 +595,4 @@ def test_the_documented_kubectl_commands_reach_retex_tasks_beside_another_crd_na
                 assert said.split()[:2] == ["GROUP:", models.GROUP], f"{shlex.join(argv)}: {said}"
         assert verbs == {"config", "get", "wait", "describe", "patch", "explain"}, verbs
     finally:
-        tasks.rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(tasks.rig.kubectl, namespace)

@@ -17,7 +17,7 @@ import urllib3
 from kubernetes import client
 
 from e2e.attempt_identity import LocalLedgerEndpoint, pending_attempt_pod, pod_token
-from e2e.system import prepare_namespace
+from e2e.system import discard_namespace, prepare_namespace
 from retex.api.models import TaskSpec
 from retex.kube.objects import WorkerDefaults, build_job
 from retex.ledger import TaskAdmission
@@ -33,7 +33,7 @@ def api(rig):
     with rig.api_client() as api_client:
         yield api_client
     for namespace in (ATTACKER, VICTIM):
-        rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(rig.kubectl, namespace)
 
 
 @pytest.fixture

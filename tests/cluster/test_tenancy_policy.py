@@ -17,7 +17,15 @@ import yaml
 from kubernetes import client
 
 from e2e.attempt_identity import pending_attempt_pod
-from e2e.system import NO_TASK_POLICY, default_task_policy, install_crd, prepare_namespace, task_manifest, wait_for
+from e2e.system import (
+    NO_TASK_POLICY,
+    default_task_policy,
+    discard_namespace,
+    install_crd,
+    prepare_namespace,
+    task_manifest,
+    wait_for,
+)
 from retex.api.models import MSG_SPEC_TOO_LARGE, SPEC_MAX_BYTES, TaskSpec
 from retex.kube.leases import Holder, acquired, read_lease, released, renewed, replace_lease
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, lease_name
@@ -93,7 +101,7 @@ def policies(rig):
     prepare_namespace(rig.kubectl, ANY)
     yield rig
     for namespace in (STRICT, PLAIN, ANY):
-        rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(rig.kubectl, namespace)
 
 
 def create(rig, namespace: str, name: str, steps=EXEC, **spec):
@@ -170,7 +178,7 @@ def test_a_taskpolicy_allows_what_it_names_and_nothing_else(policies):
                                                                "verify": {"http": {"method": "GET", "url": "https://x.example/"}}}])
         assert "allows only these step kinds" in message, message
     finally:
-        policies.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(policies.kubectl, namespace)
 
 
 def test_a_taskpolicy_entry_by_digest_must_name_a_whole_digest(policies):
@@ -209,7 +217,7 @@ def lease_api(rig):
     with rig.api_client() as api:
         yield api
     for namespace in (LEASES, OTHER_LEASES):
-        rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(rig.kubectl, namespace)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from e2e.system import (
     ANY_TASK_POLICY,
     OperatorProcess,
     apply_task_policy,
+    discard_namespace,
     install_crd,
     prepare_namespace,
     task_manifest,
@@ -54,7 +55,7 @@ def namespaces(rig, postgres):
     apply_task_policy(rig.kubectl, bare, ANY_TASK_POLICY)
     yield postgres.dsn(dbname=database), onboarded, bare
     for namespace in (onboarded, bare):
-        rig.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+        discard_namespace(rig.kubectl, namespace)
 
 
 @pytest.fixture
