@@ -30,15 +30,14 @@ def set_condition(
     changes (or the condition is new), so it tells when the status flipped, not when it was last
     written. Other conditions and their order are kept; a new type is appended."""
     existing = find_condition(conditions, type)
-    flipped = existing is None or existing.status != status
     updated = Condition(
         type=type,
         status=status,
         reason=reason,
         message=message,
         observed_generation=observed_generation,
-        last_transition_time=now if flipped else existing.last_transition_time,
+        last_transition_time=now if existing is None or existing.status != status else existing.last_transition_time,
     )
     if existing is None:
         return [*(conditions or ()), updated]
-    return [updated if condition.type == type else condition for condition in conditions]
+    return [updated if condition.type == type else condition for condition in conditions or ()]

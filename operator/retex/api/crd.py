@@ -102,7 +102,7 @@ def model_schema(model: type[models.ApiModel]) -> dict[str, Any]:
 
 
 def _column(name: str, json_path: str, type: str, description: str, priority: int = 0) -> dict[str, Any]:
-    column = {"name": name, "type": type, "jsonPath": json_path, "description": description}
+    column: dict[str, Any] = {"name": name, "type": type, "jsonPath": json_path, "description": description}
     if priority:
         column["priority"] = priority
     return column
@@ -110,7 +110,7 @@ def _column(name: str, json_path: str, type: str, description: str, priority: in
 
 def build_crd() -> dict[str, Any]:
     root = {
-        "description": " ".join(models.Task.__doc__.split()),
+        "description": " ".join((models.Task.__doc__ or "").split()),
         "type": "object",
         "required": ["spec"],
         "properties": {

@@ -13,7 +13,7 @@ import enum
 import hashlib
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -30,10 +30,9 @@ from pydantic.alias_generators import to_camel
 
 from retex.machine import StepState, TaskPhase
 
-GROUP = "retex.dev"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "Task"
+API_VERSION: Final = "retex.dev/v1alpha1"  # a literal: the model's apiVersion is typed by it
+GROUP, VERSION = API_VERSION.split("/")
+KIND: Final = "Task"
 PLURAL = "tasks"
 SINGULAR = "task"
 SHORT_NAME = "rtask"
@@ -162,7 +161,7 @@ def defaulted(model: type[BaseModel]) -> Any:
     return Field(default_factory=model, json_schema_extra={"default": {}})
 
 
-def _truncate(limit: int):
+def _truncate(limit: int) -> BeforeValidator:
     def truncate(value: Any) -> Any:
         if isinstance(value, str) and len(value) > limit:
             return value[: limit - 1] + "…"
@@ -661,7 +660,8 @@ class ConditionType(enum.StrEnum):
 # What status.phase shows: the ledger's phase, or Refused for a Task the operator did not admit
 # (an invalid spec, a Job the API server would refuse, a duplicate idempotencyKey): never run.
 REFUSED = "Refused"
-ShownPhase = enum.StrEnum("ShownPhase", {**{p.name: p.value for p in TaskPhase}, "REFUSED": REFUSED})
+ShownPhase = enum.StrEnum(  # type: ignore[misc]  # mypy reads only literal members; these are TaskPhase's
+    "ShownPhase", {**{p.name: p.value for p in TaskPhase}, "REFUSED": REFUSED})
 
 
 class StatusModel(ApiModel):

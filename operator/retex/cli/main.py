@@ -21,7 +21,8 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
 
 import psycopg
 
@@ -30,6 +31,9 @@ from retex.kube import humans
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskNotFound, TaskRecord
 from retex.ledger.tls import unverified_tls_refusal
 from retex.machine import IllegalTransition
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
 
 DEFAULT_NAMESPACE = "default"
 _UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -44,7 +48,7 @@ class Unreachable(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # usage errors are refusals too: exit 1, one line
+    def error(self, message: str) -> NoReturn:  # usage errors are refusals too: exit 1, one line
         self.exit(1, f"{self.prog}: error: {message} (see --help)\n")
 
 
@@ -54,7 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.command(args)
+        code: int = args.command(args)
+        return code
     except Refused as exc:
         return _fail(1, str(exc))
     except (Unreachable, LedgerUnavailable, humans.NoCluster) as exc:
@@ -77,10 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_history(args: argparse.Namespace) -> int:
     if not _direct(args):
         api, namespace = _cluster(args)
-        task = humans.get_task(api, namespace, args.task)
-        events = humans.task_events(api, namespace, task["metadata"]["uid"])
-        print(render.dumps({"task": task, "events": events}) if args.output == "json"
-              else render.task_status_text(task, events))
+        shown = humans.get_task(api, namespace, args.task)
+        events = humans.task_events(api, namespace, shown["metadata"]["uid"])
+        print(render.dumps({"task": shown, "events": events}) if args.output == "json"
+              else render.task_status_text(shown, events))
         return 0
     with _ledger(args) as ledger:
         task = _task(ledger, args)
@@ -140,8 +145,8 @@ def cmd_resolve(args: argparse.Namespace) -> int:
 def cmd_dead_letters(args: argparse.Namespace) -> int:
     if not _direct(args):
         api, namespace = _cluster(args)
-        tasks = humans.list_tasks(api, None if args.all_namespaces else namespace, "retex.dev/dead-letter=true")
-        print(render.dumps(tasks) if args.output == "json" else render.tasks_text(tasks))
+        shown = humans.list_tasks(api, None if args.all_namespaces else namespace, "retex.dev/dead-letter=true")
+        print(render.dumps(shown) if args.output == "json" else render.tasks_text(shown))
         return 0
     with _ledger(args) as ledger:
         tasks = ledger.dead_letters(None if args.all_namespaces else (args.namespace or DEFAULT_NAMESPACE))
@@ -171,7 +176,7 @@ def _direct(args: argparse.Namespace) -> bool:
     return bool(args.database_url or os.environ.get("RETEX_DATABASE_URL"))
 
 
-def _cluster(args: argparse.Namespace):
+def _cluster(args: argparse.Namespace) -> tuple[ApiClient, str]:
     """The user's API client and the namespace to act in (-n, else the kubeconfig context's)."""
     found = humans.session(args.kubeconfig, args.context)
     return found.api, args.namespace or found.namespace
@@ -191,10 +196,11 @@ class _ledger:
     one-line error in seconds rather than the ledger's long retry window."""
 
     def __init__(self, args: argparse.Namespace):
-        self.dsn = args.database_url or os.environ.get("RETEX_DATABASE_URL")
-        self.timeout = args.timeout
-        if not self.dsn:
+        dsn = args.database_url or os.environ.get("RETEX_DATABASE_URL")
+        if not dsn:
             raise Unreachable("no ledger: set RETEX_DATABASE_URL or pass --database-url")
+        self.dsn: str = dsn
+        self.timeout: float = args.timeout
         insecure = unverified_tls_refusal(self.dsn, os.environ)
         if insecure:
             raise Unreachable(insecure)
@@ -202,10 +208,10 @@ class _ledger:
     def __enter__(self) -> Ledger:
         try:
             with psycopg.connect(self.dsn, connect_timeout=max(1, round(self.timeout))) as conn:
-                schema = conn.execute("SELECT to_regclass('retex.tasks')").fetchone()[0]
+                schema = conn.execute("SELECT to_regclass('retex.tasks')").fetchone()
         except psycopg.Error as exc:
             raise Unreachable(f"cannot reach the ledger: {_one_line(exc)}") from None
-        if schema is None:
+        if schema is None or schema[0] is None:
             raise Unreachable("no retex ledger in that database (table retex.tasks is missing)")
         self.ledger = Ledger(self.dsn, max_connections=2, retry_for_seconds=self.timeout)
         return self.ledger.open(migrate_schema=False)
@@ -267,7 +273,7 @@ def _parser() -> argparse.ArgumentParser:
                         kubeconfig=None, context=None)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    def command(name: str, fn, help: str) -> argparse.ArgumentParser:
+    def command(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help, description=help)
         _common_options(sub)
         sub.set_defaults(command=fn)

@@ -85,7 +85,7 @@ def task_json(task: TaskRecord) -> dict[str, Any]:
 
 
 def history_json(task: TaskRecord, attempts: list[AttemptRecord], history: list[HistoryEntry]) -> dict[str, Any]:
-    names = {s.idx: s.name for s in task.steps}
+    names: dict[int | None, str] = {s.idx: s.name for s in task.steps}
     data = task_json(task)
     steps = data.pop("steps")
     entries = [dataclasses.asdict(h) | {"step": names.get(h.step_idx)} for h in history]

@@ -9,9 +9,10 @@ API server authenticated. The operator acts on the annotations and records that 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import urllib3
 from kubernetes import client, config
@@ -20,6 +21,8 @@ from kubernetes.config.config_exception import ConfigException
 
 from retex.api import GROUP, PLURAL, VERSION
 from retex.kube.calls import MERGE_PATCH, NotPermitted, api_message, refusal
+
+T = TypeVar("T")
 
 REQUEUE_ANNOTATION = "retex.dev/requeue"
 RESOLVE_ANNOTATION = "retex.dev/resolve"
@@ -35,7 +38,8 @@ class NotAllowed(Exception):
 
 
 class RefusedByServer(Exception):
-    """The API server refused the request for another reason (an admission policy): its message."""
+    """The API server refused the request for another reason (an admission policy), or answered what
+    retex cannot read: its message."""
 
 
 class TaskMissing(Exception):
@@ -66,13 +70,16 @@ def session(kubeconfig: str | None = None, context: str | None = None) -> Sessio
 def whoami(api: client.ApiClient) -> str:
     """The username the API server authenticates these credentials as (SelfSubjectReview)."""
     review = _call(lambda: client.AuthenticationV1Api(api).create_self_subject_review(
-        {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}), "ask who you are")
-    return review.status.user_info.username
+        client.V1SelfSubjectReview(api_version="authentication.k8s.io/v1", kind="SelfSubjectReview")), "ask who you are")
+    user = review.status.user_info if review.status else None
+    if user is None or not user.username:
+        raise RefusedByServer("the API server did not say who you are (SelfSubjectReview without a username)")
+    return user.username
 
 
 def get_task(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
-    return _call(lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
-        GROUP, VERSION, namespace, PLURAL, name), f"read task {namespace}/{name}")
+    return _json(_call(lambda: client.CustomObjectsApi(api).get_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, name), f"read task {namespace}/{name}"))
 
 
 def list_tasks(api: client.ApiClient, namespace: str | None, label_selector: str) -> list[dict[str, Any]]:
@@ -84,7 +91,8 @@ def list_tasks(api: client.ApiClient, namespace: str | None, label_selector: str
         listed = _call(lambda: custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
                                                                      label_selector=label_selector),
                        f"list tasks in namespace {namespace}")
-    return listed["items"]
+    items: list[dict[str, Any]] = _json(listed)["items"]
+    return items
 
 
 def task_events(api: client.ApiClient, namespace: str, uid: str) -> list[dict[str, Any]]:
@@ -108,18 +116,25 @@ def request_resolve(api: client.ApiClient, namespace: str, name: str, user: str,
                                             REQUESTED_BY_ANNOTATION: user}, "resolve")
 
 
-def _annotate(api: client.ApiClient, namespace: str, name: str, annotations: dict[str, str], what: str) -> dict:
+def _annotate(api: client.ApiClient, namespace: str, name: str, annotations: dict[str, str], what: str) -> dict[str, Any]:
     body = {"metadata": {"annotations": annotations}}
-    return _call(lambda: client.CustomObjectsApi(api).patch_namespaced_custom_object(
+    return _json(_call(lambda: client.CustomObjectsApi(api).patch_namespaced_custom_object(
         GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH),
-        f"{what} task {namespace}/{name} (patch on tasks.retex.dev)")
+        f"{what} task {namespace}/{name} (patch on tasks.retex.dev)"))
+
+
+def _json(answer: object) -> dict[str, Any]:
+    """A custom object as the client hands it over: the decoded JSON (typed `object` by the client)."""
+    if not isinstance(answer, dict):
+        raise RefusedByServer(f"the API server answered {type(answer).__name__}, not a JSON object")
+    return answer
 
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _call(fn, doing: str):
+def _call(fn: Callable[[], T], doing: str) -> T:
     try:
         return fn()
     except ApiException as exc:

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
@@ -15,6 +16,7 @@ from retex.operator.ledger_endpoint import LedgerTls
 
 log = logging.getLogger(__name__)
 LEDGER_INSECURE_FLAG = "RETEX_LEDGER_INSECURE"
+N = TypeVar("N", int, float)
 _LEDGER_TLS_FILES = ("RETEX_LEDGER_TLS_CERT_FILE", "RETEX_LEDGER_TLS_KEY_FILE", "RETEX_LEDGER_CA_FILE")
 
 
@@ -146,7 +148,7 @@ def _metrics_port(env: dict[str, str]) -> int | None:
     return _number(env, "RETEX_METRICS_PORT", int) or 9090
 
 
-def _number(env: dict[str, str], name: str, kind: type):
+def _number(env: dict[str, str], name: str, kind: type[N]) -> N | None:
     """The variable as a positive number; None when unset or empty (the caller's default)."""
     value = env.get(name, "").strip()
     if not value:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 # Container waiting reasons that only mean "still starting" (an image pull in progress included).
 _STARTING = {"ContainerCreating", "PodInitializing"}
@@ -32,7 +33,7 @@ class StartVerdict:
     why: str  # what Kubernetes says, for lastError and the log
 
 
-def start_verdict(pods: list[dict], events: list[dict]) -> StartVerdict:
+def start_verdict(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> StartVerdict:
     """Judge a Job whose worker has not taken its lease by the start deadline, from its pods and
     the Job's events as the kubelet, the scheduler and the Job controller report them."""
     stuck: list[str] = []
@@ -75,7 +76,7 @@ def _no_node_matches(message: str) -> bool:
     return bool(reasons) and all(any(m in r for m in _NODE_MISMATCH) for r in reasons)
 
 
-def _latest_failed_create(events: list[dict]) -> str | None:
+def _latest_failed_create(events: list[dict[str, Any]]) -> str | None:
     for ev in sorted(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "", reverse=True):
         if ev.get("reason") == "FailedCreate":
             return ev.get("message") or ""
