@@ -2,8 +2,8 @@
 status it computes is tests/unit/test_status.py's): it writes only when the ledger is ahead of the
 version shown, never onto another Task, keeps the marks of a failed round, resyncs only the Tasks
 that lag, keeps the dead-letter label in step, posts a task's final Event whatever the limiter
-says, shows a refusal once per generation, and shows how long its oldest unwritten change has
-waited (growing while every write is refused)."""
+says, shows a refusal once per generation, shows how long its oldest unwritten change has
+waited (growing while every write is refused), and lets go of a mark whose task was purged."""
 
 from dataclasses import replace
 from types import SimpleNamespace
@@ -12,6 +12,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from retex.kube.calls import EventNotPosted, StatusNotWritten
+from retex.ledger import TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
 from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
@@ -35,6 +36,8 @@ class FakeLedger:
 
     def get(self, uid):
         self.read.append(uid)
+        if uid not in self.records:
+            raise TaskNotFound(uid)
         return self.records[uid]
 
     def versions(self):
@@ -146,6 +149,16 @@ def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
     now[0] += 30
     m.round()
     assert kube.written == [] and pending_seconds() == 0
+
+
+def test_a_mark_for_a_task_the_ledger_no_longer_holds_is_let_go_and_holds_up_no_other():
+    # Purged by the history retention after it was marked (a standby's marks wait until it leads).
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = mirror(FakeLedger(rec("u", version=7)), kube)
+    m.mark("purged")
+    m.mark("u")
+    m.round()
+    assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0  # none waits: "purged" too
 
 
 def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():

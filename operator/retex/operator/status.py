@@ -21,7 +21,7 @@ from retex.failpoints import failpoint
 from retex.kube.calls import EventNotPosted, KubeCalls, StatusNotWritten
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
-from retex.ledger import Ledger, TaskRecord
+from retex.ledger import Ledger, TaskNotFound, TaskRecord
 from retex.logs import event
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
@@ -282,7 +282,11 @@ class StatusMirror(Loop):
 
     def mirror(self, uid: str) -> None:
         """Write the status of one task if the ledger is ahead of what the Task shows."""
-        record = self._ledger.get(uid)
+        try:
+            record = self._ledger.get(uid)
+        except TaskNotFound:  # purged since it was marked: nothing to show, and no round may stall on it
+            self._settled(uid)
+            return
         task = self._kube.get_task(record.namespace, record.name)
         if task is None or task["metadata"]["uid"] != uid:
             self._settled(uid)
