@@ -9,6 +9,8 @@
                                  someone sends SIGCONT (crash-matrix R11)
     in-loop-round:relay=hang     the calling thread alone blocks for ever (the process lives on):
                                  a wedged operator loop, for the liveness probe
+    in-lease-watch=raise         the calling thread alone raises FailpointRaised (the process lives
+                                 on): a thread dead of a bug, for the liveness probe
 
 The task scope matters where one process serves many tasks (the operator): without it, any task
 passing the point trips it — including one resumed by kopf after a restart. A call site that
@@ -39,8 +41,10 @@ POINTS = frozenset({
     # ledger, on a worker's behalf: it runs in the operator's ledger endpoint. in-commit: inside
     # the commit transaction; after-begin-commit: a begin committed, its reply not yet sent
     "in-commit", "after-begin-commit",
+    # operator, the lease watch's thread (with =raise: it dies, as a bug in its error path made it)
+    "in-lease-watch",
 })
-ACTIONS = {"kill": "SIGKILL", "stop": "SIGSTOP", "hang": "hang"}
+ACTIONS = {"kill": "SIGKILL", "stop": "SIGSTOP", "hang": "hang", "raise": "raise"}
 _SPEC = re.compile(r"(?P<point>[a-z-]+)(?::(?P<step>[a-z0-9-]+))?(?:@(?P<task>[A-Za-z0-9.-]+))?(?:=(?P<action>[a-z]+))?")
 
 
@@ -90,6 +94,10 @@ def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | N
 _ARMED = parse(os.environ.get("RETEX_FAILPOINT", ""))
 
 
+class FailpointRaised(RuntimeError):
+    """What an armed point whose action is `raise` raises in the thread that passes it."""
+
+
 def failpoint(point: str, step: str | None = None, *, task: str | None = None, uid: str | None = None) -> None:
     """Die (or freeze) here if this point is armed for this step and task."""
     if _ARMED is None or not _ARMED.matches(point, step, task, uid):
@@ -97,4 +105,6 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
     print(fired_line(_ARMED, step=step, task=task, uid=uid), file=sys.stderr, flush=True)
     if _ARMED.action == "hang":
         threading.Event().wait()
+    if _ARMED.action == "raise":
+        raise FailpointRaised(f"failpoint {_ARMED.label}")
     os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))

@@ -1,6 +1,7 @@
 """The operator's probes on the rig, each answer from a real cause: Postgres stopped → not ready
 (the body says Postgres) but still live, and ready again once it is back; a writer loop's round
-made to hang (the failpoint in-loop-round=hang) → not ready, then not live.
+made to hang (the failpoint in-loop-round=hang) → not ready, then not live; the lease watch's
+thread made to die (in-lease-watch=raise) → neither live nor ready.
 
 Each test runs one operator (the leader of its own election Lease) on a Postgres of its own, so
 stopping it disturbs no other test."""
@@ -85,3 +86,16 @@ def test_a_hung_writer_loop_makes_the_operator_unready_then_not_live(start_opera
                        what="liveness failing on the wedged relay")
     assert time.monotonic() - started >= 25
     assert operator.probe("/healthz")[0] == 503
+
+
+def test_a_dead_lease_watch_thread_makes_the_operator_neither_live_nor_ready(start_operator):
+    operator = start_operator(RETEX_FAILPOINT="in-lease-watch=raise")
+    wait_for(lambda: "in-lease-watch fired" in operator.log_tail(20000), timeout=60, what="the lease watch raised")
+    # The thread died of it (the traceback threading prints), the process lives on ...
+    wait_for(lambda: "FailpointRaised: failpoint in-lease-watch" in operator.log_tail(20000), timeout=30,
+             what="the lease-watch thread dead")
+    assert operator.exited() is None
+    # ... and the reaper, blind for good, is a restart's business.
+    wait_for(answers(operator, "/livez", 503, "thread(s) dead: lease-watch"), timeout=30,
+             what="liveness failing on the dead lease watch")
+    assert operator.probe("/readyz") == (503, "thread(s) dead: lease-watch\n")

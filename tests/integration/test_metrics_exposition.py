@@ -6,12 +6,18 @@ counter or histogram count going down across a requeue and a purge."""
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 
-from prometheus_client import CollectorRegistry
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.openmetrics.exposition import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
-from retex.operator.metrics import REGISTRY, LedgerCollector
+from e2e.postgres import free_port
+from retex.ledger import Ledger
+from retex.operator.metrics import METRICS_LEDGER_RETRY_SECONDS, REGISTRY, LedgerCollector
 from tests.integration.ledger_helpers import admitted, run_all_steps
 
 
@@ -93,3 +99,43 @@ def test_a_task_left_unfinished_past_its_deadline_shows_until_the_promoter_fails
     assert 0.5 < overrun() < 30, "the running task is past its deadline and nobody failed it yet"
     ledger.promote_due()  # what the promoter does each round: fails it with reason Timeout
     assert str(ledger.get(uid).phase) == "Failed" and overrun() == 0
+
+
+def scrape(ledger) -> tuple[int, str]:
+    """The operator's /metrics page over HTTP, as Prometheus reads it: the process families and
+    the ledger's, one page (retex.operator.metrics.serve)."""
+    collector = LedgerCollector(ledger, cache_seconds=0)
+    REGISTRY.register(collector)
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        REGISTRY.unregister(collector)
+
+
+def test_during_a_postgres_outage_the_page_still_answers_with_ledger_up_0_and_retex_leader(own_postgres):
+    with psycopg.connect(own_postgres.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE DATABASE metrics_outage")
+    dsn = own_postgres.dsn(dbname="metrics_outage")
+    with Ledger(dsn, max_connections=2, retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS) as ledger:
+        before = scrape(ledger)
+        own_postgres.stop()
+        with pytest.raises(psycopg.OperationalError):  # the fault fired: Postgres refuses us
+            psycopg.connect(dsn, connect_timeout=2).close()
+        during = scrape(ledger)
+        own_postgres.start()
+        after = scrape(ledger)
+    # The process families stay (retex_leader: RetexNoLeader must not fire for an outage); the
+    # ledger's are left out rather than shown stale or as zeros.
+    status, page = during
+    assert status == 200, page
+    assert "retex_ledger_up 0.0" in page and "retex_leader " in page and "retex_loop_rounds_total" in page
+    assert "retex_tasks{" not in page and "retex_outbox_lag_seconds" not in page
+    for status, page in (before, after):
+        assert status == 200 and "retex_ledger_up 1.0" in page and "retex_tasks{" in page, page

@@ -17,6 +17,9 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "
 class FakeLedger:
     """Only the figures, so the collector can render every family it exports."""
 
+    def ping(self, *, timeout):
+        pass
+
     def figures(self):
         empty = Histogram(count=0, total=0.0, cumulative=[0] * len(BUCKETS))
         return LedgerFigures(tasks_by_phase={}, dead_lettered=0, outbox_lag_seconds=0.0,

@@ -70,6 +70,14 @@ def test_an_armed_point_sigkills_its_process_after_printing_the_line():
     assert "survived" not in done.stdout
 
 
+def test_a_raise_point_raises_in_the_thread_that_passes_it_and_the_process_lives_on():
+    done = _run_with("in-lease-watch=raise", "import threading\n"
+                                             "threading.Thread(target=failpoint, args=('in-lease-watch',)).start()")
+    assert done.returncode == 0 and "survived" in done.stdout
+    assert done.stderr.startswith("retex failpoint in-lease-watch fired: task=- uid=- step=-: raise\n")
+    assert "FailpointRaised: failpoint in-lease-watch" in done.stderr
+
+
 def test_a_stop_point_freezes_the_process_until_sigcont_then_it_goes_on():
     env = {**os.environ, "RETEX_FAILPOINT": "after-effect:notify=stop"}
     proc = subprocess.Popen([sys.executable, "-c", "from retex.failpoints import failpoint\n"
@@ -105,7 +113,7 @@ def test_every_call_site_names_a_known_point_and_every_point_has_a_call_site():
 
 def test_every_call_site_passes_its_task_so_a_scoped_point_can_fire_there():
     for path, node in _call_sites():
-        if node.args[0].value == "in-loop-round":  # a loop's round, for every task at once: scoped by loop
+        if node.args[0].value in ("in-loop-round", "in-lease-watch"):  # for every task at once: no task scope
             assert not node.keywords, f"{path.name}:{node.lineno}"
             continue
         assert {k.arg for k in node.keywords} == {"task", "uid"}, f"{path.name}:{node.lineno}"

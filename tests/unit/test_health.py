@@ -46,6 +46,13 @@ def test_a_dead_thread_makes_a_replica_unready_and_not_live():
     assert live(dead_threads=["relay"]) == Verdict(False, "thread(s) dead: relay")
 
 
+def test_a_dead_lease_watch_thread_fails_both_probes_on_a_standby_too():
+    # The reaper is blind for good without it, and a standby becomes the leader with what it saw.
+    dead = Verdict(False, "thread(s) dead: lease-watch")
+    assert live(dead_threads=["lease-watch"]) == dead
+    assert ready(dead_threads=["lease-watch"], leading=False) == dead
+
+
 def test_a_dead_ledger_endpoint_server_makes_a_replica_unready():
     assert ready(endpoint_serving=False) == Verdict(False, "the ledger endpoint's server thread is dead")
     assert ready(endpoint_serving=False, leading=False).ok is False

@@ -2,7 +2,8 @@
 status it computes is tests/unit/test_status.py's): it writes only when the ledger is ahead of the
 version shown, never onto another Task, keeps the marks of a failed round, resyncs only the Tasks
 that lag, keeps the dead-letter label in step, posts a task's final Event whatever the limiter
-says, and shows a refusal once per generation."""
+says, shows a refusal once per generation, shows how long its oldest unwritten change has
+waited (growing while every write is refused), and lets go of a mark whose task was purged."""
 
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,7 +12,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from retex.kube.calls import EventNotPosted, StatusNotWritten
+from retex.ledger import TaskNotFound
 from retex.machine import TaskPhase
+from retex.operator.metrics import REGISTRY
 from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
 from tests.unit.test_status import record
 
@@ -33,6 +36,8 @@ class FakeLedger:
 
     def get(self, uid):
         self.read.append(uid)
+        if uid not in self.records:
+            raise TaskNotFound(uid)
         return self.records[uid]
 
     def versions(self):
@@ -108,6 +113,52 @@ def test_a_failed_round_keeps_the_marks_it_did_not_write_and_the_next_round_writ
     kube.patch_error = None
     m.round()
     assert sorted(uid for uid, _, _ in kube.written) == ["u1", "u2", "u3"], "each written once, none lost"
+
+
+def pending_seconds() -> float | None:
+    return REGISTRY.get_sample_value("retex_status_mirror_oldest_pending_seconds")
+
+
+def test_a_mirror_whose_patches_the_api_server_refuses_shows_its_oldest_pending_change_growing():
+    now = [1000.0]
+    kube = FakeKube(task_object("u", shown_version=6),
+                    patch_error=("u", ApiException(status=403, reason="Forbidden")))
+    m = StatusMirror(FakeLedger(rec("u", version=7)), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    assert pending_seconds() == 0
+    m.mark("u")
+    for waited in (30.0, 60.0, 90.0):
+        now[0] += 30
+        with pytest.raises(ApiException):  # the fault fired: every round's patch is refused
+            m.round()
+        assert pending_seconds() == waited  # a stalled mirror writes nothing, yet shows it waits
+    assert kube.written == []
+    m.may_write = lambda: False
+    assert pending_seconds() == 0, "a standby writes nothing by design: nothing waits on it"
+    m.may_write = lambda: True
+    kube.patch_error = None
+    m.round()
+    assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
+
+
+@pytest.mark.parametrize("shown", [7, "gone"])
+def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
+    now = [1000.0]
+    kube = FakeKube(*([task_object("u", shown_version=shown)] if shown != "gone" else []))
+    m = StatusMirror(FakeLedger(rec("u", version=7)), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.mark("u")
+    now[0] += 30
+    m.round()
+    assert kube.written == [] and pending_seconds() == 0
+
+
+def test_a_mark_for_a_task_the_ledger_no_longer_holds_is_let_go_and_holds_up_no_other():
+    # Purged by the history retention after it was marked (a standby's marks wait until it leads).
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = mirror(FakeLedger(rec("u", version=7)), kube)
+    m.mark("purged")
+    m.mark("u")
+    m.round()
+    assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0  # none waits: "purged" too
 
 
 def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():

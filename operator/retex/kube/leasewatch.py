@@ -28,6 +28,7 @@ from datetime import datetime
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
+from retex.failpoints import failpoint
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
 from retex.logs import event
@@ -163,6 +164,7 @@ class LeaseObserver:
         """List, then watch from the list's resourceVersion; relist only after 410 Gone or an error."""
         version: str | None = None
         while not self._stop.is_set():
+            failpoint("in-lease-watch")  # =raise: outside the try, so the thread dies (the probes' test)
             try:
                 if version is None:
                     listed = self._coordination.list_lease_for_all_namespaces(label_selector=LABEL_TASK_UID)

@@ -55,6 +55,7 @@ from retex.operator.admission import (
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness
 from retex.operator.leadership import Leadership
+from retex.operator.metrics import METRICS_LEDGER_RETRY_SECONDS
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
 from retex.operator.settings import LiveWorkerDefaults, OperatorSettings
@@ -94,6 +95,10 @@ class Runtime:
         self.worker_ledger = Ledger(settings.database_url, max_connections=8,
                                     retry_for_seconds=ENDPOINT_RETRY_SECONDS).open(migrate_schema=False)
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
+        # And the metrics scrape another: a scrape during an outage answers within seconds, with
+        # retex_ledger_up 0, rather than failing the whole page (retex.operator.metrics).
+        self.metrics_ledger = Ledger(settings.database_url, max_connections=2,
+                                     retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS).open(migrate_schema=False)
         # Unique per process (client-go's hostname + UUID): a restarted container is a new
         # candidate, never mistaken for the leader it replaces.
         identity = f"{pod}_{uuid.uuid4().hex[:8]}"
@@ -130,7 +135,7 @@ class Runtime:
 
     def start(self, metrics_port: int | None, ledger_port: int, ledger_tls: ledger_endpoint.LedgerTls | None) -> None:
         if metrics_port:
-            serve_metrics(self.ledger, metrics_port)
+            serve_metrics(self.metrics_ledger, metrics_port)
         self._endpoint_server = ledger_endpoint.serve(self.endpoint, ledger_port, ledger_tls)
         for thread in self._threads:
             thread.start()
@@ -168,6 +173,7 @@ class Runtime:
         self._endpoint_server.shutdown()
         self._endpoint_server.server_close()
         self.worker_ledger.close()
+        self.metrics_ledger.close()
         self.ledger.close()
 
 

@@ -4,7 +4,9 @@ Every retry period the thread reads the election Lease and writes it when `Elect
 so (retex.kube.election). Every writer asks `leading()` itself, on its own clock, right before a
 round or a handler: a replica that was paused (SIGSTOP, a long GC, a partition) past its renew
 deadline stops writing when it resumes, before this thread has run again. Becoming leader calls
-`on_started` (fresh grace for every worker lease, a full status resync, every loop woken);
+`on_started` (fresh grace for every worker lease, a full status resync, every loop woken) under
+the lock `leading()` takes, so no writer hears that it leads before that is done (`on_started`
+must not ask `leading()` itself);
 losing it only logs and flips `retex_leader`: the writers stopped already by asking.
 """
 
@@ -62,6 +64,11 @@ class Leadership:
                 written = self._election.record(decision, datetime.now(UTC))
                 self._lease.write(written)
                 with self._lock:
+                    if not self._was_leading:
+                        # Under the lock, before `won`: a writer asking leading() waits until the
+                        # term has started (the fresh grace granted), so no round runs before it;
+                        # if it fails, this replica does not lead, and tries again next retry.
+                        self._on_started()
                     self._election.won(written, started)
         except LeaseConflict:
             pass  # another replica wrote first: read again at the next retry
@@ -75,7 +82,6 @@ class Leadership:
             event(log, logging.INFO, "leader election: this replica leads", identity=self._election.identity)
             LEADER.set(1)
             self._was_leading = True
-            self._on_started()
         elif not leading and self._was_leading:
             holder = self._election.observed.holder if self._election.observed else None
             event(log, logging.WARNING, "leader election: this replica stopped leading", identity=self._election.identity,

@@ -5,13 +5,16 @@ workers did reaches Prometheus without scraping short-lived pods, and an operato
 no count. Their counters and histograms are derived from append-only rows plus what purges took
 (retex.ledger.LedgerFigures), so none decreases across a requeue, a retry or a purge. Both
 replicas export the same ledger figures (aggregate them with max, not sum). Process figures
-(errors, rounds, leadership, status-mirror lag) are counted here, per replica. One family per
+(errors, rounds, leadership, status-mirror lag) are counted here, per replica. When the ledger
+cannot be read, the page still answers: `retex_ledger_up` 0 and the process figures (so
+`retex_leader` stays and an outage is not mistaken for no leader), without the ledger's. One family per
 name, counters named `_total`, durations in seconds (Prometheus' naming conventions). No label
 carries a task name or UID: cardinality stays bounded.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -22,7 +25,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from retex.ledger import DURATION_BUCKETS as BUCKETS
 from retex.ledger import Histogram as LedgerHistogram
 from retex.ledger import Ledger, LedgerError, LedgerFigures
+from retex.logs import event
 from retex.machine import TaskPhase
+
+log = logging.getLogger(__name__)
+
+# The scrape reads the ledger through a Ledger of its own with this short retry window (the
+# writers' retries run for minutes), after a ping of this many seconds: an outage costs a scrape
+# a few seconds, within Prometheus' default 10 s scrape timeout.
+METRICS_LEDGER_RETRY_SECONDS = 2.0
+PING_SECONDS = 2
 
 REGISTRY = CollectorRegistry()
 LOOP_ERRORS = Counter("retex_reconcile_errors_total", "Failed rounds of an operator loop, by loop",
@@ -37,6 +49,10 @@ LEADER = Gauge("retex_leader", "1 while this replica leads (it alone writes), 0 
               registry=REGISTRY)
 MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change seen to its status written",
                        buckets=BUCKETS, registry=REGISTRY)
+# Read at scrape time from the status mirror (retex.operator.status): unlike MIRROR_LAG, observed
+# only once a write lands, it grows while a mirror writes nothing.
+MIRROR_PENDING = Gauge("retex_status_mirror_oldest_pending_seconds", "Age of the oldest ledger change not yet "
+                       "written to its Task's status; 0 when none waits, and on a standby", registry=REGISTRY)
 
 # The loops that count failures. Their error series exist from the start (at 0), so a dashboard or an
 # alert reads "no errors" before the first one rather than "no data".
@@ -56,21 +72,34 @@ def count_failure(loop: str, error: BaseException) -> None:
 
 
 class LedgerCollector:
-    """Reads `Ledger.figures` at most every `cache_seconds` and renders it."""
+    """Reads `Ledger.figures` at most every `cache_seconds` and renders it, with `retex_ledger_up`.
+    `ledger` should retry briefly (METRICS_LEDGER_RETRY_SECONDS): a scrape waits on it."""
 
     def __init__(self, ledger: Ledger, cache_seconds: float = 5.0):
         self._ledger, self._cache_seconds = ledger, cache_seconds
-        self._cached: tuple[float, LedgerFigures] | None = None
+        self._cached: tuple[float, LedgerFigures | None] | None = None  # None: the ledger could not be read
         self._lock = threading.Lock()
 
-    def _figures(self) -> LedgerFigures:
+    def _figures(self) -> LedgerFigures | None:
         with self._lock:
             if self._cached is None or time.monotonic() - self._cached[0] > self._cache_seconds:
-                self._cached = (time.monotonic(), self._ledger.figures())
+                self._cached = (time.monotonic(), self._read())
             return self._cached[1]
+
+    def _read(self) -> LedgerFigures | None:
+        try:
+            self._ledger.ping(timeout=PING_SECONDS)  # refused or silent: no pool wait, no retry
+            return self._ledger.figures()
+        except Exception as exc:  # whatever stopped it, the rest of the page must still answer
+            event(log, logging.WARNING, "metrics: the ledger could not be read", error=f"{type(exc).__name__}: {exc}")
+            return None
 
     def collect(self):
         figures = self._figures()
+        yield GaugeMetricFamily("retex_ledger_up", "1 if this replica read the ledger at its last scrape, 0 if not "
+                                "(then the ledger's figures are left out)", value=0 if figures is None else 1)
+        if figures is None:
+            return
         phases = GaugeMetricFamily("retex_tasks", "Tasks by phase; queue depth is Queued + Scheduled", labels=["phase"])
         for phase in TaskPhase:
             phases.add_metric([str(phase)], figures.tasks_by_phase.get(str(phase), 0))

@@ -21,11 +21,11 @@ from retex.failpoints import failpoint
 from retex.kube.calls import EventNotPosted, KubeCalls, StatusNotWritten
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
-from retex.ledger import Ledger, TaskRecord
+from retex.ledger import Ledger, TaskNotFound, TaskRecord
 from retex.logs import event
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
-from retex.operator.metrics import MIRROR_LAG, count_failure
+from retex.operator.metrics import MIRROR_LAG, MIRROR_PENDING, count_failure
 
 log = logging.getLogger(__name__)
 
@@ -165,20 +165,34 @@ class StatusMirror(Loop):
     COALESCE_SECONDS = 0.1  # NOTIFY bursts within this window become one write per task
     period = COALESCE_SECONDS
 
-    def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, resync_seconds: float):
+    def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, resync_seconds: float,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__()
-        self._ledger, self._kube, self._leases = ledger, kube, leases
+        self._ledger, self._kube, self._leases, self._clock = ledger, kube, leases, clock
         self._resync_seconds = resync_seconds
         self._next_resync = 0.0
         self._dirty: set[str] = set()
         self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
+        MIRROR_PENDING.set_function(self.oldest_pending_seconds)
+
+    def oldest_pending_seconds(self) -> float:
+        """How long the oldest mark not yet settled (written, or found nothing to write) has waited.
+        0 on a standby: it writes nothing by design (its marks wait for it to lead)."""
+        with self._lock:
+            oldest = min(self._marked_at.values(), default=None)
+        return 0.0 if oldest is None or not self.may_write() else self._clock() - oldest
+
+    def _settled(self, uid: str) -> float | None:
+        """The mark of `uid` needs no more writing: when it was made."""
+        with self._lock:
+            return self._marked_at.pop(uid, None)
 
     def mark(self, uid: str) -> None:
         with self._lock:
             self._dirty.add(uid)
-            self._marked_at.setdefault(uid, time.monotonic())
+            self._marked_at.setdefault(uid, self._clock())
 
     def listen(self, on_change: Callable[[], None]) -> None:
         """Thread: turn NOTIFY into dirty marks (the write loop coalesces them). Supervised: any
@@ -268,12 +282,18 @@ class StatusMirror(Loop):
 
     def mirror(self, uid: str) -> None:
         """Write the status of one task if the ledger is ahead of what the Task shows."""
-        record = self._ledger.get(uid)
+        try:
+            record = self._ledger.get(uid)
+        except TaskNotFound:  # purged since it was marked: nothing to show, and no round may stall on it
+            self._settled(uid)
+            return
         task = self._kube.get_task(record.namespace, record.name)
         if task is None or task["metadata"]["uid"] != uid:
+            self._settled(uid)
             return  # deleted (or a newer Task with the same name): nothing to mirror onto
         shown = task.get("status") or {}
         if shown.get("ledgerVersion", -1) >= record.version:
+            self._settled(uid)
             return  # never write a status older than (or the same as) the one shown
         previous = TaskStatus.model_validate(shown) if shown else None
         lease = self._leases.get(record.namespace, lease_name(record.name, uid), uid)
@@ -285,11 +305,11 @@ class StatusMirror(Loop):
         except StatusNotWritten as exc:  # gone, replaced, or a newer status already landed
             event(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
                   name=record.name, epoch=record.epoch, http_status=exc.http_status)
+            self._settled(uid)
             return
-        with self._lock:
-            marked_at = self._marked_at.pop(uid, None)
+        marked_at = self._settled(uid)
         if marked_at is not None:
-            MIRROR_LAG.observe(time.monotonic() - marked_at)
+            MIRROR_LAG.observe(self._clock() - marked_at)
         labels = task["metadata"].get("labels") or {}
         if (labels.get(DEAD_LETTER_LABEL) == "true") != record.dead_lettered:
             self._kube.patch_task_labels(record.namespace, record.name, uid,

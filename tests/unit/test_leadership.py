@@ -1,0 +1,47 @@
+"""The election's thread (retex.operator.leadership) on a fake election Lease: what a replica does
+as it becomes leader happens before any writer hears that it leads."""
+
+from __future__ import annotations
+
+import threading
+
+from retex.kube.election import ElectionTiming
+from retex.operator.leadership import Leadership
+
+TIMING = ElectionTiming(lease_duration=15, renew_deadline=10, retry_period=2)
+
+
+class NoLeaseYet:
+    """The election Lease's calls, in memory: none exists until the first write."""
+
+    def __init__(self):
+        self.record = None
+
+    def read(self):
+        return self.record
+
+    def write(self, record):
+        self.record = record
+
+
+def test_a_replica_taking_over_starts_its_term_before_any_writer_hears_that_it_leads():
+    said: list[str] = []
+    writer_answered = threading.Event()
+
+    def writer() -> None:  # a writer loop, asking right before a round
+        leading = leadership.leading()
+        said.append(f"writer told leading={leading}")
+        writer_answered.set()
+
+    def on_started() -> None:  # the Runtime's takeover: the fresh grace for every worker lease
+        threading.Thread(target=writer).start()
+        # Proves a negative, so a timed window: a writer that asks now gets no answer yet.
+        if writer_answered.wait(0.5):
+            said.append("writer answered while the term was starting")
+        said.append("grace granted")
+
+    leadership = Leadership(NoLeaseYet(), "replica-a", TIMING, on_started=on_started)
+    leadership.try_acquire_or_renew()
+    assert writer_answered.wait(10), "the writer never got an answer"
+    assert said == ["grace granted", "writer told leading=True"]
+    assert leadership.leading()
