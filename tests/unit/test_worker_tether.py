@@ -116,3 +116,27 @@ def test_a_steps_own_kill_lands_inside_the_margin_the_next_attempt_waits_out():
     s = step(exec={"command": ["x"]}, timeoutSeconds=7)
     own = own_deadline(s, call(begun=1000.0), Supervision(drain=Drain(30)))  # the production grace
     assert own - 1000.0 - s.timeout_seconds + KILL_LATENCY_SECONDS < DEADLINE_MARGIN_SECONDS
+
+
+# A stand-in worker whose tether is started by a thread that then ends, then runs a step from its
+# main thread; prints the parent of each step's command.
+THREAD_THEN_MAIN = """
+import threading
+from tests.unit.worker_steps_helpers import call, step, supervision
+from retex.worker import exec_step
+s = step(exec={"command": ["sh", "-c", "grep PPid /proc/$$/status"]})
+parents = []
+starter = threading.Thread(target=lambda: parents.append(exec_step.run(s.exec, s, call(), supervision())))
+starter.start()
+starter.join()
+parents.append(exec_step.run(s.exec, s, call(), supervision()))
+print(" ".join(p.result["stdout"].split()[1] for p in parents))
+"""
+
+
+def test_the_tether_outlives_the_worker_thread_that_started_it():
+    # The kernel's parent-death signal comes when the thread that started the tether ends, not
+    # only with the worker: the tether must tell the two apart and keep serving the worker.
+    out = subprocess.run([sys.executable, "-c", THREAD_THEN_MAIN], env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert len(out) == 2 and out[0] == out[1], out
