@@ -128,7 +128,8 @@ class Tether:
 
 class _StepProcess:
     def __init__(self, tether: Tether, pid: int):
-        self.pid, self._tether, self._returncode = pid, tether, None
+        self.pid, self._tether = pid, tether
+        self._returncode: int | None = None
 
     def wait(self, timeout: float | None = None) -> int:
         if self._returncode is None:
