@@ -13,7 +13,7 @@ import pytest
 from retex.worker.attempt import DEADLINE_MARGIN_SECONDS
 from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
-from retex.worker.processes import own_deadline
+from retex.worker.processes import Tether, own_deadline
 from tests.unit.worker_steps_helpers import call, step
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -140,3 +140,16 @@ def test_the_tether_outlives_the_worker_thread_that_started_it():
     out = subprocess.run([sys.executable, "-c", THREAD_THEN_MAIN], env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO,
                          capture_output=True, text=True, timeout=60, check=True).stdout.split()
     assert len(out) == 2 and out[0] == out[1], out
+
+
+def test_a_step_killed_at_its_own_deadline_is_reported_to_a_live_worker_and_the_tether_serves_on(tmp_path):
+    # The worker may be alive but late (a loaded host): the tether's kill at the step's own
+    # deadline is then the step's end, which the worker must hear of like any other.
+    tether = Tether()
+    out, err = tmp_path / "out", tmp_path / "err"
+    out.touch()
+    err.touch()
+    step = tether.start(["sleep", "60"], env=dict(os.environ), stdout=out, stderr=err, deadline=time.monotonic() + 0.3)
+    assert step.wait(timeout=10) == -signal.SIGKILL
+    assert tether.start(["true"], env=dict(os.environ), stdout=out, stderr=err,
+                        deadline=time.monotonic() + 60).wait(timeout=10) == 0

@@ -77,10 +77,11 @@ def kill_group_at(deadline: float) -> None:
 
 
 class _Steps:
-    """The groups this tether started and has not seen end: pid → (pidfd, deadline)."""
+    """The groups this tether started and has not seen end: pid → (pidfd, deadline), the
+    deadline None once the group has been killed at it."""
 
     def __init__(self) -> None:
-        self.running: dict[int, tuple[int, float]] = {}
+        self.running: dict[int, tuple[int, float | None]] = {}
 
     def kill_all(self) -> None:
         for pid in self.running:
@@ -140,15 +141,15 @@ def serve(worker_pid: int, requests: int, replies: int) -> int:
     tie_to(worker_pid, orphaned=orphaned)
     pending = b""
     while True:
-        deadlines = [deadline for _, deadline in steps.running.values()]
+        deadlines = [deadline for _, deadline in steps.running.values() if deadline is not None]
         timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         pidfds = {pidfd: pid for pid, (pidfd, _) in steps.running.items()}
         readable, _, _ = select.select([requests, *pidfds], [], [], timeout)
         answers = [steps.ended(pidfds[fd]) for fd in readable if fd in pidfds]
         for pid, (pidfd, deadline) in list(steps.running.items()):
-            if deadline <= time.monotonic():
+            if deadline is not None and deadline <= time.monotonic():
                 _kill_group(pid)
-                steps.running[pid] = (pidfd, float("inf"))  # its end is reported when its pidfd is readable
+                steps.running[pid] = (pidfd, None)  # its end is reported when its pidfd is readable
         if requests in readable:
             data = os.read(requests, 1 << 16)
             if not data:  # the worker closed its end, or died
