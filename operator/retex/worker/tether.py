@@ -118,8 +118,8 @@ class _Steps:
 
     def ended(self, pid: int) -> dict:
         """The group's leader has exited (not yet reaped, so its group id cannot be reused)."""
+        _kill_group(pid)  # before it leaves the list the worker's death would kill
         pidfd, _ = self.running.pop(pid)
-        _kill_group(pid)
         os.close(pidfd)
         return {"exited": pid, "code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}
 
