@@ -51,7 +51,7 @@ def say(message: str) -> None:
 
 @dataclass
 class Sizes:
-    checkpoint_steps: int = 200
+    checkpoint_steps: int = 64  # issue 18 asks for 200, but a Task holds at most 64 (retex.api.models.MAX_STEPS)
     checkpoint_parallel: int = 8
     latency_tasks: int = 50
     throughput_tasks: int = 300
@@ -170,7 +170,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     """Steps/s of tasks of no-op exec steps against the physical floor: a single-row INSERT+COMMIT
     on the same Postgres (same durability) plus spawning a no-op process."""
     figures = []
-    for parallel in (1, sizes.checkpoint_parallel):
+    for parallel in dict.fromkeys((1, sizes.checkpoint_parallel)):  # once each, in that order
         steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True}
                  for i in range(sizes.checkpoint_steps)]
         uids = [system.create_task(f"checkpoint-{parallel}-{i}", steps) for i in range(parallel)]

@@ -361,3 +361,31 @@ def test_a_rotated_certificate_is_served_to_the_connections_after_it(tls_server,
         os.utime(target, (time.time() + 5, time.time() + 5))  # a new mtime, whatever the clock's grain
     fresh = LedgerClient(f"https://127.0.0.1:{port}", token, retry_for_seconds=1, ca_pem=rotated.ca_crt.read_text())
     assert fresh.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
+
+
+def test_the_endpoint_replies_without_waiting_for_the_workers_delayed_ack(tmp_path):
+    # A reply goes out in two writes (headers, then body). With Nagle's algorithm on, the second
+    # waits until the worker acknowledges the first, which the worker delays (~40 ms on Linux):
+    # that stall was most of each ledger call, two per step (docs/benchmarks.md).
+    pki = pkilib.ledger_serving(tmp_path / "tls")
+    tls = LedgerTls(str(pki.crt("ledger")), str(pki.key("ledger")), str(pki.ca_crt))
+    served = serve(AnswerGet(), 0, tls)
+    accepted = []
+    get_request = served.get_request
+
+    def recording() -> tuple:
+        conn, address = get_request()
+        accepted.append(conn)
+        return conn, address
+
+    served.get_request = recording
+    token = tmp_path / "token"
+    token.write_text("t")
+    try:
+        client = LedgerClient(f"https://127.0.0.1:{served.server_address[1]}", str(token), retry_for_seconds=1,
+                              ca_pem=tls.ca_pem())
+        assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
+        assert [conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for conn in accepted] == [1]
+    finally:
+        served.shutdown()
+        served.server_close()

@@ -5,12 +5,16 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
+
+import pytest
 
 from retex.api.models import SecretKeySelector
 from retex.worker import exec_step
 from retex.worker.calls import step_environment
 from retex.worker.outcomes import Abandoned, Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
+from retex.worker.processes import TetherLost
 from tests.unit.worker_steps_helpers import call, drain_after, step, supervision
 
 PY = sys.executable
@@ -235,3 +239,50 @@ def test_a_steps_command_starts_with_default_signal_dispositions():
     s = step(exec={"command": ["sh", "-c", "grep SigIgn /proc/self/status"]})
     ignored = int(exec_step.run(s.exec, s, call(), supervision()).result["stdout"].split()[1], 16)
     assert not ignored & (1 << (13 - 1)) and not ignored & (1 << (25 - 1)), hex(ignored)
+
+
+def parent_of_step() -> int:
+    s = step(exec={"command": ["sh", "-c", "grep PPid /proc/$$/status"]})
+    return int(exec_step.run(s.exec, s, call(), supervision()).result["stdout"].split()[1])
+
+
+def test_one_tether_starts_every_exec_step_of_a_worker_not_an_interpreter_per_step():
+    # An interpreter started for each step was most of a no-op step's cost (docs/benchmarks.md).
+    first, second = parent_of_step(), parent_of_step()
+    assert first == second != os.getpid()
+
+
+def test_a_step_whose_tether_is_lost_is_killed_and_the_next_step_gets_a_new_tether(tmp_path):
+    pids = tmp_path / "pids"
+    script = f"import os, time; open({str(pids)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    lost = threading.Thread(target=lambda: (wait_for_file(pids), os.kill(tether_of(int(pids.read_text())), 9)))
+    lost.start()
+    with pytest.raises(TetherLost):  # the attempt records it as an unknown outcome
+        run(script)
+    lost.join()
+    step_pid = int(pids.read_text())
+    deadline = time.monotonic() + 2  # SIGKILL is delivered asynchronously
+    while running(step_pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not running(step_pid)
+    assert run("print('next')") == Succeeded({"exitCode": 0, "stdout": "next\n", "stderr": ""})
+
+
+def wait_for_file(path, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def tether_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line for line in status if line.startswith("PPid:")).split()[1])
+
+
+def test_a_command_is_looked_up_on_the_path_of_the_steps_own_environment(tmp_path):
+    (tmp_path / "hello").write_text("#!/bin/sh\necho hello from the PATH of the step\n")
+    (tmp_path / "hello").chmod(0o755)
+    s = step(exec={"command": ["hello"], "env": [{"name": "PATH", "value": f"{tmp_path}:/usr/bin:/bin"}]})
+    outcome = exec_step.run(s.exec, s, call(), supervision())
+    assert isinstance(outcome, Succeeded), outcome
+    assert outcome.result["stdout"] == "hello from the PATH of the step\n"

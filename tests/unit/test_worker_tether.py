@@ -13,7 +13,7 @@ import pytest
 from retex.worker.attempt import DEADLINE_MARGIN_SECONDS
 from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
-from retex.worker.processes import own_deadline
+from retex.worker.processes import Tether, own_deadline
 from tests.unit.worker_steps_helpers import call, step
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -116,3 +116,40 @@ def test_a_steps_own_kill_lands_inside_the_margin_the_next_attempt_waits_out():
     s = step(exec={"command": ["x"]}, timeoutSeconds=7)
     own = own_deadline(s, call(begun=1000.0), Supervision(drain=Drain(30)))  # the production grace
     assert own - 1000.0 - s.timeout_seconds + KILL_LATENCY_SECONDS < DEADLINE_MARGIN_SECONDS
+
+
+# A stand-in worker whose tether is started by a thread that then ends, then runs a step from its
+# main thread; prints the parent of each step's command.
+THREAD_THEN_MAIN = """
+import threading
+from tests.unit.worker_steps_helpers import call, step, supervision
+from retex.worker import exec_step
+s = step(exec={"command": ["sh", "-c", "grep PPid /proc/$$/status"]})
+parents = []
+starter = threading.Thread(target=lambda: parents.append(exec_step.run(s.exec, s, call(), supervision())))
+starter.start()
+starter.join()
+parents.append(exec_step.run(s.exec, s, call(), supervision()))
+print(" ".join(p.result["stdout"].split()[1] for p in parents))
+"""
+
+
+def test_the_tether_outlives_the_worker_thread_that_started_it():
+    # The kernel's parent-death signal comes when the thread that started the tether ends, not
+    # only with the worker: the tether must tell the two apart and keep serving the worker.
+    out = subprocess.run([sys.executable, "-c", THREAD_THEN_MAIN], env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert len(out) == 2 and out[0] == out[1], out
+
+
+def test_a_step_killed_at_its_own_deadline_is_reported_to_a_live_worker_and_the_tether_serves_on(tmp_path):
+    # The worker may be alive but late (a loaded host): the tether's kill at the step's own
+    # deadline is then the step's end, which the worker must hear of like any other.
+    tether = Tether()
+    out, err = tmp_path / "out", tmp_path / "err"
+    out.touch()
+    err.touch()
+    step = tether.start(["sleep", "60"], env=dict(os.environ), stdout=out, stderr=err, deadline=time.monotonic() + 0.3)
+    assert step.wait(timeout=10) == -signal.SIGKILL
+    assert tether.start(["true"], env=dict(os.environ), stdout=out, stderr=err,
+                        deadline=time.monotonic() + 60).wait(timeout=10) == 0

@@ -8,13 +8,16 @@ endpoint checks that claim against the ledger (retex.operator.ledger_endpoint).
 
 Reviews are cached briefly by the token's hash: a step makes several ledger calls, and the epoch
 fence, not the token's freshness, is what refuses a stale worker (so a deleted pod's token may act
-for up to a minute more, fenced as any late write). Refusals are cached too, for less, so a caller
-repeating a bad token costs the API server one review per ten seconds.
+for up to a minute more, fenced as any late write) — but never past the token's own expiry (its
+`exp` claim, read once the API server has accepted the token). Refusals are cached too, for less,
+so a caller repeating a bad token costs the API server one review per ten seconds.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -94,13 +97,17 @@ class WorkerIdentities:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
                 if len(self._cache) >= _CACHE_LIMIT:
                     self._cache.clear()
-            seconds = REFUSAL_CACHE_SECONDS if isinstance(found, NotAWorker) else self._cache_seconds
+            if isinstance(found, NotAWorker):
+                seconds = REFUSAL_CACHE_SECONDS
+            else:
+                seconds = min(self._cache_seconds, _seconds_to_expiry(token, default=self._cache_seconds))
             self._cache[key] = (now + seconds, found)
         if isinstance(found, NotAWorker):
             raise found
         return found
 
     def _review(self, token: str) -> WorkerIdentity:
+        """The pod the API server says the token is bound to; NotAWorker if it is no worker's."""
         review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token, audiences=[TOKEN_AUDIENCE]))
         try:
             status = self._auth.create_token_review(review, _request_timeout=REQUEST_TIMEOUT).status
@@ -129,3 +136,14 @@ class WorkerIdentities:
         if pod is None:
             raise NotAWorker(f"pod {namespace}/{pod_name} (uid {pod_uid}) no longer exists")
         return identity_of(namespace, service_account, pod)
+
+
+def _seconds_to_expiry(token: str, *, default: float) -> float:
+    """Seconds until the `exp` claim of a JWT the API server has just accepted (so its signature
+    and its claims are the API server's, not the caller's say); `default` if it has none."""
+    try:
+        claims = token.split(".")[1]
+        exp = json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))["exp"]
+        return float(exp) - time.time()
+    except (IndexError, ValueError, KeyError, TypeError):
+        return default

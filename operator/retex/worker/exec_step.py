@@ -1,5 +1,5 @@
-"""`exec` steps: a command run without a shell, in its own process group, tethered to the worker
-(`retex.worker.tether`, started as a file: the group dies if the worker does).
+"""`exec` steps: a command run without a shell, in its own process group, started by the worker's
+tether (`retex.worker.tether`, one per worker: the group dies if the worker does).
 
 Environment: the worker's (minus its credentials and every Secret value), the step's `env` (a
 valueFrom.secretKeyRef read from the worker's own env, where the Job put it), then RETEX_IDEMPOTENCY_KEY,
@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,15 +35,13 @@ from retex.worker.outcomes import (
     VerifyOutcome,
     tail_text,
 )
-from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline, supervise
+from retex.worker.processes import LEASE_LOST, ProcessEnd, Tether, own_deadline, supervise
 
 STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024
 ERROR_TAIL_BYTES = 1024
 VERIFY_NOT_FOUND_EXIT_CODE = 44
-# Run as a file with -I -S: no site-packages, no retex package, nothing from the step's working
-# directory (a module an earlier step wrote there is never imported) — and a quick start.
-TETHER = str(Path(__file__).with_name("tether.py"))
+TETHER = Tether()  # this worker's: every exec step's group is started by it
 
 
 def exit_outcome(step: Step, code: int, stderr_tail: str) -> Failed | Unknown:
@@ -93,15 +89,13 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
                "RETEX_PAYLOAD_FILE": str(payload_file), "RETEX_RESULTS_FILE": str(results_file),
                **(extra_env or {})}
         with open(workdir / "stdout", "w+b") as stdout, open(workdir / "stderr", "w+b") as stderr:
-            not_started = workdir / "not-started"
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", TETHER, str(os.getpid()), str(not_started),
-                 repr(own_deadline(step, call, sup)), *action.command, *(action.args or [])],
-                env=env, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
-            end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
-                            held=sup.held)
-            if not_started.exists():  # not found, not executable: no retry will change that
-                return Failed(not_started.read_text(), retryable=False)
+            started = TETHER.start([*action.command, *(action.args or [])], env=env, stdout=workdir / "stdout",
+                                   stderr=workdir / "stderr", deadline=own_deadline(step, call, sup))
+            if isinstance(started, str):  # not found, not executable: no retry will change that
+                return Failed(started, retryable=False)
+            end = started if isinstance(started, ProcessEnd) else supervise(
+                started, deadline=call.begun + step.timeout_seconds, drain=sup.drain,
+                kill_grace=sup.kill_grace_seconds, held=sup.held)
             out, out_cut = tail_text(_last_bytes(stdout, STDOUT_TAIL_BYTES), STDOUT_TAIL_BYTES)
             err, err_cut = tail_text(_last_bytes(stderr, STDERR_TAIL_BYTES), STDERR_TAIL_BYTES)
         output: dict[str, Any] = {"exitCode": end.returncode, "stdout": out, "stderr": err}

@@ -1,14 +1,22 @@
 """Child processes of steps: each in its own process group, so a timeout or the drain deadline
-stops everything the step started, not just its first process."""
+stops everything the step started, not just its first process. An exec step's group is started
+by the worker's tether (`Tether`, `retex/worker/tether.py`), a python step's by the worker itself.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 from retex.api.models import Step
 from retex.worker.calls import StepCall, Supervision
@@ -23,10 +31,114 @@ OWN_KILL_AFTER_GRACE_SECONDS = 1.0
 
 
 def own_deadline(step: Step, call: StepCall, sup: Supervision) -> float:
-    """When the step's group leader SIGKILLs its group by itself, whatever the worker does (a
-    SIGSTOPped worker enforces nothing): a CLOCK_MONOTONIC moment, begin + timeout + grace + 1 s,
-    inside the margin the next attempt waits out (attempt.DEADLINE_MARGIN_SECONDS)."""
+    """When the step's group is SIGKILLed whatever the worker does (a SIGSTOPped worker enforces
+    nothing), by the worker's tether (exec) or by the group's leader (python): a CLOCK_MONOTONIC
+    moment, begin + timeout + grace + 1 s, inside the margin the next attempt waits out
+    (attempt.DEADLINE_MARGIN_SECONDS)."""
     return call.begun + step.timeout_seconds + sup.kill_grace_seconds + OWN_KILL_AFTER_GRACE_SECONDS
+
+
+class Waitable(Protocol):
+    """A step's group leader, as `supervise` waits for it (subprocess.Popen's way)."""
+
+    pid: int
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class TetherLost(Exception):
+    """The worker's tether ended while a step it started was running: its end is unknown."""
+
+
+# Run as a file with -I -S: no site-packages, no retex package, nothing from a step's working
+# directory or environment (a module an earlier step wrote there is never imported).
+_TETHER_FILE = str(Path(__file__).with_name("tether.py"))
+
+
+class Tether:
+    """The worker's side of its tether: started at the first step that needs it (again if it was
+    lost), it starts each exec step's group and reports its end (protocol: retex/worker/tether.py)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._pending = b""
+        self._answers: list[dict] = []
+        self._exited: dict[int, int] = {}
+
+    def start(self, argv: list[str], *, env: dict[str, str], stdout: Path, stderr: Path,
+              deadline: float) -> Waitable | ProcessEnd | str:
+        """The step's group leader; or, if `deadline` (on the monotonic clock, when the tether
+        SIGKILLs the group whatever the worker does) passed before it could start, its end (as
+        a group killed then: nothing of it ran); or why its command cannot be started at all."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout),
+                              "stderr": str(stderr), "deadline": deadline}).encode() + b"\n"
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc, self._pending, self._answers = self._spawn(), b"", []
+            try:
+                view = memoryview(request)
+                while view:
+                    view = view[os.write(self._proc.stdin.fileno(), view):]
+            except BrokenPipeError:
+                raise TetherLost("the worker's tether ended before it took the step") from None
+            while not self._answers:
+                self._read(None)
+            answer = self._answers.pop(0)
+        if "refused" in answer:
+            return answer["refused"]
+        if "expired" in answer:
+            return ProcessEnd(-signal.SIGKILL)
+        return _StepProcess(self, answer["started"])
+
+    def wait_for(self, pid: int, timeout: float | None) -> int:
+        until = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while pid not in self._exited:
+                left = None if until is None else until - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(str(pid), timeout)
+                self._read(left)
+            return self._exited.pop(pid)
+
+    def _spawn(self) -> subprocess.Popen:
+        # Its own session: a signal to the worker's group (a pod's processes) does not reach it;
+        # it learns of the worker's death from the kernel (PDEATHSIG) and from its pipe.
+        return subprocess.Popen([sys.executable, "-I", "-S", _TETHER_FILE, str(os.getpid())], env={},
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
+
+    def _read(self, timeout: float | None) -> None:
+        """What the tether has said within `timeout`, filed by kind."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        if not select.select([fd], [], [], timeout)[0]:
+            return
+        data = os.read(fd, 1 << 16)
+        if not data:
+            raise TetherLost("the worker's tether ended: the step's group was killed, its outcome is unknown")
+        self._pending += data
+        while b"\n" in self._pending:
+            line, self._pending = self._pending.split(b"\n", 1)
+            answer = json.loads(line)
+            if "exited" in answer:
+                self._exited[answer["exited"]] = answer["code"]
+            else:
+                self._answers.append(answer)
+
+
+class _StepProcess:
+    def __init__(self, tether: Tether, pid: int):
+        self.pid, self._tether = pid, tether
+        self._returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self._returncode is None:
+            try:
+                self._returncode = self._tether.wait_for(self.pid, timeout)
+            except TetherLost:
+                _signal_group(self.pid, signal.SIGKILL)  # nobody else will now
+                raise
+        return self._returncode
 
 
 @dataclass(frozen=True)
@@ -37,7 +149,7 @@ class ProcessEnd:
     lease_lost: bool = False
 
 
-def supervise(proc: subprocess.Popen, *, deadline: float, drain: Drain, kill_grace: float,
+def supervise(proc: Waitable, *, deadline: float, drain: Drain, kill_grace: float,
               held: Callable[[], bool]) -> ProcessEnd:
     """Wait for `proc` (started with start_new_session=True) until it exits, its timeout passes
     (`deadline`, on the monotonic clock: the step's begin + timeoutSeconds), the drain deadline
@@ -66,7 +178,7 @@ def supervise(proc: subprocess.Popen, *, deadline: float, drain: Drain, kill_gra
         return ProcessEnd(returncode)
 
 
-def _stop_group(proc: subprocess.Popen, grace: float, held: Callable[[], bool]) -> bool:
+def _stop_group(proc: Waitable, grace: float, held: Callable[[], bool]) -> bool:
     """SIGTERM the group (a python step sets its `cancelled` event), SIGKILL it after `grace` — at
     once if the lease is lost meanwhile (then False): the next attempt may be about to start."""
     _signal_group(proc.pid, signal.SIGTERM)

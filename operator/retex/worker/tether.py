@@ -1,28 +1,40 @@
-"""Step processes die with their worker: `python -I -S tether.py WORKER_PID NOT_STARTED_FILE DEADLINE COMMAND...`.
+"""Step processes die with their worker: `python -I -S tether.py WORKER_PID`, one per worker.
 
 In a pod, the end of the container kills every process in it. Run directly on a host — or on the
 test rig, which has no PID namespaces — a step in its own process group would outlive a worker
 that was SIGKILLed and could still perform its effect after the next attempt has moved on. So
-every step's process group is led by a tethered process: it asks the kernel for SIGTERM when its
-parent dies (PR_SET_PDEATHSIG) and then SIGKILLs its whole group. A SIGTERM sent by a live
-worker (step timeout, drain deadline) is left to the step to handle, as before. And at DEADLINE,
-a CLOCK_MONOTONIC moment (the step's begin + timeout + grace + 1 s, `processes.own_deadline`),
-it SIGKILLs its group, so the step ends on time even while its worker is paused (SIGSTOP) and
-cannot; the clock is the host's, so this process's start-up is not added to it.
+every exec step's process group is started by the worker's tether, a process of its own session
+that asks the kernel for SIGTERM when its parent dies (PR_SET_PDEATHSIG) and then SIGKILLs every
+group it started; it does the same when the worker's end of its request pipe closes. A SIGTERM
+sent by a live worker to a step's group (step timeout, drain deadline) is left to the step to
+handle, as before: the tether is not in that group. And at each step's DEADLINE, a
+CLOCK_MONOTONIC moment (the step's begin + timeout + grace + 1 s, `processes.own_deadline`), it
+SIGKILLs that step's group, so the step ends on time even while its worker is paused (SIGSTOP)
+and cannot; the clock is the host's, so no start-up is added to it.
 
-If COMMAND cannot be started at all, the reason is written to NOT_STARTED_FILE: that is a
-permanent failure, and it cannot be told from an exit code the command might use itself.
+The protocol, one JSON object a line: the worker writes {"argv", "env", "cwd", "stdout",
+"stderr", "deadline"} to the tether's stdin; the tether answers on its stdout {"started": PID}
+(PID leads the step's new session and group), {"refused": WHY} (the command cannot be started
+at all: a permanent failure, which an exit code the command might use itself could not tell) or
+{"expired": true} (its deadline passed before it could start: nothing of it ran); and later
+{"exited": PID, "code": CODE} (negative: the signal that ended it), once it has SIGKILLed
+whatever of the group is left, so nothing the step started outlives it.
 
-One of these starts for every exec step, so it is started as a file, isolated and without site
-(`python -I -S`): only the standard library, no site-packages scan, no retex package, nothing of
-the step's working directory or PYTHON* environment; and it starts COMMAND with posix_spawn, not
-the subprocess module (whose import costs more than the rest of this process).
+It is started once, at the worker's first exec step, not once a step: an interpreter start was
+most of a no-op step's cost (docs/benchmarks.md). It runs as a file, isolated and without site
+(`python -I -S`): only the standard library, no site-packages, no retex package, nothing of a
+step's working directory or PYTHON* environment; and it starts commands with posix_spawn.
+
+`tie_to` and `kill_group_at` also serve a python step's child, which leads its own group
+(`retex.worker.pycall`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -32,19 +44,23 @@ from collections.abc import Callable
 _PR_SET_PDEATHSIG = 1
 
 
-def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None) -> None:
-    """Make this process (a step's group leader) take its group down when `worker_pid` dies."""
+def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None,
+           orphaned: Callable[[], None] = lambda: os.killpg(0, signal.SIGKILL)) -> None:
+    """Make this process call `orphaned` (by default: SIGKILL its own group, which it leads) when
+    `worker_pid` dies; a SIGTERM while the worker lives calls `on_sigterm`."""
 
     def handle_sigterm(signum, frame) -> None:
-        if os.getppid() != worker_pid:  # orphaned: the worker is gone
-            os.killpg(0, signal.SIGKILL)
+        # PDEATHSIG also comes when the worker's thread that started this process ends: only a
+        # parent that is no longer the worker means the worker is gone.
+        if os.getppid() != worker_pid:
+            orphaned()
         if on_sigterm is not None:
             on_sigterm()
 
     signal.signal(signal.SIGTERM, handle_sigterm)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != worker_pid:  # it died before we asked to be told
-        os.killpg(0, signal.SIGKILL)
+        orphaned()
 
 
 def kill_group_at(deadline: float) -> None:
@@ -60,25 +76,94 @@ def kill_group_at(deadline: float) -> None:
     timer.start()
 
 
-def main(argv: list[str]) -> int:
-    worker_pid, not_started_file, deadline, command = int(argv[0]), argv[1], float(argv[2]), argv[3:]
-    tie_to(worker_pid)
-    kill_group_at(deadline)
+class _Steps:
+    """The groups this tether started and has not seen end: pid → (pidfd, deadline), the
+    deadline None once the group has been killed at it."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, tuple[int, float | None]] = {}
+
+    def kill_all(self) -> None:
+        for pid in self.running:
+            _kill_group(pid)
+
+    def start(self, request: dict) -> dict:
+        # PATH as the step's environment has it: posix_spawnp looks the command up in this
+        # process's own (as the command's own exec would have).
+        if "PATH" in request["env"]:
+            os.environ["PATH"] = request["env"]["PATH"]
+        else:
+            os.environ.pop("PATH", None)
+        if request["deadline"] <= time.monotonic():  # the worker was paused past it: run nothing
+            return {"expired": True}
+        command = request["argv"]
+        actions = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                   (os.POSIX_SPAWN_OPEN, 1, request["stdout"], os.O_WRONLY | os.O_APPEND, 0),
+                   (os.POSIX_SPAWN_OPEN, 2, request["stderr"], os.O_WRONLY | os.O_APPEND, 0)]
+        # SIGTERM (the worker's death) held off until the group is on the list it kills.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            os.chdir(request["cwd"])
+            # Its own session and group; the signals Python ignores (SIGPIPE, SIGXFSZ) back to
+            # their defaults, as subprocess does; no signal blocked.
+            try:
+                pid = os.posix_spawnp(command[0], command, request["env"], file_actions=actions, setsid=True,
+                                      setsigdef=(signal.SIGPIPE, signal.SIGXFSZ), setsigmask=())
+            except OSError as exc:
+                return {"refused": f"cannot start {command[0]!r}: {exc}"}
+            self.running[pid] = (os.pidfd_open(pid), request["deadline"])
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return {"started": pid}
+
+    def ended(self, pid: int) -> dict:
+        """The group's leader has exited (not yet reaped, so its group id cannot be reused)."""
+        _kill_group(pid)  # before it leaves the list the worker's death would kill
+        pidfd, _ = self.running.pop(pid)
+        os.close(pidfd)
+        return {"exited": pid, "code": os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}
+
+
+def _kill_group(pgid: int) -> None:
     try:
-        # Same stdio, environment and process group; the signals Python ignores (SIGPIPE, SIGXFSZ)
-        # back to their defaults, as subprocess does.
-        pid = os.posix_spawnp(command[0], command, os.environ, setsigdef=(signal.SIGPIPE, signal.SIGXFSZ))
-    except OSError as exc:
-        with open(not_started_file, "w") as reason:
-            reason.write(f"cannot start {command[0]!r}: {exc}")
-        return 127
-    returncode = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if returncode < 0:  # end the way the command did, so the worker sees the signal
-        if -returncode not in (signal.SIGKILL, signal.SIGSTOP):  # those cannot be handled anyway
-            signal.signal(-returncode, signal.SIG_DFL)
-        os.kill(os.getpid(), -returncode)
-    return returncode
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # the group is already gone
+
+
+def serve(worker_pid: int, requests: int, replies: int) -> int:
+    steps = _Steps()
+
+    def orphaned() -> None:
+        steps.kill_all()
+        os._exit(1)
+
+    tie_to(worker_pid, orphaned=orphaned)
+    pending = b""
+    while True:
+        deadlines = [deadline for _, deadline in steps.running.values() if deadline is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        pidfds = {pidfd: pid for pid, (pidfd, _) in steps.running.items()}
+        readable, _, _ = select.select([requests, *pidfds], [], [], timeout)
+        answers = [steps.ended(pidfds[fd]) for fd in readable if fd in pidfds]
+        for pid, (pidfd, deadline) in list(steps.running.items()):
+            if deadline is not None and deadline <= time.monotonic():
+                _kill_group(pid)
+                steps.running[pid] = (pidfd, None)  # its end is reported when its pidfd is readable
+        if requests in readable:
+            data = os.read(requests, 1 << 16)
+            if not data:  # the worker closed its end, or died
+                orphaned()
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                answers.append(steps.start(json.loads(line)))
+        try:
+            for answer in answers:
+                os.write(replies, json.dumps(answer).encode() + b"\n")
+        except BrokenPipeError:
+            orphaned()
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve(int(sys.argv[1]), sys.stdin.fileno(), sys.stdout.fileno()))
