@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from retex.operator.settings import LiveWorkerDefaults, OperatorSettings
+from retex.kube.election import ElectionTiming
+from retex.ledger import LeaderSessions
+from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, leader_sessions
 
 # Plain HTTP for the ledger endpoint, so each test below is about its own variable; the TLS tests
 # say so themselves.
@@ -162,6 +164,16 @@ def test_leader_election_timings_that_break_client_gos_rules_are_refused_before_
 def test_a_leader_election_value_that_is_not_a_positive_number_is_refused_by_name(name):
     assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"
     assert name in refusal(DSN | {name: "-1"})
+
+
+@pytest.mark.parametrize("timing", [ElectionTiming(), ElectionTiming(lease_duration=4, renew_deadline=3, retry_period=0.5)])
+def test_the_leaders_ledger_sessions_end_an_idle_transaction_at_the_renew_deadline_before_a_successor_may_start(timing):
+    sessions = leader_sessions(timing)
+    assert sessions == LeaderSessions(idle_in_transaction_seconds=timing.renew_deadline,
+                                      lock_timeout_seconds=timing.retry_period)
+    # A frozen leader's locks are gone by the time a standby may take the Lease: D after the last renewal.
+    assert sessions.idle_in_transaction_seconds < timing.lease_duration
+    assert sessions.settings()["idle_in_transaction_session_timeout"] == f"{round(timing.renew_deadline * 1000)}ms"
 
 
 def test_the_ca_handed_to_workers_follows_the_file_and_an_unreadable_file_keeps_the_last_one(tls_files):

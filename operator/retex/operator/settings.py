@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
+from retex.ledger import LeaderSessions
 from retex.ledger.tls import unverified_tls_refusal
 from retex.logs import event
 from retex.operator.ledger_endpoint import LedgerTls
@@ -127,6 +128,14 @@ def _ledger_tls(env: dict[str, str]) -> LedgerTls | None:
 
 def _read_ca(tls: LedgerTls | None) -> str | None:
     return tls.ca_pem() if tls else None
+
+
+def leader_sessions(timing: ElectionTiming) -> LeaderSessions:
+    """The leader's ledger sessions, from the election's timing: a transaction idle for the renew
+    deadline R is ended by the server (a leader frozen inside one has stopped leading by then, and
+    its locks are free before a successor can start, at D > R); a new leader waits a retry period
+    at a time for its predecessor's transactions under way before it asks again."""
+    return LeaderSessions(idle_in_transaction_seconds=timing.renew_deadline, lock_timeout_seconds=timing.retry_period)
 
 
 def _election_timing(env: dict[str, str]) -> ElectionTiming:
