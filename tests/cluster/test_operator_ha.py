@@ -37,7 +37,7 @@ from e2e.system import (
 )
 from retex.kube.election import ElectionTiming
 from retex.ledger import Ledger
-from retex.operator.settings import leader_sessions
+from retex.operator.settings import session_limits
 
 LEASE_SECONDS = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_LEASE_SECONDS"])
 RENEW_DEADLINE = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RENEW_DEADLINE_SECONDS"])
@@ -293,7 +293,7 @@ def test_a_leader_stopped_with_sigterm_frees_the_lease_and_the_standby_takes_ove
 # dispatch record: its claims are locked, nothing of the record is sent.
 FROZEN_IN_BATCH = {"RETEX_FAILPOINT": "in-dispatch-batch@late=stop"}
 # The operator's ledger sessions end a transaction idle this long (the renew deadline).
-IDLE_IN_TRANSACTION = leader_sessions(ElectionTiming(
+IDLE_IN_TRANSACTION = session_limits(ElectionTiming(
     LEASE_SECONDS, RENEW_DEADLINE, float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RETRY_SECONDS"]))).idle_in_transaction_seconds
 
 
@@ -315,6 +315,23 @@ def freeze_leader_in_its_transaction(pair: Pair, notifier, running: list[str]) -
     assert dispatch_locked(pair, late.uid), "the frozen leader's transaction holds no lock on late's record"
     pair.service.remove(frozen.ledger_port)
     return frozen
+
+
+def wait_dispatched_by_the_successor(pair: Pair, uid: str) -> None:
+    """`uid`'s Job created within D + 5 s + the idle-in-transaction timeout of the freeze; when
+    not, the sessions and locks that held it up are in the failure."""
+    try:
+        wait_for(lambda: job_of(pair, uid), timeout=LEASE_SECONDS + 5 + IDLE_IN_TRANSACTION,
+                 what="late dispatched by the successor")
+    except Exception:
+        with psycopg.connect(pair.ledger._dsn, autocommit=True) as conn:
+            for row in conn.execute(
+                    """SELECT a.pid, a.state, a.wait_event_type, a.wait_event, now() - a.state_change AS for,
+                              left(a.query, 200), l.locktype, l.relation::regclass, l.mode, l.granted
+                       FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid
+                       WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()"""):
+                print("session:", row)
+        raise
 
 
 def dispatch_locked(pair: Pair, uid: str) -> bool:
@@ -345,8 +362,7 @@ def test_a_leader_lost_inside_a_ledger_transaction_does_not_block_its_successor_
     running = [f"running-{i}" for i in range(3)]
     freeze_leader_in_its_transaction(pair, notifier, running)
     late = pair.ledger.find(pair.namespace, "late")
-    wait_for(lambda: job_of(pair, late.uid), timeout=LEASE_SECONDS + 5 + IDLE_IN_TRANSACTION,
-             what="late dispatched by the successor")
+    wait_dispatched_by_the_successor(pair, late.uid)
     assert pair.holder() == "operator-b"
     assert_each_ended_once(pair, notifier, [*running, "late"])
 
@@ -374,8 +390,7 @@ def test_a_leader_resumed_after_its_successor_started_writes_nothing_its_open_tr
     running = [f"running-{i}" for i in range(3)]
     frozen = freeze_leader_in_its_transaction(pair, notifier, running)
     late = pair.ledger.find(pair.namespace, "late")
-    wait_for(lambda: job_of(pair, late.uid), timeout=LEASE_SECONDS + 5 + IDLE_IN_TRANSACTION,
-             what="late dispatched by the successor")
+    wait_dispatched_by_the_successor(pair, late.uid)
     assert_each_ended_once(pair, notifier, [*running, "late"])
     marks, reported = ledger_marks(pair), events_reported_by(pair, "operator-a")
     log_before = len(frozen.log_path.read_bytes())

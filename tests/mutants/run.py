@@ -70,7 +70,7 @@ MUTANTS = (
     Mutant("leadership-term", "the ledger's leadership-term check on the operator's writes",
            ("tests/integration/test_ledger_leadership.py::test_a_replaced_leaders_writes_are_refused_and_write_nothing",
             "tests/cluster/test_operator_ha.py::test_a_leader_resumed_after_its_successor_started_writes_nothing_its_open_transaction_is_refused")),
-    Mutant("leader-idle-timeout", "the leader's idle-in-transaction limit (a frozen leader's locks are freed)",
+    Mutant("session-limits", "the operator sessions' limits (a frozen replica's locks are freed)",
            ("tests/integration/test_ledger_leadership.py::test_a_predecessor_frozen_in_its_transaction_is_ended_by_the_server_and_its_write_refused",
             "tests/cluster/test_operator_ha.py::test_a_leader_lost_inside_a_ledger_transaction_does_not_block_its_successor_and_every_task_ends_once")),
     Mutant("endpoint-pod-binding", "the ledger endpoint's check that the calling pod is a worker of the task",

@@ -11,11 +11,11 @@ that take a cursor, split by caller, so a test can run one inside a transaction 
 - retex.ledger.moves: the lock, the fence, step moves and history that all of them share
 
 The control plane's writes (admission, the reaper's, the promoter's, the relay's, retention and
-the human actions) are the leader's when the Ledger is made with `leader=LeaderSessions(...)`
-(the operator's): each transaction checks the leadership term first (`transactions.check_term`),
-so a replica that is no longer the leader writes nothing; it takes a term with `take_term`.
-Without it (the CLI's administrator writes, tests, the workers' endpoint ledger) they are not
-fenced. Workers' operations are fenced by attempt epoch instead, readers by nothing.
+the human actions) are the leader's when the Ledger is made with `leader_fenced=True` (the
+operator's): each transaction checks the leadership term first (`transactions.check_term`), so a
+replica that is no longer the leader writes nothing; it takes a term with `take_term`. Without
+it (the CLI's administrator writes, tests, the workers' endpoint ledger) they are not fenced.
+Workers' operations are fenced by attempt epoch instead, readers by nothing.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from retex.ledger.records import (
     TaskRecord,
     WatchedAttempt,
 )
-from retex.ledger.transactions import LeaderSessions
+from retex.ledger.transactions import SessionLimits
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -56,11 +56,11 @@ class Ledger:
     """The only door to the ledger tables. Thread-safe; one per process."""
 
     def __init__(self, dsn: str, *, max_connections: int = 10, retry_for_seconds: float = 120.0,
-                 leader: LeaderSessions | None = None):
+                 limits: SessionLimits | None = None, leader_fenced: bool = False):
         self._retry_for = retry_for_seconds
-        self._pool = transactions.connection_pool(dsn, max_connections=max_connections, leader=leader)
+        self._pool = transactions.connection_pool(dsn, max_connections=max_connections, limits=limits)
         self._dsn = dsn
-        self._leader = leader
+        self._limits, self._leader_fenced = limits, leader_fenced
         self._term: int | None = None  # the leadership term taken last (`take_term`)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Ledger:
         """A transaction; a leader's write (`leader`) on a fenced Ledger checks the term first.
         A leader's session the server ended for sitting idle in its transaction (the process
         froze) is refused too: its transaction did not commit, and a successor may lead."""
-        fenced = leader and self._leader is not None
+        fenced = leader and self._leader_fenced
         try:
             with transactions.transaction(self._pool) as cur:
                 if fenced:
@@ -117,8 +117,8 @@ class Ledger:
         except psycopg.errors.IdleInTransactionSessionTimeout as cut:
             if not fenced:
                 raise
-            raise NotLeader(f"the server ended this transaction after it sat idle for "
-                            f"{self._leader.idle_in_transaction_seconds:g}s: nothing of it was written") from cut
+            raise NotLeader("the server ended this transaction after it sat idle for "
+                            f"{self._limits.idle_in_transaction_seconds:g}s: nothing of it was written") from cut
 
     def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         return self._tx(transactions.once(fn, uid=uid), op=op, leader=True)
@@ -133,15 +133,15 @@ class Ledger:
 
     # -- leadership (retex.ledger.transactions: check_term, take_term) ---------------------------
 
-    def take_term(self) -> int:
+    def take_term(self, *, lock_timeout_seconds: float) -> int:
         """Become the ledger's leader: take the next leadership term, after every write of the
         previous leader's term that is under way has committed or ended, and refuse that term's
         writes from now on. One try, not retried: raises LockNotAvailable when the predecessor's
-        transactions held the term longer than the lock timeout (ask again while still leading)."""
-        if self._leader is None:
-            raise TypeError("take_term on a Ledger made without leader=LeaderSessions(...)")
+        transactions held the term for `lock_timeout_seconds` (ask again while still leading)."""
+        if not self._leader_fenced:
+            raise TypeError("take_term on a Ledger made without leader_fenced=True")
         with transactions.transaction(self._pool) as cur:
-            term = transactions.take_term(cur, lock_timeout_seconds=self._leader.lock_timeout_seconds)
+            term = transactions.take_term(cur, lock_timeout_seconds=lock_timeout_seconds)
         self._term = term
         return term
 

@@ -34,17 +34,15 @@ TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psyc
 
 
 @dataclass(frozen=True)
-class LeaderSessions:
-    """A ledger whose control-plane writes are one elected leader's (`Ledger(..., leader=...)`).
-
-    Each such write checks the ledger's leadership term first, in its own transaction
-    (`check_term`), and a new leader takes the next term (`take_term`, waiting at most
-    `lock_timeout_seconds` per try). A leader that freezes inside a transaction (SIGSTOP, a lost
-    node whose connections stay open) would keep its row locks, and the term row's, for ever:
-    its sessions end any transaction idle for `idle_in_transaction_seconds` (below the election's
-    lease duration, so the successor is not held up by it), and the server probes an idle
-    connection's peer after `idle_in_transaction_seconds` (TCP keepalives), so a vanished one's
-    session ends too."""
+class SessionLimits:
+    """How long a session of this process may keep what it locked without making progress
+    (`Ledger(..., limits=...)`: the operator's). A process that freezes inside a transaction
+    (SIGSTOP, a lost node whose connections stay open) would keep its row locks, and the
+    leadership term's, for ever: the server ends a transaction idle for
+    `idle_in_transaction_seconds`, cancels a statement that waited `lock_timeout_seconds` for a
+    lock (a frozen client's statement queued behind another frozen session, or behind anyone's
+    idle transaction), and probes an idle connection's peer after about
+    `idle_in_transaction_seconds` (TCP keepalives), so a vanished one's session ends too."""
 
     idle_in_transaction_seconds: float
     lock_timeout_seconds: float
@@ -52,13 +50,18 @@ class LeaderSessions:
     def settings(self) -> dict[str, str]:
         """The server-side session settings (SET per connection)."""
         idle = max(1, round(self.idle_in_transaction_seconds))
-        return {"idle_in_transaction_session_timeout": f"{round(self.idle_in_transaction_seconds * 1000)}ms",
+        return {"idle_in_transaction_session_timeout": _milliseconds(self.idle_in_transaction_seconds),
+                "lock_timeout": _milliseconds(self.lock_timeout_seconds),
                 "tcp_keepalives_idle": str(idle),
                 "tcp_keepalives_interval": str(max(1, round(idle / 3))),
                 "tcp_keepalives_count": "3"}
 
 
-def connection_pool(dsn: str, *, max_connections: int, leader: LeaderSessions | None = None) -> ConnectionPool:
+def _milliseconds(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def connection_pool(dsn: str, *, max_connections: int, limits: SessionLimits | None = None) -> ConnectionPool:
     """Not yet open (`Ledger.open` opens it after migrating); rows come as dicts."""
     return ConnectionPool(
         dsn,
@@ -66,20 +69,20 @@ def connection_pool(dsn: str, *, max_connections: int, leader: LeaderSessions | 
         max_size=max_connections,
         kwargs={"row_factory": dict_row},
         check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
-        configure=functools.partial(_configure, leader=leader),
+        configure=functools.partial(_configure, limits=limits),
         open=False,
         name="retex-ledger",
     )
 
 
-def _configure(conn: psycopg.Connection, *, leader: LeaderSessions | None) -> None:
+def _configure(conn: psycopg.Connection, *, limits: SessionLimits | None) -> None:
     """Durable commits: a worker moves on to the next external effect once its commit returns, so
     the commit must be on disk by then: with synchronous_commit=off a crash could lose an
     acknowledged step and the step would run again. Stronger server settings (remote_write,
-    remote_apply) are kept. A leader's sessions also get `LeaderSessions.settings`."""
+    remote_apply) are kept. With `limits`, its settings too."""
     if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
         conn.execute("SET synchronous_commit = on")
-    for name, value in (leader.settings() if leader else {}).items():
+    for name, value in (limits.settings() if limits else {}).items():
         conn.execute("SELECT set_config(%s, %s, false)", (name, value))
     conn.commit()
 
@@ -99,7 +102,7 @@ def take_term(cur: psycopg.Cursor, *, lock_timeout_seconds: float) -> int:
     """Take the next leadership term: the predecessor's writes under way commit first (or are
     ended by the server); its later ones are refused. Raises LockNotAvailable when they have
     not within `lock_timeout_seconds` (the caller tries again while it still leads)."""
-    cur.execute("SELECT set_config('lock_timeout', %s, true)", (f"{max(1, round(lock_timeout_seconds * 1000))}ms",))
+    cur.execute("SELECT set_config('lock_timeout', %s, true)", (_milliseconds(lock_timeout_seconds),))
     return cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term").fetchone()["term"]
 
 

@@ -59,7 +59,7 @@ from retex.operator.loop import STOPPED_LEADING
 from retex.operator.metrics import METRICS_LEDGER_RETRY_SECONDS
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
-from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, leader_sessions
+from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, session_limits
 from retex.operator.status import StatusMirror
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class Runtime:
         timing = settings.leader_election
         # The control plane's writes are the leader's: fenced by the ledger's leadership term,
         # which this replica takes when it becomes leader (`_take_term`).
-        self.ledger = Ledger(settings.database_url, leader=leader_sessions(timing)).open()
+        limits = session_limits(timing)  # a replica frozen in a transaction frees its locks
+        self.ledger = Ledger(settings.database_url, limits=limits, leader_fenced=True).open()
         self._term_taken = threading.Event()  # this replica's leadership holds the ledger's term
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
@@ -97,8 +98,8 @@ class Runtime:
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
         # Workers' calls get a ledger of their own: a short Postgres retry window, so an outage is
         # answered 503 (the worker retries) before the worker's request times out.
-        self.worker_ledger = Ledger(settings.database_url, max_connections=8,
-                                    retry_for_seconds=ENDPOINT_RETRY_SECONDS).open(migrate_schema=False)
+        self.worker_ledger = Ledger(settings.database_url, max_connections=8, retry_for_seconds=ENDPOINT_RETRY_SECONDS,
+                                    limits=limits).open(migrate_schema=False)
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
         # And the metrics scrape another: a scrape during an outage answers within seconds, with
         # retex_ledger_up 0, rather than failing the whole page (retex.operator.metrics).
@@ -146,7 +147,7 @@ class Runtime:
     def _take_term(self) -> None:
         while self.leadership.leading():
             try:
-                term = self.ledger.take_term()
+                term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period)
             except Exception as exc:  # the predecessor's transaction still holds the term, or Postgres is away
                 event(log, logging.WARNING, "ledger term not taken yet: trying again",
                       error=f"{type(exc).__name__}: {exc}")
