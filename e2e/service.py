@@ -69,6 +69,13 @@ class RoundRobinService(socketserver.ThreadingTCPServer):
             return upstream
         return None
 
+    def remove(self, port: int) -> None:
+        """Send no new connection to `port` (what the endpoints controller does once a replica's
+        readiness probe fails); connections already made stay as they are."""
+        with self._lock:
+            self._backends = [backend for backend in self._backends if backend != port]
+            self._next = itertools.cycle(range(len(self._backends)))
+
     def close(self) -> None:
         self.shutdown()
         self.server_close()

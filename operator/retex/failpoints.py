@@ -35,6 +35,7 @@ from dataclasses import dataclass
 POINTS = frozenset({
     # operator
     "before-admit", "after-admit", "after-job-create", "in-status-mirror",
+    "in-dispatch-batch",  # the relay's transaction holds its claims, nothing of the record sent yet
     "in-loop-round",  # step: the loop's name (relay, promoter, reaper, status-mirror)
     # worker
     "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",

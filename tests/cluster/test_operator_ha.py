@@ -35,7 +35,9 @@ from e2e.system import (
     task_manifest,
     wait_for,
 )
+from retex.kube.election import ElectionTiming
 from retex.ledger import Ledger
+from retex.operator.settings import session_limits
 
 LEASE_SECONDS = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_LEASE_SECONDS"])
 RENEW_DEADLINE = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RENEW_DEADLINE_SECONDS"])
@@ -49,6 +51,7 @@ class Pair:
     operators: dict[str, OperatorProcess]  # by POD_NAME: "operator-a", "operator-b"
     ledger: Ledger
     namespace: str
+    service: RoundRobinService
 
     def kubectl(self, *args, **kwargs):
         return self.rig.kubectl("-n", self.namespace, *args, **kwargs)
@@ -92,7 +95,10 @@ def leader_gauge(operator: OperatorProcess) -> float | None:
 
 
 @pytest.fixture
-def pair(rig, postgres, tmp_path):
+def pair(rig, postgres, tmp_path, request):
+    """Two replicas. Parametrized (indirect) with an environment, operator-a gets it and starts
+    first, and operator-b starts once a leads: the leader is the armed one."""
+    armed = getattr(request, "param", None)
     number = next(_numbers)
     database, namespace = f"retex_ha_{number}", f"ha-{number}"
     with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
@@ -107,12 +113,17 @@ def pair(rig, postgres, tmp_path):
                                        ledger_tls=ledger_tls)
                  for name in names}
     service = RoundRobinService([operators[name].ledger_port for name in names])
-    for name in names:
-        operators[name].extra_env["RETEX_LEDGER_URL"] = service.url
-        operators[name].start()
+    if armed:
+        operators["operator-a"].extra_env.update(armed)
     with Ledger(dsn) as ledger:
+        started = Pair(rig=rig, operators=operators, ledger=ledger, namespace=namespace, service=service)
         try:
-            yield Pair(rig=rig, operators=operators, ledger=ledger, namespace=namespace)
+            for name in names:
+                operators[name].extra_env["RETEX_LEDGER_URL"] = service.url
+                operators[name].start()
+                if armed and name == "operator-a":
+                    wait_for(lambda: started.holder() == "operator-a", timeout=30, what="operator-a leads")
+            yield started
         finally:
             for name, operator in operators.items():
                 if operator.proc and operator.proc.poll() is None:
@@ -276,3 +287,123 @@ def test_a_leader_stopped_with_sigterm_frees_the_lease_and_the_standby_takes_ove
     took = time.monotonic() - exited_at
     assert took < LEASE_SECONDS, f"took {took:.1f}s: the lease was waited out, not freed"
     assert "released the lease" in stopped.log_path.read_text()
+
+
+# The leader freezes (SIGSTOP) inside the relay's transaction as it is about to send `late`'s
+# dispatch record: its claims are locked, nothing of the record is sent.
+FROZEN_IN_BATCH = {"RETEX_FAILPOINT": "in-dispatch-batch@late=stop"}
+# The operator's ledger sessions end a transaction idle this long (the renew deadline).
+IDLE_IN_TRANSACTION = session_limits(ElectionTiming(
+    LEASE_SECONDS, RENEW_DEADLINE, float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RETRY_SECONDS"]))).idle_in_transaction_seconds
+
+
+def freeze_leader_in_its_transaction(pair: Pair, notifier, running: list[str]) -> OperatorProcess:
+    """operator-a leads with FROZEN_IN_BATCH armed; tasks run; `late` is submitted and the leader
+    freezes dispatching it. Returns the frozen replica, with the fault proved: stopped, its line
+    printed, and `late`'s dispatch record locked by its open transaction. The rig's Service
+    stand-in has no readiness probe: the frozen replica is taken out of it, as the endpoints
+    controller would once its probe failed, so the workers that start now reach the successor."""
+    frozen = pair.operators["operator-a"]
+    assert pair.holder() == "operator-a"
+    submit(pair, notifier, running, sleep=8)
+    wait_for(lambda: all(lease_holder(pair, n) for n in running), timeout=60, what="every worker holding its lease")
+    submit(pair, notifier, ["late"], sleep=0.5)
+    wait_for(lambda: process_state(frozen.proc.pid) == "T", timeout=30, what="the leader frozen (SIGSTOP)")
+    assert "retex failpoint in-dispatch-batch@late fired: task=late" in frozen.log_path.read_text()
+    late = pair.ledger.find(pair.namespace, "late")
+    assert late is not None and late.epoch == 1
+    assert dispatch_locked(pair, late.uid), "the frozen leader's transaction holds no lock on late's record"
+    pair.service.remove(frozen.ledger_port)
+    return frozen
+
+
+def wait_dispatched_by_the_successor(pair: Pair, uid: str) -> None:
+    """`uid`'s Job created within D + 5 s + the idle-in-transaction timeout of the freeze; when
+    not, the sessions and locks that held it up are in the failure."""
+    try:
+        wait_for(lambda: job_of(pair, uid), timeout=LEASE_SECONDS + 5 + IDLE_IN_TRANSACTION,
+                 what="late dispatched by the successor")
+    except Exception:
+        with psycopg.connect(pair.ledger._dsn, autocommit=True) as conn:
+            for row in conn.execute(
+                    """SELECT a.pid, a.state, a.wait_event_type, a.wait_event, now() - a.state_change AS for,
+                              left(a.query, 200), l.locktype, l.relation::regclass, l.mode, l.granted
+                       FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid
+                       WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()"""):
+                print("session:", row)
+        raise
+
+
+def dispatch_locked(pair: Pair, uid: str) -> bool:
+    with psycopg.connect(pair.ledger._dsn, autocommit=True) as conn:
+        try:
+            conn.execute("SELECT 1 FROM retex.outbox WHERE task_uid = %s FOR UPDATE NOWAIT", (uid,))
+        except psycopg.errors.LockNotAvailable:
+            return True
+    return False
+
+
+def job_of(pair: Pair, uid: str) -> str | None:
+    return next((j["metadata"]["name"] for j in pair.jobs() if j["metadata"]["labels"].get("retex.dev/task-uid") == uid),
+                None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", [FROZEN_IN_BATCH], indirect=True)
+def test_a_leader_lost_inside_a_ledger_transaction_does_not_block_its_successor_and_every_task_ends_once(pair, stubs):
+    """Node loss as the rig can show it: the leader stops dead inside the relay's transaction and
+    is never resumed. Its process keeps its sockets, so Postgres sees a session idle in a
+    transaction that holds row locks and the API server a client that says nothing, as when a
+    node hangs or is cut off without its connections being reset. Not covered: the node's pods
+    (the rig's nodes stay up, the workers with them), TCP keepalives failing (the host still
+    answers them), the node going NotReady. Before the ledger fence the successor skipped the
+    locked record (SKIP LOCKED) for as long as the frozen session lived: `late` never ran."""
+    _, notifier = stubs
+    running = [f"running-{i}" for i in range(3)]
+    freeze_leader_in_its_transaction(pair, notifier, running)
+    late = pair.ledger.find(pair.namespace, "late")
+    wait_dispatched_by_the_successor(pair, late.uid)
+    assert pair.holder() == "operator-b"
+    assert_each_ended_once(pair, notifier, [*running, "late"])
+
+
+def ledger_marks(pair: Pair) -> tuple:
+    """What any ledger write by the operator changes: history and the outbox."""
+    with psycopg.connect(pair.ledger._dsn, autocommit=True) as conn:
+        history = conn.execute("SELECT count(*), max(id) FROM retex.history").fetchone()
+        outbox = conn.execute("SELECT count(*), max(sent_at), sum(attempts) FROM retex.outbox").fetchone()
+    return history, outbox
+
+
+def events_reported_by(pair: Pair, instance: str) -> int:
+    events = json.loads(pair.kubectl("get", "events", "-o", "json").stdout)["items"]
+    return sum(1 for e in events if e.get("reportingInstance") == instance)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", [FROZEN_IN_BATCH], indirect=True)
+def test_a_leader_resumed_after_its_successor_started_writes_nothing_its_open_transaction_is_refused(pair, stubs):
+    """The partition, as a pause inside a ledger write transaction: the old leader is frozen
+    holding the relay's claims while the successor takes over and finishes every task; resumed,
+    its transaction is refused and it writes nothing more, to the ledger or to the API server."""
+    _, notifier = stubs
+    running = [f"running-{i}" for i in range(3)]
+    frozen = freeze_leader_in_its_transaction(pair, notifier, running)
+    late = pair.ledger.find(pair.namespace, "late")
+    wait_dispatched_by_the_successor(pair, late.uid)
+    assert_each_ended_once(pair, notifier, [*running, "late"])
+    marks, reported = ledger_marks(pair), events_reported_by(pair, "operator-a")
+    log_before = len(frozen.log_path.read_bytes())
+    os.killpg(frozen.proc.pid, signal.SIGCONT)
+    wait_for(lambda: "round abandoned" in frozen.log_path.read_bytes()[log_before:].decode(errors="replace"),
+             timeout=10, what="the old leader's relay round refused")
+    wait_for(lambda: leader_gauge(frozen) == 0, timeout=10, what="the old leader reports itself a follower")
+    time.sleep(3 * RENEW_DEADLINE)  # longer than every loop's period: what it would write, it has
+    resumed = frozen.log_path.read_bytes()[log_before:].decode(errors="replace").splitlines()
+    refused = [line for line in resumed if "round abandoned" in line]
+    assert any('"loop": "relay"' in line for line in refused), refused
+    assert not [line for line in resumed if "attempt dispatched" in line], "the old leader dispatched after resuming"
+    assert ledger_marks(pair) == marks, "the ledger changed after the old leader resumed"
+    assert events_reported_by(pair, "operator-a") == reported, "the old leader posted an Event after resuming"
+    assert pair.holder() == "operator-b"
+    assert len([j for j in pair.jobs() if j["metadata"]["labels"].get("retex.dev/task-uid") == late.uid]) == 1

@@ -114,7 +114,7 @@ def test_a_once_operation_rolled_back_is_run_again_even_if_another_transaction_w
 
     real_tx, dropped = ledger._tx, []
 
-    def tx(fn, *, op):
+    def tx(fn, *, op, **options):
         def dropped_before_commit_once(cur):
             result = fn(cur)
             if not dropped:
@@ -122,7 +122,7 @@ def test_a_once_operation_rolled_back_is_run_again_even_if_another_transaction_w
                 raise psycopg.OperationalError("server closed the connection unexpectedly (test: before COMMIT)")
             return result
 
-        return real_tx(dropped_before_commit_once, op=op)
+        return real_tx(dropped_before_commit_once, op=op, **options)
 
     monkeypatch.setattr(ledger, "_tx", tx)
     assert ledger._tx_once(op, uid=uid, op="note") == "done"

@@ -19,7 +19,7 @@ def calls_answering(exc: Exception) -> KubeCalls:
     def fail(*args, **kwargs):
         raise exc
 
-    calls = KubeCalls(client.ApiClient(), instance="retex-operator-0")
+    calls = KubeCalls(client.ApiClient(), instance="retex-operator-0", request_timeout=5.0)
     calls._custom = SimpleNamespace(patch_namespaced_custom_object_status=fail)
     calls._core = SimpleNamespace(create_namespaced_event=fail)
     return calls

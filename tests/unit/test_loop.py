@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from retex.ledger import LedgerUnavailable
+from retex.kube.calls import NotLeading
+from retex.ledger import LedgerUnavailable, NotLeader
 from retex.operator import loop as loop_module
 from retex.operator.loop import Loop
 from retex.operator.metrics import REGISTRY
@@ -121,6 +122,19 @@ def test_a_leader_past_its_deadline_starts_no_further_round(running, monkeypatch
     ran = loop.ran
     loop.wake.set()
     assert not loop.wait_for_rounds(ran + 1, timeout=0.3), "a round ran after leadership was lost"
+
+
+@pytest.mark.parametrize("refusal", [NotLeader("the ledger's leadership term is 2, this writer's is 1"),
+                                     NotLeading("create Job shop/order-1-1")], ids=["ledger-term", "kube-write"])
+def test_a_round_refused_because_this_replica_stopped_leading_ends_quietly_not_as_a_failure(running, monkeypatch,
+                                                                                         refusal):
+    monkeypatch.setattr(loop_module, "FOLLOWER_RECHECK_SECONDS", 0.01)
+    before = failed_rounds(Rounds.name)
+    loop = Rounds(refusal, LONG)
+    thread = running(loop)
+    assert loop.wait_for_rounds(2), "the loop did not go on to ask may_write again"
+    assert thread.is_alive()
+    assert failed_rounds(Rounds.name) == before
 
 
 class Blocking(Loop):

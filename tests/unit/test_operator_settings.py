@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from retex.operator.settings import LiveWorkerDefaults, OperatorSettings
+from retex.kube.election import ElectionTiming
+from retex.ledger import SessionLimits
+from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, session_limits
 
 # Plain HTTP for the ledger endpoint, so each test below is about its own variable; the TLS tests
 # say so themselves.
@@ -162,6 +164,18 @@ def test_leader_election_timings_that_break_client_gos_rules_are_refused_before_
 def test_a_leader_election_value_that_is_not_a_positive_number_is_refused_by_name(name):
     assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"
     assert name in refusal(DSN | {name: "-1"})
+
+
+@pytest.mark.parametrize("timing", [ElectionTiming(), ElectionTiming(lease_duration=4, renew_deadline=3, retry_period=0.5)])
+def test_the_operators_ledger_sessions_end_an_idle_transaction_and_a_lock_wait_at_the_renew_deadline(timing):
+    limits = session_limits(timing)
+    assert limits == SessionLimits(idle_in_transaction_seconds=timing.renew_deadline,
+                                   lock_timeout_seconds=timing.renew_deadline)
+    # A frozen leader's idle transaction is gone by the time a standby may take the Lease (D after
+    # the last renewal); one whose statement waited for a lock, R later.
+    assert limits.idle_in_transaction_seconds < timing.lease_duration
+    assert limits.settings()["idle_in_transaction_session_timeout"] == f"{round(timing.renew_deadline * 1000)}ms"
+    assert limits.settings()["lock_timeout"] == f"{round(timing.renew_deadline * 1000)}ms"
 
 
 def test_the_ca_handed_to_workers_follows_the_file_and_an_unreadable_file_keeps_the_last_one(tls_files):

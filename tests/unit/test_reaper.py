@@ -6,12 +6,14 @@ and a worker that claimed its attempt meanwhile keeps its Job."""
 import time
 from types import SimpleNamespace
 
+import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from retex.kube.calls import NotLeading
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import lease_name
-from retex.ledger import WatchedAttempt
+from retex.ledger import NotLeader, WatchedAttempt
 from retex.operator.reaper import Reaper
 
 DURATION = 15
@@ -136,6 +138,27 @@ def test_one_failing_api_call_costs_only_its_own_attempt_and_the_round_goes_on()
     r.round()
     assert ledger.calls == [("replace_attempt", "u2", 1, "lease-expired")]
     assert kube.deleted == ["job-2"]
+
+
+@pytest.mark.parametrize("refused_by", ["kube-write", "ledger-term"])
+def test_a_refusal_for_not_leading_ends_the_round_rather_than_moving_on_to_the_next_attempt(refused_by):
+    clock, seen = stale_watch("u1", "u2")
+    ledger = FakeLedger([attempt("u1"), attempt("u2", job="job-2")])
+    kube = FakeKube(leases={name_of(u): lease(u, R1, "pod-a:1") for u in ("u1", "u2")})
+    refusal = NotLeading("delete Job ns/job-1") if refused_by == "kube-write" else NotLeader("the term is 2")
+
+    def refused(*args, **kwargs):
+        raise refusal
+
+    if refused_by == "kube-write":
+        kube.delete_job = refused
+    else:
+        ledger.replace_attempt = refused
+    r = reaper(ledger, kube, seen, clock)
+    clock.ago = 0.0
+    with pytest.raises(type(refusal)):
+        r.round()
+    assert [call[1] for call in ledger.calls] == (["u1"] if refused_by == "kube-write" else []), "u2 was judged"
 
 
 STUCK = {"metadata": {"name": "job-1-x"}, "status": {"phase": "Pending", "containerStatuses": [

@@ -11,7 +11,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from retex.api import TaskSpec
-from retex.kube.calls import NamespaceTerminating, NotPermitted, Refused
+from retex.kube.calls import NamespaceTerminating, NotLeading, NotPermitted, Refused
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, job_name
 from retex.ledger import Dispatch, LedgerUnavailable
 from retex.operator.dispatch import Relay
@@ -220,5 +220,22 @@ def test_a_ledger_error_mid_batch_is_raised_so_the_whole_batch_rolls_back():
     kube = FakeKube({"t-a": live("a")})
     ledger = FakeLedger([record("a", epoch=2)], attempts_error=LedgerUnavailable("postgres down"))
     with pytest.raises(LedgerUnavailable):
+        relay(ledger, kube).relay_once()
+    assert ledger.outcomes.settled == {}
+
+
+@pytest.mark.parametrize("where", ["create_job", "delete_job_of"])
+def test_a_write_refused_because_this_replica_stopped_leading_settles_nothing_and_ends_the_batch(where):
+    """The batch ends there (its claims roll back for the next leader): not a rejected task, not
+    a deferral, and the records behind it are not tried."""
+    not_leading = NotLeading("create Job ns/x")
+    if where == "create_job":
+        kube = FakeKube({f"t-{u}": live(u) for u in ("a", "b")}, refuse={"a": not_leading})
+        batch = [record("a"), record("b")]
+    else:
+        kube = FakeKube({}, delete_error=not_leading)  # a's Task is gone: it ends unsent, after the delete
+        batch = [record("a"), record("b")]
+    ledger = FakeLedger(batch)
+    with pytest.raises(NotLeading):
         relay(ledger, kube).relay_once()
     assert ledger.outcomes.settled == {}

@@ -54,6 +54,14 @@ class NotPermitted(Refused):
     operator's write rights come from a RoleBinding per tenant namespace)."""
 
 
+class NotLeading(Exception):
+    """A write not sent: this replica does not lead (`KubeCalls.may_write` said no). The caller
+    stops writing as the leader; nothing was asked of the API server."""
+
+    def __init__(self, what: str):
+        super().__init__(f"not the leader: {what} not sent")
+
+
 class StatusNotWritten(Exception):
     """A status patch not to retry: the Task is gone (404), another Task now has its name (409: the
     uid precondition), or it already shows a newer status (422: the CRD's rule that ledgerVersion
@@ -117,9 +125,17 @@ def _status_of(exc: ApiException) -> dict[str, Any]:
 
 
 class KubeCalls:
-    def __init__(self, api: client.ApiClient, *, instance: str):
+    """Every call carries `request_timeout` (the election's D − R: a call made while leading is
+    answered or given up by the time a successor may start), and every write first asks
+    `may_write` (whether this replica leads, on its own clock), so a writer that resumes after a
+    pause past its renew deadline sends nothing more. Reads are not asked."""
+
+    def __init__(self, api: client.ApiClient, *, instance: str, request_timeout: float,
+                 may_write: Callable[[], bool] = lambda: True):
         self._api = api
         self._instance = instance  # this replica (its pod's name): who reported an Event
+        self._timeout = request_timeout
+        self.may_write = may_write
         self._batch = client.BatchV1Api(api)
         self._coordination = client.CoordinationV1Api(api)
         self._core = client.CoreV1Api(api)
@@ -127,6 +143,10 @@ class KubeCalls:
 
     def _plain(self, model: Any) -> dict[str, Any]:
         return self._api.sanitize_for_serialization(model)
+
+    def _writing(self, what: str) -> None:
+        if not self.may_write():
+            raise NotLeading(what)
 
     # -- attempts --------------------------------------------------------------------------
 
@@ -137,27 +157,31 @@ class KubeCalls:
         them would keep the task's dead workers looking alive. (A LIST of the name, like
         `get_lease`: the operator may not get Leases.)"""
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        _created_or_ours(body, lambda: self._coordination.create_namespaced_lease(namespace, body),
+        self._writing(f"create Lease {namespace}/{name}")
+        _created_or_ours(body,
+                         lambda: self._coordination.create_namespaced_lease(namespace, body, _request_timeout=self._timeout),
                          lambda: self.get_lease(namespace, name) or {"metadata": {}})
 
     def create_job(self, body: dict[str, Any]) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-        _created_or_ours(body, lambda: self._batch.create_namespaced_job(namespace, body),
-                         lambda: self._plain(self._batch.read_namespaced_job(name, namespace)))
+        self._writing(f"create Job {namespace}/{name}")
+        _created_or_ours(body, lambda: self._batch.create_namespaced_job(namespace, body, _request_timeout=self._timeout),
+                         lambda: self._plain(self._batch.read_namespaced_job(name, namespace, _request_timeout=self._timeout)))
 
     def dry_run_job(self, body: dict[str, Any]) -> None:
         """Have the API server validate and admit the Job (`dryRun=All`: every admission step,
         nothing stored). Raises `Refused` when it would be refused; a name already taken is not a
         refusal here (the real create decides whose it is)."""
         try:
-            self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All")
+            self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All",
+                                              _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status != 409:
                 _raise_refusal_or_reraise(exc)
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._plain(self._batch.read_namespaced_job(name, namespace))
+            return self._plain(self._batch.read_namespaced_job(name, namespace, _request_timeout=self._timeout))
         except ApiException as exc:
             if exc.status == 404:
                 return None
@@ -174,8 +198,10 @@ class KubeCalls:
     def delete_job(self, namespace: str, name: str) -> None:
         """Background propagation: the Job goes now, its pods after; a pod stuck Terminating on a
         lost node is never waited for."""
+        self._writing(f"delete Job {namespace}/{name}")
         try:
-            self._batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+            self._batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
+                                              _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status != 404:
                 raise
@@ -184,23 +210,25 @@ class KubeCalls:
 
     def get_task(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            return self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                            _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
     def list_tasks(self) -> list[dict[str, Any]]:
-        return self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
+        return self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=self._timeout)["items"]
 
     def patch_task_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource. The uid precondition keeps a status from landing
         on a newer Task that reuses the name; the CRD's CEL rule refuses a lower ledgerVersion."""
         body = {"metadata": {"uid": uid}, "status": status}
+        self._writing(f"status of Task {namespace}/{name}")
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH
-            )
+                GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH,
+                _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status in (404, 409, 422):
                 raise StatusNotWritten(exc.status) from exc
@@ -209,11 +237,13 @@ class KubeCalls:
     def patch_task_labels(self, namespace: str, name: str, uid: str, labels: dict[str, str | None]) -> None:
         """Merge-patch labels (None removes one) on the Task with this uid."""
         body = {"metadata": {"uid": uid, "labels": labels}}
+        self._writing(f"labels of Task {namespace}/{name}")
         self._custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, body,
-                                                    _content_type=MERGE_PATCH)
+                                                    _content_type=MERGE_PATCH, _request_timeout=self._timeout)
 
     def post_event(self, task: dict[str, Any], *, reason: str, message: str, warning: bool = False) -> None:
         meta = task["metadata"]
+        self._writing(f"Event {reason} about Task {meta['namespace']}/{meta['name']}")
         now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "metadata": {"generateName": f"{meta['name'][:200]}.", "namespace": meta["namespace"]},
@@ -230,7 +260,7 @@ class KubeCalls:
             "reportingInstance": self._instance,
         }
         try:
-            self._core.create_namespaced_event(meta["namespace"], body)
+            self._core.create_namespaced_event(meta["namespace"], body, _request_timeout=self._timeout)
         except ApiException as exc:
             raise EventNotPosted(exc.status, api_message(exc)) from exc
 
@@ -239,19 +269,22 @@ class KubeCalls:
     def get_lease(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The Lease as it is now: the reaper confirms what the watch showed before acting on it.
         A LIST of one name (a consistent read), so the operator needs no `get` on Leases."""
-        listed = self._coordination.list_namespaced_lease(namespace, field_selector=f"metadata.name={name}")
+        listed = self._coordination.list_namespaced_lease(namespace, field_selector=f"metadata.name={name}",
+                                                          _request_timeout=self._timeout)
         items = self._plain(listed).get("items") or []
         return items[0] if items else None
 
     def job_pods(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """The pods the Job controller made for this Job (label job-name)."""
-        listed = self._core.list_namespaced_pod(namespace, label_selector=f"job-name={job}")
+        listed = self._core.list_namespaced_pod(namespace, label_selector=f"job-name={job}",
+                                                _request_timeout=self._timeout)
         return self._plain(listed).get("items") or []
 
     def job_events(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """Events about the Job (FailedCreate: a pod the API server refused, e.g. by quota)."""
         listed = self._core.list_namespaced_event(
-            namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={job}")
+            namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={job}",
+            _request_timeout=self._timeout)
         return self._plain(listed).get("items") or []
 
 

@@ -45,6 +45,18 @@ class ElectionTiming:
             raise ValueError(f"leader election: the renew deadline ({self.renew_deadline} s) must be "
                              f"greater than 1.2 × the retry period ({self.retry_period} s)")
 
+    @property
+    def request_timeout(self) -> float:
+        """The timeout of every API call the leader makes: D − R. A call sent while leading (before
+        the renew deadline R) has had its answer, or been given up, by the lease duration D, when
+        a successor may start. (The API server may still apply a request it received in time.)"""
+        return self.lease_duration - self.renew_deadline
+
+    @property
+    def election_request_timeout(self) -> float:
+        """The election's own calls: within a retry period too, so a slow one does not delay the next try."""
+        return min(self.retry_period, self.request_timeout)
+
 
 @dataclass(frozen=True)
 class LeaderRecord:

@@ -16,6 +16,7 @@ from retex.ledger.errors import (
     FenceRejected,
     LedgerError,
     LedgerUnavailable,
+    NotLeader,
     ResultTooLarge,
     StepOutOfOrder,
     TaskNotFound,
@@ -42,17 +43,19 @@ from retex.ledger.records import (
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
     "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError",
-    "LedgerUnavailable", "Refusal", "ResultTooLarge",
-    "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
+    "LedgerUnavailable", "NotLeader", "Refusal", "ResultTooLarge",
+    "SessionLimits", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
     "WatchedAttempt",
     "spec_hash", "step_idempotency_key",
 ]
 
-_ON_FIRST_USE = {"Ledger": "retex.ledger.store", "NOTIFY_CHANNEL": "retex.ledger.readers"}
+_ON_FIRST_USE = {"Ledger": "retex.ledger.store", "SessionLimits": "retex.ledger.transactions",
+                 "NOTIFY_CHANNEL": "retex.ledger.readers"}
 
 if TYPE_CHECKING:
     from retex.ledger.readers import NOTIFY_CHANNEL
     from retex.ledger.store import Ledger
+    from retex.ledger.transactions import SessionLimits
 
 
 def __getattr__(name: str) -> Any:

@@ -47,5 +47,15 @@ class UnstorableValue(LedgerError):
     write did not happen; the caller decides what to store instead."""
 
 
+class NotLeader(LedgerError):
+    """A leader's write refused, nothing of it written: its term is no longer the ledger's (a
+    successor took a newer one, or the server ended the transaction after it sat idle past the
+    session's limit, as a frozen leader's does) or it never took one. The caller stops writing as
+    the leader; it is nobody's task failure."""
+
+    def __init__(self, why: str):
+        super().__init__(f"not the leader: {why}")
+
+
 class LedgerUnavailable(LedgerError):
     """Postgres stayed unreachable for longer than the retry window."""

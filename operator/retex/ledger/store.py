@@ -9,6 +9,13 @@ that take a cursor, split by caller, so a test can run one inside a transaction 
 - retex.ledger.readers: operations that write nothing
 - retex.ledger.placement: run limits, concurrency keys and the task's phase moves
 - retex.ledger.moves: the lock, the fence, step moves and history that all of them share
+
+The control plane's writes (admission, the reaper's, the promoter's, the relay's, retention and
+the human actions) are the leader's when the Ledger is made with `leader_fenced=True` (the
+operator's): each transaction checks the leadership term first (`transactions.check_term`), so a
+replica that is no longer the leader writes nothing; it takes a term with `take_term`. Without
+it (the CLI's administrator writes, tests, the workers' endpoint ledger) they are not fenced.
+Workers' operations are fenced by attempt epoch instead, readers by nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import psycopg
 
 from retex.failpoints import failpoint
 from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
+from retex.ledger.errors import NotLeader
 from retex.ledger.migrate import migrate
 from retex.ledger.moves import check_result_size, record_history
 from retex.ledger.outbox import DispatchOutcomes
@@ -38,6 +46,7 @@ from retex.ledger.records import (
     TaskRecord,
     WatchedAttempt,
 )
+from retex.ledger.transactions import SessionLimits
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -46,10 +55,13 @@ P = ParamSpec("P")
 class Ledger:
     """The only door to the ledger tables. Thread-safe; one per process."""
 
-    def __init__(self, dsn: str, *, max_connections: int = 10, retry_for_seconds: float = 120.0):
+    def __init__(self, dsn: str, *, max_connections: int = 10, retry_for_seconds: float = 120.0,
+                 limits: SessionLimits | None = None, leader_fenced: bool = False):
         self._retry_for = retry_for_seconds
-        self._pool = transactions.connection_pool(dsn, max_connections=max_connections)
+        self._pool = transactions.connection_pool(dsn, max_connections=max_connections, limits=limits)
         self._dsn = dsn
+        self._limits, self._leader_fenced = limits, leader_fenced
+        self._term: int | None = None  # the leadership term taken last (`take_term`)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -84,19 +96,54 @@ class Ledger:
     def _retrying(self, fn: Callable[[], T], *, op: str) -> T:
         return transactions.retrying(fn, op=op, retry_for=self._retry_for)
 
-    def _tx(self, fn: Callable[[psycopg.Cursor], T], *, op: str) -> T:
+    def _tx(self, fn: Callable[[psycopg.Cursor], T], *, op: str, leader: bool = False) -> T:
         def attempt() -> T:
-            with transactions.transaction(self._pool) as cur:
+            with self._transaction(leader=leader) as cur:
                 return fn(cur)
 
         return self._retrying(attempt, op=op)
 
+    @contextlib.contextmanager
+    def _transaction(self, *, leader: bool) -> Iterator[psycopg.Cursor]:
+        """A transaction; a leader's write (`leader`) on a fenced Ledger checks the term first.
+        A leader's session the server ended for sitting idle in its transaction (the process
+        froze) is refused too: its transaction did not commit, and a successor may lead."""
+        fenced = leader and self._leader_fenced
+        try:
+            with transactions.transaction(self._pool) as cur:
+                if fenced:
+                    transactions.check_term(cur, self._term)
+                yield cur
+        except psycopg.errors.IdleInTransactionSessionTimeout as cut:
+            if not fenced:
+                raise
+            raise NotLeader("the server ended this transaction after it sat idle for "
+                            f"{self._limits.idle_in_transaction_seconds:g}s: nothing of it was written") from cut
+
     def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
-        return self._tx(transactions.once(fn, uid=uid), op=op)
+        return self._tx(transactions.once(fn, uid=uid), op=op, leader=True)
 
     def _run(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`operation(cur, ...)` in one transaction of its own, retried, named after the operation."""
         return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__)
+
+    def _lead(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """As `_run`, for a write of the control plane's leader: fenced by the leadership term."""
+        return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__, leader=True)
+
+    # -- leadership (retex.ledger.transactions: check_term, take_term) ---------------------------
+
+    def take_term(self, *, lock_timeout_seconds: float) -> int:
+        """Become the ledger's leader: take the next leadership term, after every write of the
+        previous leader's term that is under way has committed or ended, and refuse that term's
+        writes from now on. One try, not retried: raises LockNotAvailable when the predecessor's
+        transactions held the term for `lock_timeout_seconds` (ask again while still leading)."""
+        if not self._leader_fenced:
+            raise TypeError("take_term on a Ledger made without leader_fenced=True")
+        with transactions.transaction(self._pool) as cur:
+            term = transactions.take_term(cur, lock_timeout_seconds=lock_timeout_seconds)
+        self._term = term
+        return term
 
     # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).
     _history = staticmethod(record_history)
@@ -105,42 +152,42 @@ class Ledger:
 
     def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
         try:
-            return self._run(operator_operations.admit, admission, actor=actor)
+            return self._lead(operator_operations.admit, admission, actor=actor)
         except operator_operations.NotAdmitted as not_admitted:
             return not_admitted.verdict
 
     def refuse(self, refusal: Refusal) -> Refusal:
-        return self._run(operator_operations.refuse, refusal)
+        return self._lead(operator_operations.refuse, refusal)
 
     def replace_attempt(self, uid: str, lost_epoch: int, *, cause: str, actor: str = "operator") -> TaskRecord:
-        return self._run(operator_operations.replace_attempt, uid, lost_epoch, cause=cause, actor=actor)
+        return self._lead(operator_operations.replace_attempt, uid, lost_epoch, cause=cause, actor=actor)
 
     def settle_attempt(self, uid: str, epoch: int, *, actor: str = "operator") -> None:
-        self._run(operator_operations.settle_attempt, uid, epoch, actor=actor)
+        self._lead(operator_operations.settle_attempt, uid, epoch, actor=actor)
 
     def fail_unstarted(self, uid: str, epoch: int, error: str, *, actor: str = "operator",
                        rng: random.Random | None = None) -> TaskRecord:
-        return self._run(operator_operations.fail_unstarted, uid, epoch, error, actor=actor, rng=rng)
+        return self._lead(operator_operations.fail_unstarted, uid, epoch, error, actor=actor, rng=rng)
 
     def cancel_unheld(self, uid: str, epoch: int, *, actor: str = "operator") -> TaskRecord:
-        return self._run(operator_operations.cancel_unheld, uid, epoch, actor=actor)
+        return self._lead(operator_operations.cancel_unheld, uid, epoch, actor=actor)
 
     def promote_due(self, *, limit: int = 100, actor: str = "operator") -> list[str]:
-        return self._run(operator_operations.promote_due, limit=limit, actor=actor)
+        return self._lead(operator_operations.promote_due, limit=limit, actor=actor)
 
     def purge_finished(self, *, older_than_seconds: float) -> int:
-        return self._run(operator_operations.purge_finished, older_than_seconds=older_than_seconds)
+        return self._lead(operator_operations.purge_finished, older_than_seconds=older_than_seconds)
 
     def request_cancel(self, uid: str, *, reason: str = "Cancelled", actor: str = "operator") -> TaskRecord:
         if reason not in operator_operations.CANCEL_REASONS:
             raise ValueError(f"cancel reason {reason!r} is not one of {', '.join(operator_operations.CANCEL_REASONS)}")
-        return self._run(operator_operations.request_cancel, uid, reason=reason, actor=actor)
+        return self._lead(operator_operations.request_cancel, uid, reason=reason, actor=actor)
 
     def fail_task(self, uid: str, *, reason: str, message: str, actor: str = "operator") -> TaskRecord:
-        return self._run(operator_operations.fail_task, uid, reason=reason, message=message, actor=actor)
+        return self._lead(operator_operations.fail_task, uid, reason=reason, message=message, actor=actor)
 
     def abandon(self, uid: str, *, reason: str, actor: str = "operator") -> TaskRecord | None:
-        return self._run(operator_operations.abandon, uid, reason=reason, actor=actor)
+        return self._lead(operator_operations.abandon, uid, reason=reason, actor=actor)
 
     def requeue(self, uid: str, *, actor: str) -> TaskRecord:
         return self._tx_once(lambda cur: operator_operations.requeue(cur, uid, actor=actor), uid=uid, op="requeue")
@@ -153,12 +200,13 @@ class Ledger:
             uid=uid, op="resolve_step")
 
     def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
+        """Configuration every replica writes as it starts (from its own settings), leader or not."""
         self._run(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
 
     def fill_slots(self, *, actor: str = "operator") -> None:
         """Start what may start: the periodic backstop for a placement that skipped a briefly
         locked queue head (SKIP LOCKED) or a slot freed where no placement followed."""
-        self._run(placement.fill_slots, actor)
+        self._lead(placement.fill_slots, actor)
 
     # -- the outbox relay (retex.ledger.outbox) --------------------------------------------------
 
@@ -177,7 +225,7 @@ class Ledger:
         relay sends them again; the deterministic Job name turns that into AlreadyExists, which
         is success. Not retried: the caller's own work happens inside the transaction.
         """
-        with transactions.transaction(self._pool) as cur:
+        with self._transaction(leader=True) as cur:
             yield outbox.claim(cur, limit=limit)
 
     # -- the worker's operations (retex.ledger.worker_operations) ----------------------------------

@@ -9,10 +9,12 @@ whose repetition would be refused instead is run `once`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import psycopg
@@ -20,7 +22,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 
 from retex.ledger import readers
-from retex.ledger.errors import LedgerUnavailable
+from retex.ledger.errors import LedgerUnavailable, NotLeader
 from retex.ledger.moves import lock_task
 from retex.ledger.records import TaskRecord
 
@@ -31,7 +33,35 @@ T = TypeVar("T")
 TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
 
 
-def connection_pool(dsn: str, *, max_connections: int) -> ConnectionPool:
+@dataclass(frozen=True)
+class SessionLimits:
+    """How long a session of this process may keep what it locked without making progress
+    (`Ledger(..., limits=...)`: the operator's). A process that freezes inside a transaction
+    (SIGSTOP, a lost node whose connections stay open) would keep its row locks, and the
+    leadership term's, for ever: the server ends a transaction idle for
+    `idle_in_transaction_seconds`, cancels a statement that waited `lock_timeout_seconds` for a
+    lock (a frozen client's statement queued behind another frozen session, or behind anyone's
+    idle transaction), and probes an idle connection's peer after about
+    `idle_in_transaction_seconds` (TCP keepalives), so a vanished one's session ends too."""
+
+    idle_in_transaction_seconds: float
+    lock_timeout_seconds: float
+
+    def settings(self) -> dict[str, str]:
+        """The server-side session settings (SET per connection)."""
+        idle = max(1, round(self.idle_in_transaction_seconds))
+        return {"idle_in_transaction_session_timeout": _milliseconds(self.idle_in_transaction_seconds),
+                "lock_timeout": _milliseconds(self.lock_timeout_seconds),
+                "tcp_keepalives_idle": str(idle),
+                "tcp_keepalives_interval": str(max(1, round(idle / 3))),
+                "tcp_keepalives_count": "3"}
+
+
+def _milliseconds(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def connection_pool(dsn: str, *, max_connections: int, limits: SessionLimits | None = None) -> ConnectionPool:
     """Not yet open (`Ledger.open` opens it after migrating); rows come as dicts."""
     return ConnectionPool(
         dsn,
@@ -39,19 +69,41 @@ def connection_pool(dsn: str, *, max_connections: int) -> ConnectionPool:
         max_size=max_connections,
         kwargs={"row_factory": dict_row},
         check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
-        configure=_durable_commits,
+        configure=functools.partial(_configure, limits=limits),
         open=False,
         name="retex-ledger",
     )
 
 
-def _durable_commits(conn: psycopg.Connection) -> None:
-    """A worker moves on to the next external effect once its commit returns, so the commit must
-    be on disk by then: with synchronous_commit=off a crash could lose an acknowledged step and
-    the step would run again. Stronger server settings (remote_write, remote_apply) are kept."""
+def _configure(conn: psycopg.Connection, *, limits: SessionLimits | None) -> None:
+    """Durable commits: a worker moves on to the next external effect once its commit returns, so
+    the commit must be on disk by then: with synchronous_commit=off a crash could lose an
+    acknowledged step and the step would run again. Stronger server settings (remote_write,
+    remote_apply) are kept. With `limits`, its settings too."""
     if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
         conn.execute("SET synchronous_commit = on")
+    for name, value in (limits.settings() if limits else {}).items():
+        conn.execute("SELECT set_config(%s, %s, false)", (name, value))
     conn.commit()
+
+
+def check_term(cur: psycopg.Cursor, term: int | None) -> None:
+    """The first statement of a leader's write: the ledger's term must still be `term`, else
+    NotLeader. FOR SHARE, kept to the end of the transaction: `take_term` waits for every
+    transaction that passed this check, so once a successor's term is taken none of its
+    predecessor's writes is still to commit, and each one after is refused."""
+    current = cur.execute("SELECT term FROM retex.leadership FOR SHARE").fetchone()["term"]
+    if term != current:
+        raise NotLeader(f"the ledger's leadership term is {current}, this writer's is {term}" if term is not None
+                        else f"this writer has taken no leadership term (the ledger's is {current})")
+
+
+def take_term(cur: psycopg.Cursor, *, lock_timeout_seconds: float) -> int:
+    """Take the next leadership term: the predecessor's writes under way commit first (or are
+    ended by the server); its later ones are refused. Raises LockNotAvailable when they have
+    not within `lock_timeout_seconds` (the caller tries again while it still leads)."""
+    cur.execute("SELECT set_config('lock_timeout', %s, true)", (_milliseconds(lock_timeout_seconds),))
+    return cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term").fetchone()["term"]
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from retex.ledger import Dispatch, Ledger, LedgerError, spec_hash
 from retex.ledger.store import DispatchOutcomes
 from retex.logs import event
 from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, not_onboarded_message
-from retex.operator.loop import Loop
+from retex.operator.loop import STOPPED_LEADING, Loop
 from retex.operator.metrics import count_failure
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ class Relay(Loop):
         """Relay one batch; return how many records it claimed (0: nothing is due)."""
         with self._ledger.dispatch_batch(limit=20) as (batch, outcomes):
             for dispatch in batch:
+                failpoint("in-dispatch-batch", task=dispatch.name, uid=dispatch.task_uid)  # a leader frozen holding locks
                 self._settle(dispatch, outcomes)
             return outcomes.claimed
 
@@ -72,8 +73,8 @@ class Relay(Loop):
                "epoch": dispatch.epoch}
         try:
             result = self._send_unless_ended(dispatch)
-        except LedgerError:
-            raise  # the ledger is away: the whole batch waits (its claims roll back)
+        except (LedgerError, *STOPPED_LEADING):
+            raise  # the ledger is away, or this replica no longer leads: the whole batch waits (its claims roll back)
         except Exception as exc:
             count_failure(self.name, exc)
             result = self._given_up(dispatch, f"{type(exc).__name__}: {exc}",
@@ -89,6 +90,8 @@ class Relay(Loop):
         name = job_name(dispatch.name, dispatch.task_uid, dispatch.epoch)
         try:
             found = self._kube.delete_job_of(dispatch.namespace, name, dispatch.task_uid)
+        except STOPPED_LEADING:
+            raise
         except Exception as exc:  # not knowing whether a Job exists, end nothing yet
             self._defer(dispatch, outcomes, exc, who)
             return

@@ -41,7 +41,7 @@ from retex.kube.humans import REQUESTED_BY_ANNOTATION, REQUEUE_ANNOTATION, RESOL
 from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, Refusal, TaskNotFound
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotLeader, Refusal, TaskNotFound
 from retex.logs import event
 from retex.machine import IllegalTransition
 from retex.operator import ledger_endpoint
@@ -55,10 +55,11 @@ from retex.operator.admission import (
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness
 from retex.operator.leadership import Leadership
+from retex.operator.loop import STOPPED_LEADING
 from retex.operator.metrics import METRICS_LEDGER_RETRY_SECONDS
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
-from retex.operator.settings import LiveWorkerDefaults, OperatorSettings
+from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, session_limits
 from retex.operator.status import StatusMirror
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,19 @@ class Runtime:
     """The operator's long-lived parts: one ledger, one API client, and the background loops."""
 
     def __init__(self, settings: OperatorSettings):
-        self.ledger = Ledger(settings.database_url).open()
+        timing = settings.leader_election
+        # The control plane's writes are the leader's: fenced by the ledger's leadership term,
+        # which this replica takes when it becomes leader (`_take_term`).
+        limits = session_limits(timing)  # a replica frozen in a transaction frees its locks
+        self.ledger = Ledger(settings.database_url, limits=limits, leader_fenced=True).open()
+        self._term_taken = threading.Event()  # this replica's leadership holds the ledger's term
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
         self.worker_defaults = LiveWorkerDefaults(settings.worker, settings.ledger_tls)
         self._wedge_floor = settings.loop_wedge_floor_seconds
         pod = os.environ.get("POD_NAME") or socket.gethostname()  # this replica
-        self.kube = KubeCalls(api, instance=pod)
+        self.kube = KubeCalls(api, instance=pod, request_timeout=timing.request_timeout, may_write=self.may_write)
         self.leases = LeaseObserver(api)
         self.relay = Relay(self.ledger, self.kube, self.worker_defaults, interval=settings.relay_interval_seconds,
                            defer_limit_seconds=settings.dispatch_defer_limit_seconds,
@@ -92,8 +98,8 @@ class Runtime:
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
         # Workers' calls get a ledger of their own: a short Postgres retry window, so an outage is
         # answered 503 (the worker retries) before the worker's request times out.
-        self.worker_ledger = Ledger(settings.database_url, max_connections=8,
-                                    retry_for_seconds=ENDPOINT_RETRY_SECONDS).open(migrate_schema=False)
+        self.worker_ledger = Ledger(settings.database_url, max_connections=8, retry_for_seconds=ENDPOINT_RETRY_SECONDS,
+                                    limits=limits).open(migrate_schema=False)
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
         # And the metrics scrape another: a scrape during an outage answers within seconds, with
         # retex_ledger_up 0, rather than failing the whole page (retex.operator.metrics).
@@ -102,12 +108,12 @@ class Runtime:
         # Unique per process (client-go's hostname + UUID): a restarted container is a new
         # candidate, never mistaken for the leader it replaces.
         identity = f"{pod}_{uuid.uuid4().hex[:8]}"
-        timing = settings.leader_election
-        self.leadership = Leadership(LeaderLease(api, settings.operator_namespace, request_timeout=timing.retry_period),
-                                     identity, timing, on_started=self._lead)
+        self.leadership = Leadership(
+            LeaderLease(api, settings.operator_namespace, request_timeout=timing.election_request_timeout),
+            identity, timing, on_started=self._lead)
         self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
         for loop in self._writers:
-            loop.may_write = self.leadership.leading
+            loop.may_write = self.may_write
         self._loops = [self.leases, *self._writers]
         self._threads = [
             threading.Thread(target=fn, name=name, daemon=True)
@@ -117,12 +123,42 @@ class Runtime:
         ]
         self._election_thread = threading.Thread(target=self.leadership.run, name="leader-election", daemon=True)
 
+    def may_write(self) -> bool:
+        """Whether this replica writes as the leader now: it leads (on its own clock) and has taken
+        the ledger's leadership term for this leadership."""
+        return self._term_taken.is_set() and self.leadership.leading()
+
+    async def until_writing(self) -> None:
+        """For kopf's handlers: return once this replica may write (a standby's handler waits here,
+        so kopf writes nothing for it: no progress annotation, no diff base)."""
+        while not self.may_write():
+            await asyncio.sleep(self.leadership.timing.retry_period / 2)
+
     def _lead(self) -> None:
-        """This replica just became leader: it relists and judges every worker afresh."""
+        """This replica just became leader: it relists and judges every worker afresh, and takes
+        the ledger's term; its writers start once it has. In a thread of its own: taking the term
+        waits for the predecessor's transactions under way (the server ends a frozen one's after
+        the renew deadline), and the election thread must go on renewing meanwhile."""
+        self._term_taken.clear()
         self.leases.grant_grace()
         self.mirror.resync_next_round()
-        for loop in self._writers:
-            loop.wake.set()
+        threading.Thread(target=self._take_term, name="ledger-term", daemon=True).start()
+
+    def _take_term(self) -> None:
+        while self.leadership.leading():
+            try:
+                term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period)
+            except Exception as exc:  # the predecessor's transaction still holds the term, or Postgres is away
+                event(log, logging.WARNING, "ledger term not taken yet: trying again",
+                      error=f"{type(exc).__name__}: {exc}")
+                time.sleep(self.leadership.timing.retry_period)
+                continue
+            event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
+                  identity=self.leadership.identity)
+            self._term_taken.set()
+            for loop in self._writers:
+                loop.wake.set()
+            return
 
     def listen(self) -> None:
         """Ledger changes mark the task for the status mirror and wake the relay: a worker that
@@ -203,8 +239,12 @@ def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
     functools.wraps: kopf follows __wrapped__ and would call the sync handler directly."""
 
     async def when_leading(**kwargs: Any) -> Any:
-        await kwargs["memo"].runtime.leadership.until_leading()
-        return await asyncio.to_thread(functools.partial(handler, **kwargs))
+        runtime = kwargs["memo"].runtime
+        await runtime.until_writing()
+        try:
+            return await asyncio.to_thread(functools.partial(handler, **kwargs))
+        except STOPPED_LEADING as exc:  # it stopped leading meanwhile: the next leader's kopf resumes the Task
+            raise kopf.TemporaryError(str(exc), delay=runtime.leadership.timing.retry_period) from exc
 
     when_leading.__name__, when_leading.__qualname__ = handler.__name__, handler.__qualname__
     when_leading.__module__, when_leading.__doc__ = handler.__module__, handler.__doc__
@@ -371,7 +411,7 @@ def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
     try:
         runtime.ledger.resolve_step(uid, step, mark_done=mark_done, result=decision.get("result"),
                                     actor=_actor(body, new))
-    except LedgerUnavailable:
+    except (LedgerUnavailable, NotLeader):
         raise  # kopf retries the handler
     except (IllegalTransition, LedgerError) as refused:  # a step not awaiting a decision, a result too large
         event(log, logging.WARNING, "resolve refused", uid=uid, why=str(refused))

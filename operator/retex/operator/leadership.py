@@ -4,15 +4,15 @@ Every retry period the thread reads the election Lease and writes it when `Elect
 so (retex.kube.election). Every writer asks `leading()` itself, on its own clock, right before a
 round or a handler: a replica that was paused (SIGSTOP, a long GC, a partition) past its renew
 deadline stops writing when it resumes, before this thread has run again. Becoming leader calls
-`on_started` (fresh grace for every worker lease, a full status resync, every loop woken) under
-the lock `leading()` takes, so no writer hears that it leads before that is done (`on_started`
-must not ask `leading()` itself);
-losing it only logs and flips `retex_leader`: the writers stopped already by asking.
+`on_started` (fresh grace for every worker lease, a full status resync, the ledger's leadership
+term taken before any writer starts: retex.operator.handlers.Runtime) under the lock `leading()`
+takes, so no writer hears that it leads before that is done (`on_started` must not ask
+`leading()` itself); losing it only logs and flips `retex_leader`: the writers stopped already by
+asking.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -41,12 +41,6 @@ class Leadership:
     def leading(self) -> bool:
         with self._lock:
             return self._election.leading(self._clock())
-
-    async def until_leading(self) -> None:
-        """For kopf's handlers: return once this replica leads (a standby's handler waits here,
-        so kopf writes nothing for it: no progress annotation, no diff base)."""
-        while not self.leading():
-            await asyncio.sleep(self.timing.retry_period / 2)
 
     def run(self) -> None:
         while not self._stop.is_set():

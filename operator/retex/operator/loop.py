@@ -1,7 +1,9 @@
 """What every background loop of the operator shares: a thread body that runs rounds, can be
 woken early and stopped, survives a failed round (counted, logged, retried a second later), and
 runs no round unless `may_write()` says so (the leader election's answer: a standby writes
-nothing, and a leader past its renew deadline starts no round). It keeps the times the health
+nothing, and a leader past its renew deadline starts no round). A round under way when this
+replica stopped leading is refused at its next write (`STOPPED_LEADING`: the ledger's term fence,
+or a Kubernetes write not sent) and ends there, quietly: not a failure. It keeps the times the health
 probes judge it by (retex.operator.health): when its current round started, and when it last
 passed (a round completed, or a standby's idle check)."""
 
@@ -13,7 +15,8 @@ import time
 from collections.abc import Callable
 
 from retex.failpoints import failpoint
-from retex.ledger import LedgerError
+from retex.kube.calls import NotLeading
+from retex.ledger import LedgerError, NotLeader
 from retex.logs import event
 from retex.operator.metrics import LOOP_ROUNDS, count_failure
 
@@ -21,6 +24,8 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_FAILURE_SECONDS = 1.0
 FOLLOWER_RECHECK_SECONDS = 1.0  # a standby looks again this often (becoming leader also wakes it)
+# A write refused because this replica no longer leads: stop the round, ask `may_write` again.
+STOPPED_LEADING = (NotLeader, NotLeading)
 
 
 class Loop:
@@ -54,6 +59,9 @@ class Loop:
                 delay = self.round()
                 LOOP_ROUNDS.labels(self.name).inc()
                 self.last_pass_at = time.monotonic()
+            except STOPPED_LEADING as exc:
+                event(log, logging.WARNING, "not the leader: round abandoned", loop=self.name, why=str(exc))
+                delay = FOLLOWER_RECHECK_SECONDS
             except LedgerError as exc:
                 count_failure(self.name, exc)
                 event(log, logging.WARNING, "ledger unavailable", loop=self.name, error=str(exc))

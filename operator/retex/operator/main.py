@@ -63,7 +63,7 @@ async def _operate(runtime, *, namespaces: list[str]) -> None:
     on_signals()
     recheck = runtime.leadership.timing.retry_period / 2
     while not stopping.is_set():
-        if not runtime.leadership.leading():
+        if not runtime.may_write():
             await _sleep_unless(stopping, recheck)
             continue
         term_over = asyncio.Event()
@@ -71,7 +71,7 @@ async def _operate(runtime, *, namespaces: list[str]) -> None:
             clusterwide=not namespaces, namespaces=namespaces,
             standalone=True,  # no kopf peering: the leader election decides who runs kopf
             stop_flag=term_over, memo=kopf.Memo(runtime=runtime)))
-        while runtime.leadership.leading() and not stopping.is_set() and not term.done():
+        while runtime.may_write() and not stopping.is_set() and not term.done():
             await _sleep_unless(stopping, recheck)
         if term.done() and not term_over.is_set():
             stopping.set()  # kopf ended by itself (a signal it caught, or an error): so do we

@@ -33,7 +33,7 @@ from retex.kube.objects import job_name, lease_name
 from retex.ledger import Ledger, LedgerError, WatchedAttempt
 from retex.logs import event
 from retex.machine import TaskPhase
-from retex.operator.loop import Loop
+from retex.operator.loop import STOPPED_LEADING, Loop
 from retex.operator.metrics import count_failure
 from retex.operator.starting import start_verdict
 
@@ -92,8 +92,8 @@ class Reaper(Loop):
                     self._judge_current(attempt)
                 else:
                     self._judge_ended(attempt)
-            except LedgerError:
-                raise  # Postgres is down for everyone: the loop retries the round
+            except (LedgerError, *STOPPED_LEADING):
+                raise  # Postgres is down for everyone, or this replica no longer leads: the loop decides
             except Exception as exc:  # an API call refused or failed: this attempt waits for the next round
                 count_failure(self.name, exc)
                 event(log, logging.WARNING, "reaper: judging an attempt failed; judged again next round",

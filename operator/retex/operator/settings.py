@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
+from retex.ledger import SessionLimits
 from retex.ledger.tls import unverified_tls_refusal
 from retex.logs import event
 from retex.operator.ledger_endpoint import LedgerTls
@@ -127,6 +128,15 @@ def _ledger_tls(env: dict[str, str]) -> LedgerTls | None:
 
 def _read_ca(tls: LedgerTls | None) -> str | None:
     return tls.ca_pem() if tls else None
+
+
+def session_limits(timing: ElectionTiming) -> SessionLimits:
+    """The operator's ledger sessions (the leader's writes and the workers' endpoint), from the
+    election's timing: a transaction idle for the renew deadline R is ended by the server, and a
+    statement that waited R for a lock is cancelled. A replica frozen inside a transaction has
+    stopped leading by then, and its locks are free within about 2 R of the freeze (its successor
+    starts at D > R: it waits for them only when D < 2 R)."""
+    return SessionLimits(idle_in_transaction_seconds=timing.renew_deadline, lock_timeout_seconds=timing.renew_deadline)
 
 
 def _election_timing(env: dict[str, str]) -> ElectionTiming:

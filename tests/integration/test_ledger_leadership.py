@@ -1,0 +1,156 @@
+"""The leadership fence on the control plane's ledger writes: a Ledger made with
+`leader_fenced=True` (the operator's) writes only under the ledger's current leadership term; a
+successor's `take_term` waits for its predecessor's writes under way and refuses every later
+one; with the operator's `SessionLimits`, a predecessor frozen inside a transaction, or frozen
+while its statement waits for a lock, is ended by the server, so it cannot hold the term (or any
+row) for ever. Without `leader_fenced` (the CLI's administrator writes) nothing is fenced."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from retex.ledger import Ledger, NotLeader
+from retex.ledger.transactions import SessionLimits
+from tests.integration.ledger_helpers import admission, admitted
+
+LIMITS = SessionLimits(idle_in_transaction_seconds=1.0, lock_timeout_seconds=1.0)
+TAKE_TIMEOUT = 0.3  # what a new leader waits per try of take_term
+
+
+@pytest.fixture
+def replicas(dsn, ledger):
+    """Two operator replicas' ledgers on one database (`ledger` migrated it)."""
+    with (Ledger(dsn, retry_for_seconds=5, limits=LIMITS, leader_fenced=True) as a,
+          Ledger(dsn, retry_for_seconds=5, limits=LIMITS, leader_fenced=True) as b):
+        yield a, b
+
+
+def outbox_rows(ledger: Ledger) -> int:
+    with psycopg.connect(ledger._dsn) as conn:
+        return conn.execute("SELECT count(*) FROM retex.outbox").fetchone()[0]
+
+
+def test_a_replica_that_took_no_term_writes_nothing(replicas, ledger):
+    first, _ = replicas
+    with pytest.raises(NotLeader, match="taken no leadership term"):
+        first.admit(admission())
+    assert outbox_rows(ledger) == 0
+
+
+def test_a_replaced_leaders_writes_are_refused_and_write_nothing(replicas, ledger):
+    old, new = replicas
+    assert old.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 1
+    uid = admitted(old)
+    assert new.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 2
+    history = ledger.history(uid)
+    with pytest.raises(NotLeader, match="term is 2, this writer's is 1"):
+        old.admit(admission())
+    with pytest.raises(NotLeader), old.dispatch_batch() as _:
+        pytest.fail("the relay's batch opened under a stale term")
+    for write in (lambda: old.request_cancel(uid), lambda: old.promote_due(), lambda: old.fill_slots(),
+                  lambda: old.replace_attempt(uid, 1, cause="test"), lambda: old.requeue(uid, actor="test")):
+        with pytest.raises(NotLeader):
+            write()
+    assert outbox_rows(ledger) == 1 and not ledger.get(uid).cancel_requested
+    assert ledger.history(uid) == history
+    new.request_cancel(uid)  # the new leader writes
+    assert ledger.get(uid).cancel_requested
+
+
+def test_taking_a_term_waits_for_the_predecessors_write_under_way_which_commits_first(replicas, ledger):
+    old, new = replicas
+    old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    uid = admitted(old)
+    with old.dispatch_batch() as (batch, outcomes):
+        assert [d.task_uid for d in batch] == [uid]
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)  # the batch holds the term: the successor waits (here, its lock timeout)
+        outcomes.sent(batch[0], "job-1")
+    assert new.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 2  # after the batch committed
+    assert ledger.attempts(uid)[0].job_name == "job-1"
+
+
+def test_a_predecessor_frozen_in_its_transaction_is_ended_by_the_server_and_its_write_refused(replicas, ledger):
+    old, new = replicas
+    old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    uid = admitted(old)
+    taken: list[int] = []
+    with pytest.raises(NotLeader, match="sat idle for 1s: nothing of it was written"):
+        with old.dispatch_batch() as (batch, outcomes):
+            successor = threading.Thread(target=lambda: taken.append(take_until_taken(new)))
+            successor.start()
+            successor.join(timeout=10)  # frozen: no statement while the successor waits
+            assert taken == [2], "the successor never took the term from a frozen predecessor"
+            outcomes.sent(batch[0], "job-of-the-frozen-one")
+    assert ledger.attempts(uid)[0].job_name is None
+    with new.dispatch_batch() as (batch, _):
+        assert [d.task_uid for d in batch] == [uid], "the frozen one's claim still holds the record"
+
+
+def test_a_predecessor_frozen_while_its_statement_waits_for_a_lock_does_not_hold_the_term_for_ever(replicas, ledger):
+    """The frozen leader's statement is queued behind a row lock that someone else's forgotten
+    transaction holds (an administrator's psql): it is not idle, so only the lock timeout ends its
+    wait; then its aborted transaction is idle and ended too."""
+    old, new = replicas
+    old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    uid = admitted(old)
+    frozen = psycopg.pq.PGconn.connect(ledger._dsn.encode())  # libpq itself: send, then never read
+    try:
+        with psycopg.connect(ledger._dsn) as forgotten:
+            forgotten.execute("SELECT 1 FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,))  # and never ends
+            for name, value in LIMITS.settings().items():  # the operator's session
+                frozen.exec_(f"SET {name} = '{value}'".encode())
+            # What a fenced request_cancel sends; the process then freezes and never reads the answer.
+            frozen.send_query(f"BEGIN; SELECT term FROM retex.leadership FOR SHARE; "
+                              f"SELECT * FROM retex.tasks WHERE uid = '{uid}' FOR UPDATE".encode())
+            wait_until(lambda: waiting_for_a_lock(ledger))  # queued behind the forgotten row lock
+            assert take_until_taken(new) == 2
+    finally:
+        frozen.finish()
+
+
+def wait_until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not within 5 s"
+        time.sleep(0.02)
+
+
+def waiting_for_a_lock(ledger: Ledger) -> bool:
+    with psycopg.connect(ledger._dsn) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                            " AND datname = current_database()").fetchone()[0] == 1
+
+
+def take_until_taken(ledger: Ledger) -> int:
+    """What the operator does: try again after each lock timeout."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return ledger.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+        except psycopg.errors.LockNotAvailable:
+            if time.monotonic() > deadline:
+                raise
+
+
+def test_a_leaders_sessions_end_idle_transactions_and_probe_their_peer(replicas, ledger):
+    settings = ("idle_in_transaction_session_timeout", "lock_timeout", "tcp_keepalives_idle",
+                "tcp_keepalives_interval", "tcp_keepalives_count")
+
+    def shown(of: Ledger) -> list[str]:
+        with of._pool.connection() as conn:
+            return [conn.execute("SELECT current_setting(%s) AS v", (name,)).fetchone()["v"] for name in settings]
+
+    fenced, _ = replicas
+    assert shown(fenced) == ["1s", "1s", "1", "1", "3"]
+    assert shown(ledger)[:2] == ["0", "0"]  # a Ledger made without limits (the CLI's): the server's defaults
+
+
+def test_an_unfenced_ledger_writes_whatever_the_term_the_administrators_cli(replicas, ledger):
+    leader, _ = replicas
+    leader.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    uid = admitted(leader)
+    ledger.request_cancel(uid, actor="cli:admin")  # `ledger`: made without leader_fenced, as the CLI's
+    assert ledger.get(uid).cancel_requested

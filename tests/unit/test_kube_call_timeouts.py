@@ -1,0 +1,91 @@
+"""The operator's API calls in the time a leader has: every call carries the request timeout
+derived from the election (D − R: a call sent before the renew deadline is answered or given up
+by the lease duration, when a successor may start), and a write is not sent at all once this
+replica does not lead."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from retex.kube.calls import KubeCalls, NotLeading
+from retex.kube.election import ElectionTiming, LeaderLease, LeaderRecord
+
+TASK = {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
+        "metadata": {"name": "order-1", "namespace": "shop", "uid": "u-1"}}
+OBJECT = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "order-1-1", "namespace": "shop", "ownerReferences": [
+    {"apiVersion": "retex.dev/v1alpha1", "kind": "Task", "name": "order-1", "uid": "u-1"}]}}
+# One way to call each of KubeCalls' methods.
+EVERY_CALL = {
+    "create_lease": lambda c: c.create_lease({**OBJECT, "kind": "Lease"}),
+    "create_job": lambda c: c.create_job(OBJECT),
+    "dry_run_job": lambda c: c.dry_run_job(OBJECT),
+    "get_job": lambda c: c.get_job("shop", "order-1-1"),
+    "delete_job_of": lambda c: c.delete_job_of("shop", "order-1-1", "u-1"),
+    "delete_job": lambda c: c.delete_job("shop", "order-1-1"),
+    "get_task": lambda c: c.get_task("shop", "order-1"),
+    "list_tasks": lambda c: c.list_tasks(),
+    "patch_task_status": lambda c: c.patch_task_status("shop", "order-1", "u-1", {}),
+    "patch_task_labels": lambda c: c.patch_task_labels("shop", "order-1", "u-1", {"a": "b"}),
+    "post_event": lambda c: c.post_event(TASK, reason="Started", message="m"),
+    "get_lease": lambda c: c.get_lease("shop", "order-1"),
+    "job_pods": lambda c: c.job_pods("shop", "order-1-1"),
+    "job_events": lambda c: c.job_events("shop", "order-1-1"),
+}
+WRITES = {"create_lease", "create_job", "delete_job", "patch_task_status", "patch_task_labels", "post_event"}
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[tuple[str, str, object]]:
+    """Every request the client would send: (method, path, its _request_timeout), answered 500."""
+    requests: list[tuple[str, str, object]] = []
+
+    def call_api(self, path, method, *args, **kwargs):
+        requests.append((method, path, kwargs.get("_request_timeout")))
+        raise ApiException(status=500)
+
+    monkeypatch.setattr(client.ApiClient, "call_api", call_api)
+    return requests
+
+
+def test_every_call_is_listed_here():
+    public = {name for name, _ in inspect.getmembers(KubeCalls, inspect.isfunction) if not name.startswith("_")}
+    assert public == set(EVERY_CALL)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_CALL))
+def test_every_call_carries_the_request_timeout(name, sent):
+    with pytest.raises(Exception):  # noqa: B017 - answered 500: how each call reports it is not the point
+        EVERY_CALL[name](KubeCalls(client.ApiClient(), instance="a", request_timeout=1.5))
+    assert sent and all(timeout == 1.5 for _, _, timeout in sent), sent
+
+
+@pytest.mark.parametrize("name", sorted(WRITES))
+def test_a_write_is_not_sent_once_this_replica_does_not_lead(name, sent):
+    calls = KubeCalls(client.ApiClient(), instance="a", request_timeout=1.5, may_write=lambda: False)
+    with pytest.raises(NotLeading, match="not the leader: .* not sent"):
+        EVERY_CALL[name](calls)
+    assert sent == []
+
+
+def test_the_election_lease_calls_carry_their_timeout(sent):
+    lease = LeaderLease(client.ApiClient(), "retex-system", request_timeout=0.5)
+    for call in (lease.read, lambda: lease.write(LeaderRecord(holder="a", duration_seconds=15))):
+        with pytest.raises(ApiException):
+            call()
+    assert [timeout for _, _, timeout in sent] == [0.5, 0.5]
+
+
+@pytest.mark.parametrize("timing, calls, election", [
+    (ElectionTiming(), 5.0, 2.0),  # client-go's 15/10/2 s
+    (ElectionTiming(lease_duration=4, renew_deadline=3, retry_period=0.5), 1.0, 0.5),  # the tests' timings
+    (ElectionTiming(lease_duration=15, renew_deadline=14, retry_period=2), 1.0, 1.0),  # a tight margin wins
+])
+def test_the_request_timeout_is_what_is_left_of_the_lease_after_the_renew_deadline(timing, calls, election):
+    assert timing.request_timeout == calls and timing.election_request_timeout == election
+    # A call sent at the last moment a leader may write is over by the time a successor may start.
+    assert timing.renew_deadline + timing.request_timeout <= timing.lease_duration
+    assert timing.renew_deadline + timing.election_request_timeout <= timing.lease_duration
