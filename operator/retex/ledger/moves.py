@@ -9,17 +9,29 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from retex.ledger.errors import FenceRejected, ResultTooLarge, TaskNotFound
 from retex.ledger.records import RESULT_LIMIT_BYTES
 from retex.machine import IllegalTransition, StepEvent, TaskPhase, step_transition
 
+# The cursors of every operation: the pool hands out connections whose rows are dicts.
+Cursor = psycopg.Cursor[DictRow]
+
+
+def one(cur: Cursor) -> dict[str, Any]:
+    """The row of a statement that always returns one (an aggregate, RETURNING of a locked row)."""
+    row = cur.fetchone()
+    if row is None:
+        raise LookupError("the statement returned no row")
+    return row
+
 # A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
 NOW = object()
 
 
-def lock_task(cur: psycopg.Cursor, uid: str) -> dict[str, Any]:
+def lock_task(cur: Cursor, uid: str) -> dict[str, Any]:
     row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
     if row is None:
         raise TaskNotFound(uid)
@@ -31,7 +43,7 @@ def fence(task: dict[str, Any], epoch: int) -> None:
         raise FenceRejected(task["uid"], epoch, task["epoch"], task["phase"])
 
 
-def record_history(cur: psycopg.Cursor, uid: str, actor: str, event: str, *, epoch: int | None = None,
+def record_history(cur: Cursor, uid: str, actor: str, event: str, *, epoch: int | None = None,
                    step_idx: int | None = None, from_state: str | None = None, to_state: str | None = None,
                    detail: dict[str, Any] | None = None) -> None:
     cur.execute(
@@ -41,7 +53,7 @@ def record_history(cur: psycopg.Cursor, uid: str, actor: str, event: str, *, epo
     )
 
 
-def touch(cur: psycopg.Cursor, uid: str, **columns: Any) -> None:
+def touch(cur: Cursor, uid: str, **columns: Any) -> None:
     """Bump the task's version (a step changed, or a flag did): the mirror must see it."""
     assignments = "".join(f", {col} = %s" for col in columns)
     cur.execute(
@@ -50,7 +62,7 @@ def touch(cur: psycopg.Cursor, uid: str, **columns: Any) -> None:
     )
 
 
-def move_step(cur: psycopg.Cursor, uid: str, idx: int, event: StepEvent, actor: str,
+def move_step(cur: Cursor, uid: str, idx: int, event: StepEvent, actor: str,
               epoch: int | None, **columns: Any) -> dict[str, Any]:
     step = cur.execute(
         "SELECT * FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
@@ -60,17 +72,17 @@ def move_step(cur: psycopg.Cursor, uid: str, idx: int, event: StepEvent, actor: 
     new_state = step_transition(step["state"], event)
     columns["state"] = str(new_state)
     assignments, values = set_clause(columns)
-    updated = cur.execute(
+    updated = one(cur.execute(
         f"UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *",
         (*values, uid, idx),
-    ).fetchone()
+    ))
     record_history(cur, uid, actor, f"step-{event}", epoch=epoch, step_idx=idx, from_state=step["state"],
                    to_state=str(new_state))
     touch(cur, uid)
     return updated
 
 
-def end_attempt(cur: psycopg.Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
+def end_attempt(cur: Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
     """Record the attempt's outcome. `settled`: it is known dead (its worker ended it, or its
     lease was released or expired, or it never held it). The operator ending an attempt whose
     worker may still be inside a step passes False; the reaper settles it later."""
@@ -96,8 +108,9 @@ def cancel_reason(task: dict[str, Any]) -> str:
     return task["cancel_reason"] or "Cancelled"
 
 
-def db_now(cur: psycopg.Cursor) -> datetime:
-    return cur.execute("SELECT now() AS now").fetchone()["now"]
+def db_now(cur: Cursor) -> datetime:
+    now: datetime = one(cur.execute("SELECT now() AS now"))["now"]
+    return now
 
 
 def check_result_size(result: Any) -> None:

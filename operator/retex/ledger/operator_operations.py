@@ -10,18 +10,19 @@ import random
 from dataclasses import asdict
 from typing import Any
 
-import psycopg
 from psycopg.types.json import Jsonb
 
 from retex.ledger import readers
 from retex.ledger.hashing import spec_hash, step_idempotency_key
 from retex.ledger.moves import (
     NOW,
+    Cursor,
     cancel_reason,
     check_result_size,
     end_attempt,
     lock_task,
     move_step,
+    one,
     record_history,
     touch,
 )
@@ -43,7 +44,7 @@ class NotAdmitted(Exception):
         self.verdict = verdict
 
 
-def admit(cur: psycopg.Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
+def admit(cur: Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
     """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
     inserted = cur.execute(
         """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
@@ -75,7 +76,7 @@ def admit(cur: psycopg.Cursor, admission: TaskAdmission, *, actor: str) -> Admit
     return AdmitResult(uid=admission.uid, created=True)
 
 
-def refuse(cur: psycopg.Cursor, refusal: Refusal) -> Refusal:
+def refuse(cur: Cursor, refusal: Refusal) -> Refusal:
     """Record that a Task is not admitted. Final for its uid: the first refusal stored stands
     (and is returned), and `admit` never admits the uid."""
     cur.execute(
@@ -84,12 +85,15 @@ def refuse(cur: psycopg.Cursor, refusal: Refusal) -> Refusal:
         (refusal.uid, refusal.namespace, refusal.name, refusal.reason, refusal.message[:4096],
          refusal.generation),
     )
-    return readers.refusal(cur, refusal.uid)
+    stored = readers.refusal(cur, refusal.uid)  # this one, or the one stored before it
+    if stored is None:
+        raise LookupError(f"no refusal stored for {refusal.uid}")
+    return stored
 
 
 # -- attempts (the reaper) ------------------------------------------------------------------
 
-def replace_attempt(cur: psycopg.Cursor, uid: str, lost_epoch: int, *, cause: str, actor: str) -> TaskRecord:
+def replace_attempt(cur: Cursor, uid: str, lost_epoch: int, *, cause: str, actor: str) -> TaskRecord:
     """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
 
     A disruption does not consume the retry budget; it has its own cap. Repeating the call for
@@ -111,7 +115,7 @@ def replace_attempt(cur: psycopg.Cursor, uid: str, lost_epoch: int, *, cause: st
     return readers.get(cur, uid)
 
 
-def settle_attempt(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> None:
+def settle_attempt(cur: Cursor, uid: str, epoch: int, *, actor: str) -> None:
     """Attempt `epoch`, already ended by the operator, is known dead: free its slot and key."""
     settled = cur.execute(
         """UPDATE retex.attempts SET settled_at = now() WHERE task_uid = %s AND epoch = %s
@@ -121,7 +125,7 @@ def settle_attempt(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> 
         fill_slots(cur, actor)
 
 
-def fail_unstarted(cur: psycopg.Cursor, uid: str, epoch: int, error: str, *, actor: str,
+def fail_unstarted(cur: Cursor, uid: str, epoch: int, error: str, *, actor: str,
                    rng: random.Random | None) -> TaskRecord:
     """Attempt `epoch` never took its lease in time (its pod could not start: image, config,
     scheduling, quota). A failed attempt, counted against the retry budget like a step failure
@@ -132,8 +136,8 @@ def fail_unstarted(cur: psycopg.Cursor, uid: str, epoch: int, error: str, *, act
     task = lock_task(cur, uid)
     if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
         return readers.get(cur, uid)
-    if cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
-                   (uid, epoch)).fetchone()["pod"] is not None:
+    if one(cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
+                   (uid, epoch)))["pod"] is not None:
         return readers.get(cur, uid)
     end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
     failures = task["failures"] + 1
@@ -144,7 +148,7 @@ def fail_unstarted(cur: psycopg.Cursor, uid: str, epoch: int, error: str, *, act
     return readers.get(cur, uid)
 
 
-def cancel_unheld(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+def cancel_unheld(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
     """A cancel (or delete) was requested and attempt `epoch` holds no lease (never took it, or
     its worker is gone): no worker will reach a step boundary, so the task ends now with its
     cancel reason. A worker that starts later is fenced at its first write.
@@ -159,7 +163,7 @@ def cancel_unheld(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> T
 
 # -- due tasks and deadlines (the promoter) -------------------------------------------------
 
-def promote_due(cur: psycopg.Cursor, *, limit: int, actor: str) -> list[str]:
+def promote_due(cur: Cursor, *, limit: int, actor: str) -> list[str]:
     """Queue the Scheduled and Retrying tasks whose time has come, fail those past their
     deadline, and fill the free slots. Returns the uids that were due."""
     overdue = cur.execute(
@@ -185,7 +189,7 @@ def promote_due(cur: psycopg.Cursor, *, limit: int, actor: str) -> list[str]:
     return [task["uid"] for task in due]
 
 
-def purge_finished(cur: psycopg.Cursor, *, older_than_seconds: float) -> int:
+def purge_finished(cur: Cursor, *, older_than_seconds: float) -> int:
     """Delete tasks (with their steps, attempts and history) that ended that long ago: the
     history-retention setting. Each leaves a tombstone (uid, name, final phase, idempotencyKey)
     that is kept forever, and what its rows counted is added to retex.purged_tallies (so the
@@ -218,7 +222,7 @@ def purge_finished(cur: psycopg.Cursor, *, older_than_seconds: float) -> int:
 
 # -- ending a task, and the human actions ---------------------------------------------------
 
-def request_cancel(cur: psycopg.Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord:
+def request_cancel(cur: Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord:
     """Waiting tasks are cancelled at once; a running one at its worker's next step boundary
     (or by the reaper at once when its attempt holds no lease). `reason` is what the task ends
     with when the operator ends it: Cancelled, or TaskDeleted for a deletion (one of
@@ -235,7 +239,7 @@ def request_cancel(cur: psycopg.Cursor, uid: str, *, reason: str, actor: str) ->
     return readers.get(cur, uid)
 
 
-def fail_task(cur: psycopg.Cursor, uid: str, *, reason: str, message: str, actor: str) -> TaskRecord:
+def fail_task(cur: Cursor, uid: str, *, reason: str, message: str, actor: str) -> TaskRecord:
     """Operator-side terminal failure (for example the task timeout). No-op once terminal."""
     task = lock_task(cur, uid)
     if task["phase"] not in TERMINAL_PHASES:
@@ -245,7 +249,7 @@ def fail_task(cur: psycopg.Cursor, uid: str, *, reason: str, message: str, actor
     return readers.get(cur, uid)
 
 
-def abandon(cur: psycopg.Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord | None:
+def abandon(cur: Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord | None:
     """Cancel now, not at a step boundary (the Task object is gone). A worker still running
     is fenced out at its next write. No-op once terminal; None for an unknown task."""
     row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
@@ -258,7 +262,7 @@ def abandon(cur: psycopg.Cursor, uid: str, *, reason: str, actor: str) -> TaskRe
     return readers.get(cur, uid)
 
 
-def requeue(cur: psycopg.Cursor, uid: str, *, actor: str) -> TaskRecord:
+def requeue(cur: Cursor, uid: str, *, actor: str) -> TaskRecord:
     """A fresh attempt with a fresh budget for a Failed or NeedsAttention task. Refused when
     repeated: `Ledger.requeue` runs it once (`transactions.once`)."""
     task = lock_task(cur, uid)
@@ -275,7 +279,7 @@ def requeue(cur: psycopg.Cursor, uid: str, *, actor: str) -> TaskRecord:
     return readers.get(cur, uid)
 
 
-def resolve_step(cur: psycopg.Cursor, uid: str, step_name: str, *, mark_done: bool, result: Any,
+def resolve_step(cur: Cursor, uid: str, step_name: str, *, mark_done: bool, result: Any,
                  actor: str) -> TaskRecord:
     """The human hand-off of an ambiguous step: it happened (mark done) or it did not (re-run).
 

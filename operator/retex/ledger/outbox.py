@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import psycopg
-
-from retex.ledger.moves import end_attempt, lock_task
+from retex.ledger.moves import Cursor, end_attempt, lock_task
 from retex.ledger.placement import transition
 from retex.ledger.records import Dispatch
 from retex.machine import TaskEvent, TaskPhase
@@ -19,7 +17,7 @@ DISPATCH_RETRY_BASE_SECONDS = 1.0
 DISPATCH_RETRY_CAP_SECONDS = 60.0
 
 
-def claim(cur: psycopg.Cursor, *, limit: int) -> tuple[list[Dispatch], DispatchOutcomes]:
+def claim(cur: Cursor, *, limit: int) -> tuple[list[Dispatch], DispatchOutcomes]:
     """Claim unsent dispatch records that are due (`FOR UPDATE SKIP LOCKED`) in the caller's
     transaction (see `Ledger.dispatch_batch`). Returns the records that are still current and
     the `DispatchOutcomes` that settles them; records whose epoch was superseded are marked
@@ -48,7 +46,7 @@ class DispatchOutcomes:
     """How the relay settles each claimed record, in the batch's transaction. Each settlement
     runs in its own savepoint, so one that fails leaves the others (and the claim) intact."""
 
-    def __init__(self, cur: psycopg.Cursor, attempts: dict[int, int]):
+    def __init__(self, cur: Cursor, attempts: dict[int, int]):
         self._cur, self._attempts = cur, attempts
         self.claimed = len(attempts)  # records claimed, settled by the ledger (stale, dropped) or not
 
@@ -108,7 +106,7 @@ class DispatchOutcomes:
         backoff; the records behind it go on. Returns the delay in seconds. The first deferral's
         time is kept (`deferred_since`): the relay gives the record up past its cap."""
         tries = self._attempts.get(dispatch.id, 0) + 1
-        delay = min(DISPATCH_RETRY_CAP_SECONDS, DISPATCH_RETRY_BASE_SECONDS * 2 ** (tries - 1))
+        delay = float(min(DISPATCH_RETRY_CAP_SECONDS, DISPATCH_RETRY_BASE_SECONDS * 2 ** (tries - 1)))
         with self._cur.connection.transaction():
             self._cur.execute(
                 "UPDATE retex.outbox SET attempts = %s, not_before = now() + make_interval(secs => %s), "

@@ -9,9 +9,7 @@ import random
 from datetime import timedelta
 from typing import Any
 
-import psycopg
-
-from retex.ledger.moves import NOW, db_now, record_history, set_clause
+from retex.ledger.moves import NOW, Cursor, db_now, one, record_history, set_clause
 from retex.machine import TERMINAL_PHASES, Backoff, TaskEvent, TaskPhase, task_transition
 
 # Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
@@ -20,7 +18,7 @@ PLACEMENT_LOCK_KEY = 0x706C616365
 _HOLDS_KEY = (TaskPhase.RUNNING, TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION)
 
 
-def transition(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
+def transition(cur: Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
                detail: dict[str, Any] | None = None, **columns: Any) -> dict[str, Any]:
     """Move the task by `event` (checked by the state machine), set `columns`, bump the version."""
     new_phase = task_transition(task["phase"], event)
@@ -30,11 +28,11 @@ def transition(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, acto
     if new_phase in TERMINAL_PHASES:
         columns.setdefault("finished_at", NOW)
     assignments, values = set_clause(columns)
-    updated = cur.execute(
+    updated = one(cur.execute(
         f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
         "WHERE uid = %s RETURNING *",
         (*values, task["uid"]),
-    ).fetchone()
+    ))
     record_history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
                    to_state=str(new_phase), detail=detail)
     if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
@@ -42,7 +40,7 @@ def transition(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, acto
     return updated
 
 
-def retry_or_fail(cur: psycopg.Cursor, task: dict[str, Any], failures: int, error: str, *, retry_reason: str,
+def retry_or_fail(cur: Cursor, task: dict[str, Any], failures: int, error: str, *, retry_reason: str,
                   actor: str, rng: random.Random | None) -> None:
     """A failed attempt, counted against the retry budget (`failures` with it): Failed and
     dead-lettered (RetriesExhausted) once it reaches max_attempts, else Retrying with
@@ -57,7 +55,7 @@ def retry_or_fail(cur: psycopg.Cursor, task: dict[str, Any], failures: int, erro
                    not_before=db_now(cur) + timedelta(seconds=delay))
 
 
-def start_attempt(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
+def start_attempt(cur: Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
                   actor: str, **columns: Any) -> dict[str, Any]:
     """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
     epoch = task["epoch"] + 1
@@ -72,12 +70,12 @@ def start_attempt(cur: psycopg.Cursor, task: dict[str, Any], event: TaskEvent, c
     return updated
 
 
-def place(cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> None:
+def place(cur: Cursor, task: dict[str, Any], cause: str, actor: str) -> None:
     """A task that may run: schedule it for later, or queue it and fill the free slots (which
     starts it at once when limits, its concurrency key and the queue ahead of it allow)."""
-    due = task["not_before"] is None or cur.execute(
+    due = task["not_before"] is None or one(cur.execute(
         "SELECT %s <= now() AS due", (task["not_before"],)
-    ).fetchone()["due"]
+    ))["due"]
     if not due:
         transition(cur, task, TaskEvent.SCHEDULE, actor)
         return
@@ -85,7 +83,7 @@ def place(cur: psycopg.Cursor, task: dict[str, Any], cause: str, actor: str) -> 
     fill_slots(cur, actor)
 
 
-def fill_slots(cur: psycopg.Cursor, actor: str) -> None:
+def fill_slots(cur: Cursor, actor: str) -> None:
     """Start Queued tasks while the run limits allow: per concurrency key only the oldest
     queued task may run, and only when no task of that key is Running, Retrying or waiting
     for a human (per-entity order); among what may run, higher priority first, then older.
@@ -94,7 +92,7 @@ def fill_slots(cur: psycopg.Cursor, actor: str) -> None:
     a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
     while holding the lock (whoever holds that row places it when it is done)."""
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
-    limits = cur.execute("SELECT * FROM retex.run_limits").fetchone()
+    limits = one(cur.execute("SELECT * FROM retex.run_limits"))
     # An attempt the operator ended (timeout, deletion) may still be running a step until it is
     # known dead (settled): until then it keeps its slot and its key.
     unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
@@ -136,7 +134,7 @@ def fill_slots(cur: psycopg.Cursor, actor: str) -> None:
         by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
 
 
-def set_run_limits(cur: psycopg.Cursor, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
+def set_run_limits(cur: Cursor, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
     """Limits on running attempts, for every process that places tasks; then fill the slots
     that raised limits opened."""
     cur.execute("UPDATE retex.run_limits SET max_running = %s, max_running_per_namespace = %s",

@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 from retex.ledger.errors import TaskNotFound
+from retex.ledger.moves import Cursor, one
 from retex.ledger.records import (
     DURATION_BUCKETS,
     AdmitResult,
@@ -31,7 +32,7 @@ NOTIFY_CHANNEL = "retex_ledger"
 _ENDED_PHASES = "('Succeeded', 'Failed', 'Cancelled')"
 
 
-def get(cur: psycopg.Cursor, uid: str) -> TaskRecord:
+def get(cur: Cursor, uid: str) -> TaskRecord:
     row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()
     if row is None:
         raise TaskNotFound(uid)
@@ -39,7 +40,7 @@ def get(cur: psycopg.Cursor, uid: str) -> TaskRecord:
     return task_record(row, steps)
 
 
-def find(cur: psycopg.Cursor, namespace: str, name: str) -> TaskRecord | None:
+def find(cur: Cursor, namespace: str, name: str) -> TaskRecord | None:
     """The newest task of that namespace/name (a name can be reused after deletion)."""
     row = cur.execute(
         "SELECT uid FROM retex.tasks WHERE namespace = %s AND name = %s ORDER BY created_at DESC LIMIT 1",
@@ -48,28 +49,28 @@ def find(cur: psycopg.Cursor, namespace: str, name: str) -> TaskRecord | None:
     return get(cur, row["uid"]) if row else None
 
 
-def running(cur: psycopg.Cursor) -> list[TaskRecord]:
+def running(cur: Cursor) -> list[TaskRecord]:
     """Every Running task (without steps): what the lease reaper watches over."""
     rows = cur.execute("SELECT * FROM retex.tasks WHERE phase = 'Running' ORDER BY uid").fetchall()
     return [task_record(row, []) for row in rows]
 
 
-def versions(cur: psycopg.Cursor) -> dict[str, int]:
+def versions(cur: Cursor) -> dict[str, int]:
     """uid → ledger version of every task: what a status resync compares against."""
     return {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")}
 
 
-def attempts(cur: psycopg.Cursor, uid: str) -> list[AttemptRecord]:
+def attempts(cur: Cursor, uid: str) -> list[AttemptRecord]:
     rows = cur.execute("SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)).fetchall()
     return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]
 
 
-def history(cur: psycopg.Cursor, uid: str) -> list[HistoryEntry]:
+def history(cur: Cursor, uid: str) -> list[HistoryEntry]:
     rows = cur.execute("SELECT * FROM retex.history WHERE task_uid = %s ORDER BY id", (uid,)).fetchall()
     return [HistoryEntry(**{k: r[k] for k in HistoryEntry.__dataclass_fields__}) for r in rows]
 
 
-def dead_letters(cur: psycopg.Cursor, namespace: str | None) -> list[TaskRecord]:
+def dead_letters(cur: Cursor, namespace: str | None) -> list[TaskRecord]:
     """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
     of one namespace, or of all when `namespace` is None. Oldest failure first."""
     rows = cur.execute(
@@ -80,7 +81,7 @@ def dead_letters(cur: psycopg.Cursor, namespace: str | None) -> list[TaskRecord]
     return [task_record(row, []) for row in rows]
 
 
-def watched(cur: psycopg.Cursor) -> list[WatchedAttempt]:
+def watched(cur: Cursor) -> list[WatchedAttempt]:
     """What the reaper watches: the current attempt of every Running task, and every attempt
     the operator ended that is not yet known dead (it holds its slot and key until then)."""
     rows = cur.execute(
@@ -95,24 +96,26 @@ def watched(cur: psycopg.Cursor) -> list[WatchedAttempt]:
     return [WatchedAttempt(**row) for row in rows]
 
 
-def next_due_at(cur: psycopg.Cursor) -> datetime | None:
+def next_due_at(cur: Cursor) -> datetime | None:
     """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
     the promoter sleeps until then instead of keeping a timer per task."""
-    return cur.execute(
+    at: datetime | None = one(cur.execute(
         """SELECT least(
                (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
                (SELECT min(deadline_at) FROM retex.tasks
                 WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled'))) AS at"""
-    ).fetchone()["at"]
+    ))["at"]
+    return at
 
 
-def seconds_until(cur: psycopg.Cursor, at: datetime) -> float:
+def seconds_until(cur: Cursor, at: datetime) -> float:
     """`at` minus the database's now(): time left measured on the ledger's clock, the one
     that set `at` (a deadline), never the caller's wall clock."""
-    return cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)).fetchone()["s"]
+    seconds: float = one(cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)))["s"]
+    return seconds
 
 
-def prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult | None:
+def prior_verdict(cur: Cursor, admission: TaskAdmission) -> AdmitResult | None:
     """What `admit` answers for a Task it will never admit, without writing: refused before,
     purged, or a duplicate of the task (live or purged) that used its idempotencyKey first.
     None: `admit` would admit it (or has). The operator asks before its Job dry run, so that a
@@ -140,24 +143,24 @@ def prior_verdict(cur: psycopg.Cursor, admission: TaskAdmission) -> AdmitResult 
     return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
 
 
-def refusal(cur: psycopg.Cursor, uid: str) -> Refusal | None:
+def refusal(cur: Cursor, uid: str) -> Refusal | None:
     """The refusal stored for `uid`, or None."""
     row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
                       (uid,)).fetchone()
     return Refusal(**row) if row else None
 
 
-def figures(cur: psycopg.Cursor) -> LedgerFigures:
+def figures(cur: Cursor) -> LedgerFigures:
     """What the operator exports as metrics, computed from committed state (so worker-side
     figures need no scraping of short-lived pods). Counts come from append-only rows plus what
     purges took (LedgerFigures says which figures are counts)."""
     phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
-    dead = cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered").fetchone()["n"]
-    lag = cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
-                      "WHERE sent_at IS NULL").fetchone()["s"]
+    dead = one(cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered"))["n"]
+    lag = one(cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
+                      "WHERE sent_at IS NULL"))["s"]
     # The promoter fails a task at its deadline: one left unfinished past it means that did not happen.
-    overrun = cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) AS s FROM retex.tasks "
-                          f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}").fetchone()["s"]
+    overrun = one(cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) AS s FROM retex.tasks "
+                          f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}"))["s"]
     counts = tallies(cur, None)
     for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
         key = (row["metric"], row["label"])
@@ -185,7 +188,7 @@ def figures(cur: psycopg.Cursor) -> LedgerFigures:
     )
 
 
-def tallies(cur: psycopg.Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]:
+def tallies(cur: Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]:
     """Counts from append-only rows (history, attempts) of the tasks `uids` (None: every task),
     keyed (metric, label); a histogram as labels `count`, `sum` and `le=<bound>`. A requeue or a
     retry only adds rows, so none of these goes down but by a purge (which keeps what it took)."""
@@ -201,15 +204,15 @@ def tallies(cur: psycopg.Cursor, uids: list[str] | None) -> dict[tuple[str, str]
 
     def histogram(metric: str, seconds_sql: str) -> None:
         bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(DURATION_BUCKETS))
-        row = cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
-                          params).fetchone()
+        row = one(cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
+                              params))
         add(metric, "count", row["n"])
         add(metric, "sum", row["total"])
         for i, bound in enumerate(DURATION_BUCKETS):
             add(metric, f"le={float(bound)}", row[f"le{i}"])
 
-    add("submitted", "", cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
-                                     f"{of('task_uid')}", params).fetchone()["n"])
+    add("submitted", "", one(cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
+                                     f"{of('task_uid')}", params))["n"])
     ended = f"h.to_state IN {_ENDED_PHASES} AND h.event NOT LIKE 'step-%%' AND {of('h.task_uid')}"
     for row in cur.execute(f"SELECT h.to_state, count(*) AS n, count(*) FILTER (WHERE h.detail->>'deadLettered' = "
                            f"'true') AS dead FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):

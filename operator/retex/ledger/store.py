@@ -32,7 +32,7 @@ from retex.failpoints import failpoint
 from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
 from retex.ledger.errors import NotLeader
 from retex.ledger.migrate import migrate
-from retex.ledger.moves import check_result_size, record_history
+from retex.ledger.moves import Cursor, check_result_size, record_history
 from retex.ledger.outbox import DispatchOutcomes
 from retex.ledger.records import (
     AdmitResult,
@@ -96,7 +96,7 @@ class Ledger:
     def _retrying(self, fn: Callable[[], T], *, op: str) -> T:
         return transactions.retrying(fn, op=op, retry_for=self._retry_for)
 
-    def _tx(self, fn: Callable[[psycopg.Cursor], T], *, op: str, leader: bool = False) -> T:
+    def _tx(self, fn: Callable[[Cursor], T], *, op: str, leader: bool = False) -> T:
         def attempt() -> T:
             with self._transaction(leader=leader) as cur:
                 return fn(cur)
@@ -104,7 +104,7 @@ class Ledger:
         return self._retrying(attempt, op=op)
 
     @contextlib.contextmanager
-    def _transaction(self, *, leader: bool) -> Iterator[psycopg.Cursor]:
+    def _transaction(self, *, leader: bool) -> Iterator[Cursor]:
         """A transaction; a leader's write (`leader`) on a fenced Ledger checks the term first.
         A leader's session the server ended for sitting idle in its transaction (the process
         froze) is refused too: its transaction did not commit, and a successor may lead."""
@@ -117,17 +117,17 @@ class Ledger:
         except psycopg.errors.IdleInTransactionSessionTimeout as cut:
             if not fenced:
                 raise
-            raise NotLeader("the server ended this transaction after it sat idle for "
-                            f"{self._limits.idle_in_transaction_seconds:g}s: nothing of it was written") from cut
+            idle = f" for {self._limits.idle_in_transaction_seconds:g}s" if self._limits else ""
+            raise NotLeader(f"the server ended this transaction after it sat idle{idle}: nothing of it was written") from cut
 
-    def _tx_once(self, fn: Callable[[psycopg.Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
+    def _tx_once(self, fn: Callable[[Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         return self._tx(transactions.once(fn, uid=uid), op=op, leader=True)
 
-    def _run(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+    def _run(self, operation: Callable[Concatenate[Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`operation(cur, ...)` in one transaction of its own, retried, named after the operation."""
         return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__)
 
-    def _lead(self, operation: Callable[Concatenate[psycopg.Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
+    def _lead(self, operation: Callable[Concatenate[Cursor, P], T], *args: P.args, **kwargs: P.kwargs) -> T:
         """As `_run`, for a write of the control plane's leader: fenced by the leadership term."""
         return self._tx(lambda cur: operation(cur, *args, **kwargs), op=operation.__name__, leader=True)
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import DictRow, dict_row
 from psycopg_pool import ConnectionPool
 
 from retex.ledger import readers
 from retex.ledger.errors import LedgerUnavailable, NotLeader
-from retex.ledger.moves import lock_task
+from retex.ledger.moves import Cursor, lock_task, one
 from retex.ledger.records import TaskRecord
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,12 @@ def _milliseconds(seconds: float) -> str:
     return f"{max(1, round(seconds * 1000))}ms"
 
 
-def connection_pool(dsn: str, *, max_connections: int, limits: SessionLimits | None = None) -> ConnectionPool:
+def connection_pool(dsn: str, *, max_connections: int,
+                    limits: SessionLimits | None = None) -> ConnectionPool[psycopg.Connection[DictRow]]:
     """Not yet open (`Ledger.open` opens it after migrating); rows come as dicts."""
     return ConnectionPool(
         dsn,
+        connection_class=psycopg.Connection[DictRow],
         min_size=1,
         max_size=max_connections,
         kwargs={"row_factory": dict_row},
@@ -75,39 +77,40 @@ def connection_pool(dsn: str, *, max_connections: int, limits: SessionLimits | N
     )
 
 
-def _configure(conn: psycopg.Connection, *, limits: SessionLimits | None) -> None:
+def _configure(conn: psycopg.Connection[DictRow], *, limits: SessionLimits | None) -> None:
     """Durable commits: a worker moves on to the next external effect once its commit returns, so
     the commit must be on disk by then: with synchronous_commit=off a crash could lose an
     acknowledged step and the step would run again. Stronger server settings (remote_write,
     remote_apply) are kept. With `limits`, its settings too."""
-    if conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "off":
+    if one(conn.execute("SHOW synchronous_commit"))["synchronous_commit"] == "off":
         conn.execute("SET synchronous_commit = on")
     for name, value in (limits.settings() if limits else {}).items():
         conn.execute("SELECT set_config(%s, %s, false)", (name, value))
     conn.commit()
 
 
-def check_term(cur: psycopg.Cursor, term: int | None) -> None:
+def check_term(cur: Cursor, term: int | None) -> None:
     """The first statement of a leader's write: the ledger's term must still be `term`, else
     NotLeader. FOR SHARE, kept to the end of the transaction: `take_term` waits for every
     transaction that passed this check, so once a successor's term is taken none of its
     predecessor's writes is still to commit, and each one after is refused."""
-    current = cur.execute("SELECT term FROM retex.leadership FOR SHARE").fetchone()["term"]
+    current = one(cur.execute("SELECT term FROM retex.leadership FOR SHARE"))["term"]
     if term != current:
         raise NotLeader(f"the ledger's leadership term is {current}, this writer's is {term}" if term is not None
                         else f"this writer has taken no leadership term (the ledger's is {current})")
 
 
-def take_term(cur: psycopg.Cursor, *, lock_timeout_seconds: float) -> int:
+def take_term(cur: Cursor, *, lock_timeout_seconds: float) -> int:
     """Take the next leadership term: the predecessor's writes under way commit first (or are
     ended by the server); its later ones are refused. Raises LockNotAvailable when they have
     not within `lock_timeout_seconds` (the caller tries again while it still leads)."""
     cur.execute("SELECT set_config('lock_timeout', %s, true)", (_milliseconds(lock_timeout_seconds),))
-    return cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term").fetchone()["term"]
+    term: int = one(cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term"))["term"]
+    return term
 
 
 @contextlib.contextmanager
-def transaction(pool: ConnectionPool) -> Iterator[psycopg.Cursor]:
+def transaction(pool: ConnectionPool[psycopg.Connection[DictRow]]) -> Iterator[Cursor]:
     """A cursor in a transaction on a pooled connection: committed when the block ends, rolled
     back when it raises."""
     with pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
@@ -130,21 +133,21 @@ def retrying(fn: Callable[[], T], *, op: str, retry_for: float) -> T:
             delay = min(delay * 2, 2.0)
 
 
-def once(fn: Callable[[psycopg.Cursor], T], *, uid: str) -> Callable[[psycopg.Cursor], TaskRecord | T]:
+def once(fn: Callable[[Cursor], T], *, uid: str) -> Callable[[Cursor], TaskRecord | T]:
     """`fn` for an operation on task `uid` whose repetition would be refused (a human action that
     moves the task on), to be retried as a whole: when a retry follows a COMMIT whose reply was
     lost, the earlier try's transaction is found committed, so the retry returns the task as it
     is instead of trying again."""
     earlier: list[str] = []  # the id of the transaction of the latest try
 
-    def first_time(cur: psycopg.Cursor) -> TaskRecord | T:
+    def first_time(cur: Cursor) -> TaskRecord | T:
         if earlier:
             # The task row lock waits out a COMMIT still under way (every try takes that lock).
             lock_task(cur, uid)
-            status = cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)).fetchone()["s"]
+            status = one(cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)))["s"]
             if status == "committed":
                 return readers.get(cur, uid)
-        earlier[:] = [cur.execute("SELECT pg_current_xact_id()::text AS x").fetchone()["x"]]
+        earlier[:] = [one(cur.execute("SELECT pg_current_xact_id()::text AS x"))["x"]]
         return fn(cur)
 
     return first_time

@@ -21,7 +21,7 @@ from psycopg.types.json import Jsonb
 from retex.failpoints import failpoint
 from retex.ledger import readers
 from retex.ledger.errors import CancelRequested, StepOutOfOrder, TaskNotFound, UnstorableValue
-from retex.ledger.moves import NOW, cancel_reason, end_attempt, fence, lock_task, move_step, record_history, touch
+from retex.ledger.moves import NOW, Cursor, cancel_reason, end_attempt, fence, lock_task, move_step, one, record_history, touch
 from retex.ledger.placement import retry_or_fail, transition
 from retex.ledger.records import StepRecord, TaskRecord
 from retex.machine import IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
@@ -37,7 +37,7 @@ def refusal_as_unstorable() -> Iterator[None]:
         raise UnstorableValue(f"the ledger refused the value: {type(exc).__name__}: {exc}") from exc
 
 
-def claim_attempt(cur: psycopg.Cursor, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
+def claim_attempt(cur: Cursor, uid: str, epoch: int, *, pod: str, node: str | None) -> TaskRecord:
     """Read the task for attempt `epoch` and record which pod runs it. Fenced."""
     task = lock_task(cur, uid)
     fence(task, epoch)
@@ -46,7 +46,7 @@ def claim_attempt(cur: psycopg.Cursor, uid: str, epoch: int, *, pod: str, node: 
     return readers.get(cur, uid)
 
 
-def begin_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, *, actor: str,
+def begin_step(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str,
                request: str | None) -> tuple[StepRecord, str]:
     """Mark step `idx` started by this attempt; returns it as it was before, and the task's name
     (for the failpoint after the commit). Fenced.
@@ -80,7 +80,7 @@ def begin_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, *, actor: st
     return prior, task["name"]
 
 
-def start_run(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, *, actor: str) -> None:
+def start_run(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str) -> None:
     """Step `idx`, begun by this attempt and found `started` from an earlier one, is about to
     run now (after its verify found nothing, or as an idempotent re-run): its started_at
     becomes this moment, so a later attempt waits out this run's deadline, not the begin's.
@@ -98,7 +98,7 @@ def start_run(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, *, actor: str
     touch(cur, uid)
 
 
-def seconds_until_step_deadline(cur: psycopg.Cursor, uid: str, idx: int, *, begun_at: datetime | None,
+def seconds_until_step_deadline(cur: Cursor, uid: str, idx: int, *, begun_at: datetime | None,
                                 after_seconds: float) -> float:
     """Seconds left, by the database's clock, until `after_seconds` past the step's begin
     (`begun_at` as an earlier `begin_step` returned it, else the step row's own started_at);
@@ -115,7 +115,7 @@ def seconds_until_step_deadline(cur: psycopg.Cursor, uid: str, idx: int, *, begu
     return float(row["left"] or 0)
 
 
-def commit_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
+def commit_step(cur: Cursor, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
     """Record the step's result: the one durable proof that its effect happened. Fenced. The
     result's size is checked before the transaction (`Ledger.commit_step`: `check_result_size`)."""
     task = lock_task(cur, uid)
@@ -129,7 +129,7 @@ def commit_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, result: Any
     failpoint("in-commit", step["name"], task=task["name"], uid=uid)  # crash-matrix R8: dies before COMMIT
 
 
-def fail_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
+def fail_step(cur: Cursor, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
               rng: random.Random | None) -> TaskRecord:
     """The step failed: retry after backoff, or fail the task (permanently or out of budget). Fenced."""
     task = lock_task(cur, uid)
@@ -150,7 +150,7 @@ def fail_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, error: str, *
     return readers.get(cur, uid)
 
 
-def flag_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
+def flag_step(cur: Cursor, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
     """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
     task = lock_task(cur, uid)
     if task["phase"] == TaskPhase.NEEDS_ATTENTION and task["epoch"] == epoch:
@@ -163,14 +163,14 @@ def flag_step(cur: psycopg.Cursor, uid: str, epoch: int, idx: int, why: str, *, 
     return readers.get(cur, uid)
 
 
-def complete_task(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+def complete_task(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
     """Every step is done: the task Succeeded. Fenced."""
     task = lock_task(cur, uid)
     if task["phase"] == TaskPhase.SUCCEEDED and task["epoch"] == epoch:
         return readers.get(cur, uid)  # a repeated call
     fence(task, epoch)
-    undone = cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
-                         (uid,)).fetchone()["n"]
+    undone = one(cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
+                         (uid,)))["n"]
     if undone:
         raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
     end_attempt(cur, uid, epoch, "succeeded")
@@ -178,7 +178,7 @@ def complete_task(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> T
     return readers.get(cur, uid)
 
 
-def finish_cancelled(cur: psycopg.Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
+def finish_cancelled(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
     """The worker stopped at a step boundary because cancel was requested. Fenced."""
     task = lock_task(cur, uid)
     if task["phase"] == TaskPhase.CANCELLED and task["epoch"] == epoch:
