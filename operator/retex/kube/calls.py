@@ -116,9 +116,16 @@ def transient(exc: BaseException) -> bool:
     return isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError)
 
 
+def custom_object(answer: object) -> dict[str, Any]:
+    """An object as the client hands it over, decoded JSON (the client types it `object`)."""
+    if not isinstance(answer, dict):
+        raise TypeError(f"the API server answered {type(answer).__name__}, not a JSON object")
+    return answer
+
+
 def _status_of(exc: ApiException) -> dict[str, Any]:
     try:
-        status = json.loads(exc.body)
+        status = json.loads(exc.body or "")
     except (TypeError, ValueError):
         return {}
     return status if isinstance(status, dict) else {}
@@ -142,7 +149,7 @@ class KubeCalls:
         self._custom = client.CustomObjectsApi(api)
 
     def _plain(self, model: Any) -> dict[str, Any]:
-        return self._api.sanitize_for_serialization(model)
+        return custom_object(self._api.sanitize_for_serialization(model))
 
     def _writing(self, what: str) -> None:
         if not self.may_write():
@@ -159,13 +166,15 @@ class KubeCalls:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         self._writing(f"create Lease {namespace}/{name}")
         _created_or_ours(body,
-                         lambda: self._coordination.create_namespaced_lease(namespace, body, _request_timeout=self._timeout),
+                         lambda: self._coordination.create_namespaced_lease(namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into its model
+                                                                             _request_timeout=self._timeout),
                          lambda: self.get_lease(namespace, name) or {"metadata": {}})
 
     def create_job(self, body: dict[str, Any]) -> None:
         namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
         self._writing(f"create Job {namespace}/{name}")
-        _created_or_ours(body, lambda: self._batch.create_namespaced_job(namespace, body, _request_timeout=self._timeout),
+        _created_or_ours(body, lambda: self._batch.create_namespaced_job(namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into its model
+                                                                           _request_timeout=self._timeout),
                          lambda: self._plain(self._batch.read_namespaced_job(name, namespace, _request_timeout=self._timeout)))
 
     def dry_run_job(self, body: dict[str, Any]) -> None:
@@ -173,7 +182,7 @@ class KubeCalls:
         nothing stored). Raises `Refused` when it would be refused; a name already taken is not a
         refusal here (the real create decides whose it is)."""
         try:
-            self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All",
+            self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All",  # type: ignore[arg-type]  # a manifest dict; the client validates it into its model
                                               _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status != 409:
@@ -210,15 +219,17 @@ class KubeCalls:
 
     def get_task(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                                            _request_timeout=self._timeout)
+            return custom_object(self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                                          _request_timeout=self._timeout))
         except ApiException as exc:
             if exc.status == 404:
                 return None
             raise
 
     def list_tasks(self) -> list[dict[str, Any]]:
-        return self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=self._timeout)["items"]
+        items: list[dict[str, Any]] = custom_object(
+            self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=self._timeout))["items"]
+        return items
 
     def patch_task_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource. The uid precondition keeps a status from landing
@@ -260,7 +271,8 @@ class KubeCalls:
             "reportingInstance": self._instance,
         }
         try:
-            self._core.create_namespaced_event(meta["namespace"], body, _request_timeout=self._timeout)
+            self._core.create_namespaced_event(meta["namespace"], body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into its model
+                                               _request_timeout=self._timeout)
         except ApiException as exc:
             raise EventNotPosted(exc.status, api_message(exc)) from exc
 

@@ -111,7 +111,7 @@ class Election:
         if holder == self.identity:
             return Decision.RENEW
         duration = self.observed.duration_seconds or self.timing.lease_duration
-        if holder is None or now >= self._observed_at + duration:
+        if holder is None or (self._observed_at is not None and now >= self._observed_at + duration):
             return Decision.TAKE
         return Decision.WAIT
 
@@ -180,14 +180,14 @@ class LeaderLease:
                                 "spec": record.spec()}
         try:
             if self._version is None:
-                written = self._coordination.create_namespaced_lease(self.namespace, body,
+                written = self._coordination.create_namespaced_lease(self.namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into V1Lease
                                                                      _request_timeout=self._timeout)
             else:
                 body["metadata"]["resourceVersion"] = self._version
-                written = self._coordination.replace_namespaced_lease(self.name, self.namespace, body,
+                written = self._coordination.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into V1Lease
                                                                       _request_timeout=self._timeout)
         except ApiException as exc:
             if exc.status == 409:
                 raise LeaseConflict(f"leader Lease {self.namespace}/{self.name} changed") from exc
             raise
-        self._version = written.metadata.resource_version
+        self._version = written.metadata.resource_version if written.metadata else None

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from retex.api import GROUP, PLURAL, VERSION
-from retex.kube.calls import MERGE_PATCH, NotPermitted, api_message, refusal
+from retex.kube.calls import MERGE_PATCH, NotPermitted, api_message, custom_object, refusal
 
 T = TypeVar("T")
 
@@ -124,10 +124,10 @@ def _annotate(api: client.ApiClient, namespace: str, name: str, annotations: dic
 
 
 def _json(answer: object) -> dict[str, Any]:
-    """A custom object as the client hands it over: the decoded JSON (typed `object` by the client)."""
-    if not isinstance(answer, dict):
-        raise RefusedByServer(f"the API server answered {type(answer).__name__}, not a JSON object")
-    return answer
+    try:
+        return custom_object(answer)
+    except TypeError as exc:
+        raise RefusedByServer(str(exc)) from None
 
 
 def _now() -> str:

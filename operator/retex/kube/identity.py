@@ -56,16 +56,17 @@ class WorkerIdentity:
 
 def identity_of(namespace: str, service_account: str, pod: client.V1Pod) -> WorkerIdentity:
     """The attempt a pod says it runs, from its labels and controlling Job. Pure."""
-    labels = pod.metadata.labels or {}
-    owner = next((o for o in pod.metadata.owner_references or [] if o.controller), None)
-    if owner is None or owner.kind != "Job":
-        raise NotAWorker(f"pod {namespace}/{pod.metadata.name} is not controlled by a Job")
+    meta = pod.metadata or client.V1ObjectMeta()
+    labels = meta.labels or {}
+    owner = next((o for o in meta.owner_references or [] if o.controller), None)
+    if not meta.name or owner is None or owner.kind != "Job":
+        raise NotAWorker(f"pod {namespace}/{meta.name} is not controlled by a Job")
     try:
         epoch = int(labels[LABEL_EPOCH])
         uid = labels[LABEL_TASK_UID]
     except (KeyError, ValueError):
-        raise NotAWorker(f"pod {namespace}/{pod.metadata.name} has no retex task and epoch labels") from None
-    return WorkerIdentity(namespace=namespace, pod=pod.metadata.name, service_account=service_account,
+        raise NotAWorker(f"pod {namespace}/{meta.name} has no retex task and epoch labels") from None
+    return WorkerIdentity(namespace=namespace, pod=meta.name, service_account=service_account,
                           job_name=owner.name, task_uid=uid, epoch=epoch)
 
 
@@ -115,12 +116,14 @@ class WorkerIdentities:
             raise IdentityUnavailable(f"TokenReview failed: {exc.status} {exc.reason}") from exc
         except Exception as exc:  # transport errors: urllib3's, OSError
             raise IdentityUnavailable(f"TokenReview failed: {exc}") from exc
-        if not status.authenticated:
-            raise NotAWorker(f"token not accepted for audience {TOKEN_AUDIENCE}: {status.error or 'unauthenticated'}")
+        if status is None or not status.authenticated:
+            raise NotAWorker(f"token not accepted for audience {TOKEN_AUDIENCE}: "
+                             f"{(status and status.error) or 'unauthenticated'}")
         if TOKEN_AUDIENCE not in (status.audiences or []):
             raise NotAWorker(f"token is not for audience {TOKEN_AUDIENCE}")
-        username = status.user.username or ""
-        extra = status.user.extra or {}
+        user = status.user or client.V1UserInfo()
+        username = user.username or ""
+        extra = user.extra or {}
         if not username.startswith(_SA_PREFIX) or not extra.get(_POD_NAME) or not extra.get(_POD_UID):
             raise NotAWorker(f"{username or 'the caller'} is not a pod-bound ServiceAccount token")
         namespace, _, service_account = username[len(_SA_PREFIX):].partition(":")
@@ -132,7 +135,7 @@ class WorkerIdentities:
             raise IdentityUnavailable(f"reading pod {namespace}/{pod_name} failed: {exc.status} {exc.reason}") from exc
         except Exception as exc:
             raise IdentityUnavailable(f"reading pod {namespace}/{pod_name} failed: {exc}") from exc
-        pod = next((p for p in pods if p.metadata.uid == pod_uid), None)
+        pod = next((p for p in pods if p.metadata and p.metadata.uid == pod_uid), None)
         if pod is None:
             raise NotAWorker(f"pod {namespace}/{pod_name} (uid {pod_uid}) no longer exists")
         return identity_of(namespace, service_account, pod)

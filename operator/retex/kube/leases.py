@@ -183,7 +183,7 @@ def judge(view: LeaseView, me: Holder, watch: RenewalWatch, now: float, *, defau
         holder = parse_holder(view.holder_identity)
     except ValueError:
         return Verdict.REFUSE
-    if holder.epoch < me.epoch:
+    if holder is None or holder.epoch < me.epoch:  # None: an empty holderIdentity, nobody holds it
         return Verdict.TAKE
     if holder.epoch > me.epoch or watch.renewals_seen > 0:
         return Verdict.REFUSE
@@ -272,4 +272,5 @@ def _call(api: client.ApiClient, method: str, namespace: str, name: str, body: d
         raise LeaseConflict(f"lease {namespace}/{name} changed since it was read")
     if not 200 <= response.status < 300:
         raise client.ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
-    return json.loads(data)
+    answer: dict[str, Any] = json.loads(data)
+    return answer

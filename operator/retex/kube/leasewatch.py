@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
+from typing import Any
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
@@ -56,7 +57,7 @@ class LeaseObservation:
 LeaseKey = tuple[str, str]  # (namespace, name)
 
 
-def _key(lease: dict) -> LeaseKey:
+def _key(lease: dict[str, Any]) -> LeaseKey:
     return lease["metadata"].get("namespace") or "", lease["metadata"]["name"]
 
 
@@ -77,7 +78,7 @@ class LeaseObserver:
         self._blind_since: float | None = None  # when the watch last went down
         self.synced = threading.Event()
 
-    def confirm(self, namespace: str, name: str, task_uid: str, lease: dict | None) -> LeaseObservation | None:
+    def confirm(self, namespace: str, name: str, task_uid: str, lease: dict[str, Any] | None) -> LeaseObservation | None:
         """Record the Lease `namespace/name` just read with a GET (None: it is gone) and return the
         observation: a renewal the watch has not delivered (stalled stream, paused operator)
         counts as one."""
@@ -89,7 +90,7 @@ class LeaseObserver:
             self._observe(lease)
         return self.get(namespace, name, task_uid)
 
-    def relisted(self, leases: list[dict]) -> None:
+    def relisted(self, leases: list[dict[str, Any]]) -> None:
         """A fresh LIST after a blind spot. While we could not watch we could not see renewals
         either: the blind time is not counted against a lease (an API server restart condemns no
         one), but the time we could see is (a watch that keeps failing still expires the dead)."""
@@ -127,7 +128,7 @@ class LeaseObserver:
     def stop(self) -> None:
         self._stop.set()
 
-    def _observe(self, lease: dict, deleted: bool = False, relisted: bool = False, blind: float = 0.0) -> None:
+    def _observe(self, lease: dict[str, Any], deleted: bool = False, relisted: bool = False, blind: float = 0.0) -> None:
         meta, spec = lease["metadata"], lease.get("spec") or {}
         uid = (meta.get("labels") or {}).get(LABEL_TASK_UID)
         if not uid:
