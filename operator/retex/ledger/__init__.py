@@ -42,6 +42,7 @@ from retex.ledger.records import (
 
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
+    "DispatchOutcomes",
     "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError",
     "LedgerUnavailable", "NotLeader", "Refusal", "ResultTooLarge",
     "SessionLimits", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
@@ -50,9 +51,11 @@ __all__ = [
 ]
 
 _ON_FIRST_USE = {"Ledger": "retex.ledger.store", "SessionLimits": "retex.ledger.transactions",
+                 "DispatchOutcomes": "retex.ledger.outbox",
                  "NOTIFY_CHANNEL": "retex.ledger.readers"}
 
 if TYPE_CHECKING:
+    from retex.ledger.outbox import DispatchOutcomes
     from retex.ledger.readers import NOTIFY_CHANNEL
     from retex.ledger.store import Ledger
     from retex.ledger.transactions import SessionLimits

@@ -7,13 +7,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls, NamespaceTerminating, NotPermitted, Refused, transient
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease, job_name
-from retex.ledger import Dispatch, Ledger, LedgerError, spec_hash
-from retex.ledger.store import DispatchOutcomes
+from retex.ledger import Dispatch, DispatchOutcomes, Ledger, LedgerError, spec_hash
 from retex.logs import event
 from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, not_onboarded_message
 from retex.operator.loop import STOPPED_LEADING, Loop
@@ -69,7 +69,7 @@ class Relay(Loop):
             return outcomes.claimed
 
     def _settle(self, dispatch: Dispatch, outcomes: DispatchOutcomes) -> None:
-        who = {"uid": dispatch.task_uid, "namespace": dispatch.namespace, "name": dispatch.name,
+        who: dict[str, Any] = {"uid": dispatch.task_uid, "namespace": dispatch.namespace, "name": dispatch.name,
                "epoch": dispatch.epoch}
         try:
             result = self._send_unless_ended(dispatch)
@@ -77,11 +77,12 @@ class Relay(Loop):
             raise  # the ledger is away, or this replica no longer leads: the whole batch waits (its claims roll back)
         except Exception as exc:
             count_failure(self.name, exc)
-            result = self._given_up(dispatch, f"{type(exc).__name__}: {exc}",
-                                    transient(exc) or isinstance(exc, NotPermitted))
-            if result is None:
+            given_up = self._given_up(dispatch, f"{type(exc).__name__}: {exc}",
+                                      transient(exc) or isinstance(exc, NotPermitted))
+            if given_up is None:
                 self._defer(dispatch, outcomes, exc, who)
                 return
+            result = given_up
         if isinstance(result, str):
             outcomes.sent(dispatch, result)
             return
@@ -100,8 +101,9 @@ class Relay(Loop):
             outcomes.dropped(dispatch, reason=result.reason, job_name=left)
         else:
             outcomes.rejected(dispatch, result.error, reason=result.reason, job_name=left)
-        event(log, logging.INFO if result.error is None else logging.WARNING, result.why, **who,
-              **({"why": result.error[:300]} if result.error else {}), **({"job_deleted": left} if left else {}))
+        fields = {**who, **({"why": result.error[:300]} if result.error else {}),
+                  **({"job_deleted": left} if left else {})}
+        event(log, logging.INFO if result.error is None else logging.WARNING, result.why, **fields)
 
     def _send_unless_ended(self, dispatch: Dispatch) -> str | _Unsent:
         """Send the record (its Job's name), or say why it ends unsent."""
@@ -110,7 +112,7 @@ class Relay(Loop):
         try:
             task = self._kube.get_task(dispatch.namespace, dispatch.name)
             meta = task["metadata"] if task else {}
-            if meta.get("uid") != dispatch.task_uid or meta.get("deletionTimestamp"):
+            if task is None or meta.get("uid") != dispatch.task_uid or meta.get("deletionTimestamp"):
                 # Deleted (perhaps while nobody watched): stop it, keep its history, send nothing.
                 return _Unsent("TaskDeleted", "dispatch dropped: Task deleted")
             if (task.get("spec") or {}).get("cancel"):  # the cancel handler may not have run yet
@@ -150,14 +152,14 @@ class Relay(Loop):
                            f"not dispatched for {dispatch.deferred_seconds:.0f}s; last error: {why}")
         return None
 
-    def _defer(self, dispatch: Dispatch, outcomes: DispatchOutcomes, exc: Exception, who: dict) -> None:
+    def _defer(self, dispatch: Dispatch, outcomes: DispatchOutcomes, exc: Exception, who: dict[str, Any]) -> None:
         """429, 5xx, a dropped connection: this record alone waits."""
         why = f"{type(exc).__name__}: {exc}"
         delay = outcomes.deferred(dispatch, why)
         event(log, logging.WARNING, "dispatch deferred after a transient error", **who, retry_in_seconds=delay,
               why=why[:300])
 
-    def _send(self, dispatch: Dispatch, task: dict, spec: TaskSpec) -> str:
+    def _send(self, dispatch: Dispatch, task: dict[str, Any], spec: TaskSpec) -> str:
         failpoint_armed = None
         if self._failpoints and dispatch.epoch == 1:
             failpoint_armed = (task["metadata"].get("annotations") or {}).get(FAILPOINT_ANNOTATION)
@@ -175,7 +177,8 @@ class Relay(Loop):
         failpoint("after-job-create", task=dispatch.name, uid=dispatch.task_uid)
         event(log, logging.INFO, "attempt dispatched", uid=dispatch.task_uid, namespace=dispatch.namespace,
               name=dispatch.name, epoch=dispatch.epoch, job=job["metadata"]["name"])
-        return job["metadata"]["name"]
+        name: str = job["metadata"]["name"]
+        return name
 
 
 class Promoter(Loop):

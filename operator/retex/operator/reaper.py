@@ -26,6 +26,8 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
@@ -58,7 +60,7 @@ def hold_of(seen: LeaseObservation | None, epoch: int, now: float) -> Hold:
     return Hold.NEVER
 
 
-def _job_failed(job: dict | None) -> bool:
+def _job_failed(job: dict[str, Any] | None) -> bool:
     if job is None:
         return True
     status = job.get("status") or {}
@@ -70,7 +72,7 @@ class Reaper(Loop):
     name = "reaper"
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, interval: float,
-                 start_deadline_seconds: float, on_replaced=lambda: None):
+                 start_deadline_seconds: float, on_replaced: Callable[[], None] = lambda: None):
         super().__init__()
         self._ledger, self._kube, self._leases = ledger, kube, leases
         self._interval, self._on_replaced = interval, on_replaced
