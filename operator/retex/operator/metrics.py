@@ -18,23 +18,36 @@ import logging
 import threading
 import time
 
+import psycopg
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from retex.ledger import DURATION_BUCKETS as BUCKETS
 from retex.ledger import Histogram as LedgerHistogram
-from retex.ledger import Ledger, LedgerError, LedgerFigures
+from retex.ledger import Ledger, LedgerError, LedgerFigures, LedgerUnavailable
 from retex.logs import event
 from retex.machine import TaskPhase
 
 log = logging.getLogger(__name__)
 
-# The scrape reads the ledger through a Ledger of its own with this short retry window (the
-# writers' retries run for minutes), after a ping of this many seconds: an outage costs a scrape
-# a few seconds, within Prometheus' default 10 s scrape timeout.
+# The scrape reads the ledger through a Ledger of its own (`metrics_ledger`) with this short retry
+# window (the writers' retries run for minutes), after a ping of this many seconds, and its
+# sessions give up on a lock or a statement (METRICS_SESSION): a refused, silent or locked ledger
+# costs a scrape a few seconds (at most ping + statement timeout + a connect), within Prometheus'
+# default 10 s scrape timeout.
 METRICS_LEDGER_RETRY_SECONDS = 2.0
 PING_SECONDS = 2
+# libpq connection parameters of the metrics ledger's sessions. Without them a query waits as long
+# as the server lets it: behind a migration's ALTER TABLE (an ACCESS EXCLUSIVE lock) the scrape
+# waited for ever. The keepalives and tcp_user_timeout end a session whose server went silent
+# mid-query (the ping only proves it answered a moment before).
+METRICS_SESSION = {
+    "connect_timeout": str(PING_SECONDS),
+    "options": "-c statement_timeout=4s -c lock_timeout=1s",
+    "keepalives": "1", "keepalives_idle": "2", "keepalives_interval": "1", "keepalives_count": "2",
+    "tcp_user_timeout": "4000",
+}
 
 REGISTRY = CollectorRegistry()
 LOOP_ERRORS = Counter("retex_reconcile_errors_total", "Failed rounds of an operator loop, by loop",
@@ -71,26 +84,53 @@ def count_failure(loop: str, error: BaseException) -> None:
         API_ERRORS.labels(loop).inc()
 
 
+def metrics_ledger(dsn: str) -> Ledger:
+    """The scrape's own Ledger (not yet open): two connections, a short retry window, and sessions
+    that give up within seconds (METRICS_SESSION; `options` already in `dsn` are kept, ours after)."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params.update(METRICS_SESSION, options=" ".join(filter(None, (params.get("options"), METRICS_SESSION["options"]))))
+    return Ledger(psycopg.conninfo.make_conninfo(**params), max_connections=2,
+                  retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS)
+
+
+# What a read of the ledger fails with when the ledger is away, locked or slow: these are
+# `retex_ledger_up` 0. Anything else is a bug and fails the scrape, rather than pass for an outage.
+LEDGER_DOWN = (psycopg.Error, LedgerUnavailable)
+
+
 class LedgerCollector:
     """Reads `Ledger.figures` at most every `cache_seconds` and renders it, with `retex_ledger_up`.
-    `ledger` should retry briefly (METRICS_LEDGER_RETRY_SECONDS): a scrape waits on it."""
+    `ledger` should give up within seconds (`metrics_ledger`): a scrape waits on it. One read at a
+    time: a scrape that comes while another scrape reads is answered at once with the figures
+    read last (none before the first read)."""
 
     def __init__(self, ledger: Ledger, cache_seconds: float = 5.0):
         self._ledger, self._cache_seconds = ledger, cache_seconds
         self._cached: tuple[float, LedgerFigures | None] | None = None  # None: the ledger could not be read
-        self._lock = threading.Lock()
+        self._reading = False  # a scrape is reading the ledger now
+        self._lock = threading.Lock()  # guards _cached and _reading; never held across a read
 
     def _figures(self) -> LedgerFigures | None:
         with self._lock:
-            if self._cached is None or time.monotonic() - self._cached[0] > self._cache_seconds:
-                self._cached = (time.monotonic(), self._read())
-            return self._cached[1]
+            cached = self._cached
+            if self._reading or (cached is not None and time.monotonic() - cached[0] <= self._cache_seconds):
+                return None if cached is None else cached[1]
+            self._reading = True
+        try:
+            figures = self._read()
+        except BaseException:  # a bug: nothing cached, the next scrape reads (and fails) again
+            with self._lock:
+                self._reading = False
+            raise
+        with self._lock:
+            self._cached, self._reading = (time.monotonic(), figures), False
+        return figures
 
     def _read(self) -> LedgerFigures | None:
         try:
             self._ledger.ping(timeout=PING_SECONDS)  # refused or silent: no pool wait, no retry
             return self._ledger.figures()
-        except Exception as exc:  # whatever stopped it, the rest of the page must still answer
+        except LEDGER_DOWN as exc:
             event(log, logging.WARNING, "metrics: the ledger could not be read", error=f"{type(exc).__name__}: {exc}")
             return None
 
