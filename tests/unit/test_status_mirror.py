@@ -140,6 +140,40 @@ def test_a_mirror_whose_patches_the_api_server_refuses_shows_its_oldest_pending_
     assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
 
 
+def test_at_takeover_the_pending_gauge_starts_from_the_takeover_not_from_what_the_standby_heard():
+    # The ledger-listen thread runs on a standby too: what it hears an hour before leading must
+    # not show as an hour-old unwritten change the moment it leads (RetexStatusMirrorLagHigh).
+    now = [1000.0]
+    ledger = FakeLedger(rec("u", version=7))
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.may_write = lambda: False
+    m.mark("u")  # heard as a standby
+    now[0] += 3600
+    m.may_write = lambda: True  # takes over: what Runtime._lead does, under the election lock
+    m.resync_next_round()
+    assert pending_seconds() == 0
+    now[0] += 5
+    m.round()  # the takeover's resync marks the lagging task and writes it
+    assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
+
+
+def test_marks_a_leader_kept_when_it_stopped_leading_wait_from_its_next_takeover():
+    now = [1000.0]
+    kube = FakeKube(task_object("u", shown_version=6),
+                    patch_error=("u", ApiException(status=500, reason="etcdserver: request timed out")))
+    m = StatusMirror(FakeLedger(rec("u", version=7)), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.mark("u")
+    with pytest.raises(ApiException):
+        m.round()
+    m.may_write = lambda: False  # lost the election with "u" unwritten
+    now[0] += 3600
+    m.may_write = lambda: True
+    m.resync_next_round()
+    now[0] += 5
+    assert pending_seconds() == 5
+
+
 @pytest.mark.parametrize("shown", [7, "gone"])
 def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
     now = [1000.0]
@@ -152,7 +186,7 @@ def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
 
 
 def test_a_mark_for_a_task_the_ledger_no_longer_holds_is_let_go_and_holds_up_no_other():
-    # Purged by the history retention after it was marked (a standby's marks wait until it leads).
+    # Purged by the history retention after it was marked (e.g. a mark a failed round kept).
     kube = FakeKube(task_object("u", shown_version=6))
     m = mirror(FakeLedger(rec("u", version=7)), kube)
     m.mark("purged")

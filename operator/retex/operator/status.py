@@ -178,8 +178,8 @@ class StatusMirror(Loop):
         MIRROR_PENDING.set_function(self.oldest_pending_seconds)
 
     def oldest_pending_seconds(self) -> float:
-        """How long the oldest mark not yet settled (written, or found nothing to write) has waited.
-        0 on a standby: it writes nothing by design (its marks wait for it to lead)."""
+        """How long the oldest mark not yet settled (written, or found nothing to write) has waited,
+        since this replica last took over at the latest. 0 on a standby: it writes nothing by design."""
         with self._lock:
             oldest = min(self._marked_at.values(), default=None)
         return 0.0 if oldest is None or not self.may_write() else self._clock() - oldest
@@ -190,6 +190,11 @@ class StatusMirror(Loop):
             return self._marked_at.pop(uid, None)
 
     def mark(self, uid: str) -> None:
+        # A standby keeps no marks (the ledger-listen thread runs on every replica): taking over
+        # marks every Task whose status lags anyway (`resync_next_round`), and a standby's marks
+        # would pile up for as long as it waits, and show as old changes the moment it leads.
+        if not self.may_write():
+            return
         with self._lock:
             self._dirty.add(uid)
             self._marked_at.setdefault(uid, self._clock())
@@ -218,7 +223,10 @@ class StatusMirror(Loop):
 
     def resync_next_round(self) -> None:
         """Mark every lagging Task at the next round (a new leader: what it saw as a standby it
-        did not write)."""
+        did not write). Marks kept from an earlier leadership of this replica wait from now: the
+        pending gauge says how long this leader has not written a change, not how long it stood by."""
+        with self._lock:
+            self._marked_at = dict.fromkeys(self._marked_at, self._clock())
         self._next_resync = 0.0
 
     def round(self) -> float:
