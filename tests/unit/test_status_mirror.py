@@ -45,9 +45,9 @@ class FakeLedger:
 
 
 class FakeKube:
-    def __init__(self, *tasks, patch_error=None, event_error=None):
+    def __init__(self, *tasks, patch_error=None, event_error=None, label_error=None):
         self.tasks = {t["metadata"]["name"]: t for t in tasks}
-        self.patch_error, self.event_error = patch_error, event_error
+        self.patch_error, self.event_error, self.label_error = patch_error, event_error, label_error
         self.written, self.labels, self.events = [], [], []
         self.statuses = []  # every status patch as sent
 
@@ -62,8 +62,12 @@ class FakeKube:
             raise self.patch_error[1]
         self.written.append((uid, status.get("ledgerVersion"), status.get("phase")))
         self.statuses.append(status)
+        if name in self.tasks:
+            self.tasks[name]["status"] = status  # what the next GET shows
 
     def patch_task_labels(self, namespace, name, uid, labels):
+        if self.label_error:
+            raise self.label_error
         self.labels.append((uid, labels))
 
     def post_event(self, task, *, reason, message, warning):
@@ -215,6 +219,24 @@ def test_the_dead_letter_label_follows_the_ledger(dead_lettered, label, patched)
     kube = FakeKube(task_object("u", labels={DEAD_LETTER_LABEL: label} if label else {}))
     mirror(FakeLedger(rec("u", phase=phase, dead_lettered=dead_lettered)), kube).mirror("u")
     assert kube.labels == ([("u", patched)] if patched else [])
+
+
+def test_a_dead_letter_label_patch_that_failed_is_patched_at_the_next_round_though_the_status_is_current():
+    # The runbook's `kubectl get tasks -l retex.dev/dead-letter=true` must not miss it for good.
+    dead = rec("u", phase=TaskPhase.FAILED, dead_lettered=True, reason="RetriesExhausted", last_error="exit 1")
+    kube = FakeKube(task_object("u", shown_version=6),
+                    label_error=ApiException(status=500, reason="etcdserver: request timed out"))
+    m = mirror(FakeLedger(dead), kube)
+    m.mark("u")
+    with pytest.raises(ApiException):  # the fault fired: the status landed, the label did not
+        m.round()
+    assert kube.written == [("u", 7, "Failed")] and kube.labels == []
+    events_before_the_label = list(kube.events)
+    kube.label_error = None
+    m.round()  # the round's kept mark: the status is current now, the label still wrong
+    assert kube.labels == [("u", {DEAD_LETTER_LABEL: "true"})]
+    assert kube.written == [("u", 7, "Failed")] and kube.events.count("Failed") == 1
+    assert "Failed" in events_before_the_label, "the task's final Event is not held up by its label"
 
 
 def test_the_event_of_a_tasks_end_is_posted_even_when_its_attempt_events_spent_the_limit():
