@@ -1,5 +1,6 @@
 """The metrics page's ledger figures (retex.operator.metrics.LedgerCollector) without a database:
-one scrape's read never holds up another, and only a database failure reads as the ledger down."""
+a scrape waits a bounded time for the ledger, scrapes share one read, and only a database failure
+reads as the ledger down."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from retex.operator.metrics import LedgerCollector
 
 
 class FakeLedger:
-    """`figures` answers with `answer` (or raises it), after `release` is set once `entered` is."""
+    """`figures` answers with `answer` (or raises it), once `release` is set (it is, unless a test
+    clears it); `entered` is set when a read has begun."""
 
     def __init__(self, answer):
         self.answer = answer
@@ -47,48 +49,38 @@ def page(collector: LedgerCollector) -> str:
     return generate_latest(registry).decode()
 
 
-def test_a_scrape_while_another_reads_is_answered_with_the_figures_read_last_without_waiting():
+def test_a_scrape_answers_without_the_ledger_when_its_read_hangs_past_the_wait_and_the_read_goes_on():
     ledger = FakeLedger(figures(submitted=7))
-    collector = LedgerCollector(ledger, cache_seconds=0)
-    assert "retex_tasks_submitted_total 7.0" in page(collector)
-    ledger.answer, ledger.entered = figures(submitted=8), threading.Event()
-    ledger.release.clear()  # the next read hangs (a locked table, a silent server) until released
-    hung = threading.Thread(target=page, args=(collector,), daemon=True)
-    hung.start()
+    ledger.release.clear()  # the read hangs (a locked table, a silent server) until released
+    collector = LedgerCollector(ledger, cache_seconds=60, wait_seconds=0)
+    text = page(collector)
+    assert "retex_ledger_up 0.0" in text and "retex_tasks_submitted" not in text
     ledger.entered.wait()
-
-    answered: list[str] = []
-    meanwhile = threading.Thread(target=lambda: answered.append(page(collector)), daemon=True)
-    meanwhile.start()
-    meanwhile.join(timeout=10)  # only there to report the failure: it must not wait at all
-    waited = meanwhile.is_alive()
+    assert "retex_ledger_up 0.0" in page(collector) and ledger.reads == 1, "one read at a time"
     ledger.release.set()
-    hung.join()
-    assert not waited, "the second scrape waited for the first one's read"
-    assert "retex_ledger_up 1.0" in answered[0] and "retex_tasks_submitted_total 7.0" in answered[0]
-    assert ledger.reads == 2  # the second scrape started no read of its own
-    assert "retex_tasks_submitted_total 8.0" in page(collector)
+    collector._wait_seconds = 10  # the hung read ends now; the next scrape waits for it, then has it
+    text = page(collector)
+    assert "retex_ledger_up 1.0" in text and "retex_tasks_submitted_total 7.0" in text and ledger.reads == 1
 
 
-def test_before_any_read_finished_a_scrape_meanwhile_shows_the_ledger_down():
+def test_scrapes_during_a_read_wait_for_that_read_rather_than_start_another():
     ledger = FakeLedger(figures(submitted=7))
     ledger.release.clear()
-    collector = LedgerCollector(ledger, cache_seconds=0)
-    hung = threading.Thread(target=page, args=(collector,), daemon=True)
-    hung.start()
+    collector = LedgerCollector(ledger, cache_seconds=60)
+    pages: list[str] = []
+    scrapes = [threading.Thread(target=lambda: pages.append(page(collector))) for _ in range(3)]
+    for scrape in scrapes:
+        scrape.start()
     ledger.entered.wait()
-    answered: list[str] = []
-    meanwhile = threading.Thread(target=lambda: answered.append(page(collector)), daemon=True)
-    meanwhile.start()
-    meanwhile.join(timeout=10)
-    waited = meanwhile.is_alive()
     ledger.release.set()
-    hung.join()
-    assert not waited, "the second scrape waited for the first one's read"
-    assert "retex_ledger_up 0.0" in answered[0] and "retex_tasks_submitted" not in answered[0]
+    for scrape in scrapes:
+        scrape.join()
+    assert ledger.reads == 1 and len(pages) == 3
+    assert all("retex_tasks_submitted_total 7.0" in text for text in pages)
 
 
 @pytest.mark.parametrize("failure", [psycopg.errors.LockNotAvailable("lock timeout"),
+                                     psycopg.errors.QueryCanceled("statement timeout"),
                                      psycopg.OperationalError("connection refused"),
                                      LedgerUnavailable("figures: Postgres unavailable for 2s")])
 def test_a_database_failure_reads_as_the_ledger_down(failure):
