@@ -6,9 +6,10 @@ round or a handler: a replica that was paused (SIGSTOP, a long GC, a partition) 
 deadline stops writing when it resumes, before this thread has run again. Becoming leader calls
 `on_started` (fresh grace for every worker lease, a full status resync, the ledger's leadership
 term taken before any writer starts: retex.operator.handlers.Runtime) under the lock `leading()`
-takes, so no writer hears that it leads before that is done (`on_started` must not ask
-`leading()` itself); losing it only logs and flips `retex_leader`: the writers stopped already by
-asking.
+takes, so no writer hears that it leads before that is done (`on_started` asking `leading()`
+itself hears False: the lock is reentrant). When `on_started` raises or returns past the renew
+deadline, this replica does not lead and gives the Lease up (`Leadership`). Losing it only logs
+and flips `retex_leader`: the writers stopped already by asking.
 """
 
 from __future__ import annotations
