@@ -96,7 +96,9 @@ _ARMED = parse(os.environ.get("RETEX_FAILPOINT", ""))
 
 
 class FailpointRaised(RuntimeError):
-    """What an armed point whose action is `raise` raises in the thread that passes it."""
+    """What an armed point whose action is `raise` raises in the thread that passes it. An
+    Exception like a bug's, on purpose: a broad `except Exception` around the point swallows it
+    as it would the bug (docs/testing.md), so such a point goes where a bug would escape."""
 
 
 def failpoint(point: str, step: str | None = None, *, task: str | None = None, uid: str | None = None) -> None:

@@ -16,9 +16,9 @@ from prometheus_client.openmetrics.exposition import generate_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from e2e.postgres import free_port
-from retex.ledger import Ledger
-from retex.operator.metrics import METRICS_LEDGER_RETRY_SECONDS, REGISTRY, LedgerCollector
+from retex.operator.metrics import REGISTRY, LedgerCollector, metrics_ledger
 from tests.integration.ledger_helpers import admitted, run_all_steps
+from tests.integration.test_status_listen import wait_until
 
 
 def families(ledger) -> list:
@@ -101,7 +101,7 @@ def test_a_task_left_unfinished_past_its_deadline_shows_until_the_promoter_fails
     assert str(ledger.get(uid).phase) == "Failed" and overrun() == 0
 
 
-def scrape(ledger) -> tuple[int, str]:
+def scrape(ledger, timeout: float = 60) -> tuple[int, str]:
     """The operator's /metrics page over HTTP, as Prometheus reads it: the process families and
     the ledger's, one page (retex.operator.metrics.serve)."""
     collector = LedgerCollector(ledger, cache_seconds=0)
@@ -109,7 +109,7 @@ def scrape(ledger) -> tuple[int, str]:
     port = free_port()
     server, _ = start_http_server(port, addr="127.0.0.1", registry=REGISTRY)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as answer:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as answer:
             return answer.status, answer.read().decode()
     except urllib.error.HTTPError as refused:
         return refused.code, refused.read().decode()
@@ -123,7 +123,7 @@ def test_during_a_postgres_outage_the_page_still_answers_with_ledger_up_0_and_re
     with psycopg.connect(own_postgres.dsn(), autocommit=True) as conn:
         conn.execute("CREATE DATABASE metrics_outage")
     dsn = own_postgres.dsn(dbname="metrics_outage")
-    with Ledger(dsn, max_connections=2, retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS) as ledger:
+    with metrics_ledger(dsn) as ledger:
         before = scrape(ledger)
         own_postgres.stop()
         with pytest.raises(psycopg.OperationalError):  # the fault fired: Postgres refuses us
@@ -139,3 +139,27 @@ def test_during_a_postgres_outage_the_page_still_answers_with_ledger_up_0_and_re
     assert "retex_tasks{" not in page and "retex_outbox_lag_seconds" not in page
     for status, page in (before, after):
         assert status == 200 and "retex_ledger_up 1.0" in page and "retex_tasks{" in page, page
+
+
+def test_while_a_migration_holds_the_tasks_table_the_page_answers_at_once_with_ledger_up_0(ledger, dsn):
+    """A query that hangs (here: waiting on a lock, as behind a migration's ALTER TABLE) must not
+    hang the scrape: the page answers within Prometheus' default scrape timeout (10 s), and the
+    read itself gives up (lock_timeout) rather than hold a session queued behind the lock."""
+    with metrics_ledger(dsn) as scraped, psycopg.connect(dsn) as migration:
+        assert "retex_ledger_up 1.0" in scrape(scraped, timeout=10)[1]
+        migration.execute("LOCK TABLE retex.tasks IN ACCESS EXCLUSIVE MODE")  # held until rollback
+        try:
+            status, page = scrape(scraped, timeout=10)
+            wait_until(lambda: metrics_sessions_waiting_on_a_lock(dsn) == 0, timeout=10,
+                       what="the metrics read given up while the table is still locked")
+        finally:
+            migration.rollback()
+    assert status == 200, page
+    assert "retex_ledger_up 0.0" in page and "retex_leader " in page
+    assert "retex_tasks{" not in page
+
+
+def metrics_sessions_waiting_on_a_lock(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = 'retex-metrics' "
+                            "AND wait_event_type = 'Lock'").fetchone()[0]

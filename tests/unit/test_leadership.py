@@ -27,21 +27,97 @@ class NoLeaseYet:
 def test_a_replica_taking_over_starts_its_term_before_any_writer_hears_that_it_leads():
     said: list[str] = []
     writer_answered = threading.Event()
+    lock_free_meanwhile: list[bool] = []
 
     def writer() -> None:  # a writer loop, asking right before a round
         leading = leadership.leading()
         said.append(f"writer told leading={leading}")
         writer_answered.set()
 
+    def try_the_lock() -> None:  # what leading() takes, tried by another thread: never waits
+        free = leadership._lock.acquire(blocking=False)
+        if free:
+            leadership._lock.release()
+        lock_free_meanwhile.append(free)
+
     def on_started() -> None:  # the Runtime's takeover: the fresh grace for every worker lease
         threading.Thread(target=writer).start()
-        # Proves a negative, so a timed window: a writer that asks now gets no answer yet.
-        if writer_answered.wait(0.5):
-            said.append("writer answered while the term was starting")
+        probe = threading.Thread(target=try_the_lock)
+        probe.start()
+        probe.join()
         said.append("grace granted")
 
     leadership = Leadership(NoLeaseYet(), "replica-a", TIMING, on_started=on_started)
     leadership.try_acquire_or_renew()
+    # Held throughout on_started, so the writer's leading() waited: no timed window needed.
+    assert lock_free_meanwhile == [False], "a writer could have asked leading() while the term was starting"
     assert writer_answered.wait(10), "the writer never got an answer"
     assert said == ["grace granted", "writer told leading=True"]
     assert leadership.leading()
+
+class SharedLease(NoLeaseYet):
+    """One election Lease two replicas read and write, in memory (no conflicts: they take turns)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, record):
+        self.writes.append(record)
+        super().write(record)
+
+
+def failing_on_started() -> None:
+    raise RuntimeError("grant_grace: the lease observer is not running")
+
+
+def test_a_replica_whose_takeover_fails_gives_the_lease_up_so_a_standby_takes_over():
+    lease, now = SharedLease(), [100.0]
+    a = Leadership(lease, "replica-a", TIMING, on_started=failing_on_started, clock=lambda: now[0])
+    b = Leadership(lease, "replica-b", TIMING, on_started=lambda: None, clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    assert not a.leading()
+    assert lease.record.holder is None, "a replica that does not lead must not keep the Lease"
+    now[0] += TIMING.retry_period
+    b.try_acquire_or_renew()
+    assert b.leading() and lease.record.holder == "replica-b"
+    now[0] += TIMING.retry_period
+    a.try_acquire_or_renew()  # it does not take it back: b renewed it a retry period ago
+    assert b.leading() and not a.leading() and lease.record.holder == "replica-b"
+
+
+def test_a_takeover_that_ran_past_the_renew_deadline_gives_the_lease_up():
+    lease, now = SharedLease(), [100.0]
+
+    def slow_on_started() -> None:
+        now[0] += TIMING.renew_deadline  # the Lease written at the start is stale by the end
+
+    a = Leadership(lease, "replica-a", TIMING, on_started=slow_on_started, clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    assert not a.leading() and lease.record.holder is None
+
+
+def test_a_takeover_that_fails_once_is_tried_again_and_then_leads():
+    lease, now, calls = SharedLease(), [100.0], []
+
+    def on_started() -> None:
+        calls.append(now[0])
+        if len(calls) == 1:
+            raise RuntimeError("the API server did not answer")
+
+    a = Leadership(lease, "replica-a", TIMING, on_started=on_started, clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    assert not a.leading()
+    now[0] += TIMING.lease_duration  # no standby took it meanwhile
+    a.try_acquire_or_renew()
+    assert a.leading() and lease.record.holder == "replica-a" and len(calls) == 2
+
+
+def test_on_started_may_ask_whether_this_replica_leads_and_hears_not_yet():
+    heard = []
+    leadership = Leadership(NoLeaseYet(), "replica-a", TIMING, on_started=lambda: heard.append(leadership.leading()))
+    election = threading.Thread(target=leadership.try_acquire_or_renew, daemon=True)
+    election.start()
+    election.join(timeout=10)  # only there to report a deadlock: it returns at once
+    assert not election.is_alive(), "on_started asking leading() deadlocked the election thread"
+    assert heard == [False] and leadership.leading()

@@ -45,9 +45,9 @@ class FakeLedger:
 
 
 class FakeKube:
-    def __init__(self, *tasks, patch_error=None, event_error=None):
+    def __init__(self, *tasks, patch_error=None, event_error=None, label_error=None):
         self.tasks = {t["metadata"]["name"]: t for t in tasks}
-        self.patch_error, self.event_error = patch_error, event_error
+        self.patch_error, self.event_error, self.label_error = patch_error, event_error, label_error
         self.written, self.labels, self.events = [], [], []
         self.statuses = []  # every status patch as sent
 
@@ -62,8 +62,12 @@ class FakeKube:
             raise self.patch_error[1]
         self.written.append((uid, status.get("ledgerVersion"), status.get("phase")))
         self.statuses.append(status)
+        if name in self.tasks:
+            self.tasks[name]["status"] = status  # what the next GET shows
 
     def patch_task_labels(self, namespace, name, uid, labels):
+        if self.label_error:
+            raise self.label_error
         self.labels.append((uid, labels))
 
     def post_event(self, task, *, reason, message, warning):
@@ -140,6 +144,40 @@ def test_a_mirror_whose_patches_the_api_server_refuses_shows_its_oldest_pending_
     assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
 
 
+def test_at_takeover_the_pending_gauge_starts_from_the_takeover_not_from_what_the_standby_heard():
+    # The ledger-listen thread runs on a standby too: what it hears an hour before leading must
+    # not show as an hour-old unwritten change the moment it leads (RetexStatusMirrorLagHigh).
+    now = [1000.0]
+    ledger = FakeLedger(rec("u", version=7))
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.may_write = lambda: False
+    m.mark("u")  # heard as a standby
+    now[0] += 3600
+    m.may_write = lambda: True  # takes over: what Runtime._lead does, under the election lock
+    m.resync_next_round()
+    assert pending_seconds() == 0
+    now[0] += 5
+    m.round()  # the takeover's resync marks the lagging task and writes it
+    assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
+
+
+def test_marks_a_leader_kept_when_it_stopped_leading_wait_from_its_next_takeover():
+    now = [1000.0]
+    kube = FakeKube(task_object("u", shown_version=6),
+                    patch_error=("u", ApiException(status=500, reason="etcdserver: request timed out")))
+    m = StatusMirror(FakeLedger(rec("u", version=7)), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.mark("u")
+    with pytest.raises(ApiException):
+        m.round()
+    m.may_write = lambda: False  # lost the election with "u" unwritten
+    now[0] += 3600
+    m.may_write = lambda: True
+    m.resync_next_round()
+    now[0] += 5
+    assert pending_seconds() == 5
+
+
 @pytest.mark.parametrize("shown", [7, "gone"])
 def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
     now = [1000.0]
@@ -152,7 +190,7 @@ def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
 
 
 def test_a_mark_for_a_task_the_ledger_no_longer_holds_is_let_go_and_holds_up_no_other():
-    # Purged by the history retention after it was marked (a standby's marks wait until it leads).
+    # Purged by the history retention after it was marked (e.g. a mark a failed round kept).
     kube = FakeKube(task_object("u", shown_version=6))
     m = mirror(FakeLedger(rec("u", version=7)), kube)
     m.mark("purged")
@@ -181,6 +219,24 @@ def test_the_dead_letter_label_follows_the_ledger(dead_lettered, label, patched)
     kube = FakeKube(task_object("u", labels={DEAD_LETTER_LABEL: label} if label else {}))
     mirror(FakeLedger(rec("u", phase=phase, dead_lettered=dead_lettered)), kube).mirror("u")
     assert kube.labels == ([("u", patched)] if patched else [])
+
+
+def test_a_dead_letter_label_patch_that_failed_is_patched_at_the_next_round_though_the_status_is_current():
+    # The runbook's `kubectl get tasks -l retex.dev/dead-letter=true` must not miss it for good.
+    dead = rec("u", phase=TaskPhase.FAILED, dead_lettered=True, reason="RetriesExhausted", last_error="exit 1")
+    kube = FakeKube(task_object("u", shown_version=6),
+                    label_error=ApiException(status=500, reason="etcdserver: request timed out"))
+    m = mirror(FakeLedger(dead), kube)
+    m.mark("u")
+    with pytest.raises(ApiException):  # the fault fired: the status landed, the label did not
+        m.round()
+    assert kube.written == [("u", 7, "Failed")] and kube.labels == []
+    events_before_the_label = list(kube.events)
+    kube.label_error = None
+    m.round()  # the round's kept mark: the status is current now, the label still wrong
+    assert kube.labels == [("u", {DEAD_LETTER_LABEL: "true"})]
+    assert kube.written == [("u", 7, "Failed")] and kube.events.count("Failed") == 1
+    assert "Failed" in events_before_the_label, "the task's final Event is not held up by its label"
 
 
 def test_the_event_of_a_tasks_end_is_posted_even_when_its_attempt_events_spent_the_limit():

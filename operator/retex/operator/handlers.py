@@ -56,7 +56,7 @@ from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness
 from retex.operator.leadership import Leadership
 from retex.operator.loop import STOPPED_LEADING
-from retex.operator.metrics import METRICS_LEDGER_RETRY_SECONDS
+from retex.operator.metrics import metrics_ledger
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
 from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, session_limits
@@ -103,8 +103,7 @@ class Runtime:
         self.endpoint = ledger_endpoint.LedgerEndpoint(self.worker_ledger, WorkerIdentities(api))
         # And the metrics scrape another: a scrape during an outage answers within seconds, with
         # retex_ledger_up 0, rather than failing the whole page (retex.operator.metrics).
-        self.metrics_ledger = Ledger(settings.database_url, max_connections=2,
-                                     retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS).open(migrate_schema=False)
+        self.metrics_ledger = metrics_ledger(settings.database_url).open(migrate_schema=False)
         # Unique per process (client-go's hostname + UUID): a restarted container is a new
         # candidate, never mistaken for the leader it replaces.
         identity = f"{pod}_{uuid.uuid4().hex[:8]}"

@@ -6,9 +6,10 @@ round or a handler: a replica that was paused (SIGSTOP, a long GC, a partition) 
 deadline stops writing when it resumes, before this thread has run again. Becoming leader calls
 `on_started` (fresh grace for every worker lease, a full status resync, the ledger's leadership
 term taken before any writer starts: retex.operator.handlers.Runtime) under the lock `leading()`
-takes, so no writer hears that it leads before that is done (`on_started` must not ask
-`leading()` itself); losing it only logs and flips `retex_leader`: the writers stopped already by
-asking.
+takes, so no writer hears that it leads before that is done (`on_started` asking `leading()`
+itself hears False: the lock is reentrant). When `on_started` raises or returns past the renew
+deadline, this replica does not lead and gives the Lease up (`Leadership`). Losing it only logs
+and flips `retex_leader`: the writers stopped already by asking.
 """
 
 from __future__ import annotations
@@ -28,12 +29,19 @@ log = logging.getLogger(__name__)
 
 
 class Leadership:
+    """The election's thread and its answer, `leading()`. A takeover whose `on_started` raises, or
+    returns after the renew deadline of the Lease write it follows, does not lead: this replica
+    writes the released record (as `stop` does), so a standby takes over at its next retry rather
+    than wait on a Lease renewed by a replica that never leads, and tries again itself next retry.
+    The lock is reentrant: `on_started` asking `leading()` hears False (not yet), not a deadlock."""
+
     def __init__(self, lease: LeaderLease, identity: str, timing: ElectionTiming, *,
                  on_started: Callable[[], None], clock: Callable[[], float] = time.monotonic):
         self._lease, self.timing, self._clock = lease, timing, clock
         self._election = Election(identity, timing)
         self._on_started = on_started
-        self._lock = threading.Lock()
+        # Reentrant: `on_started` runs under it, and may ask leading() (it hears False: not yet).
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self._was_leading = False
         self.identity = identity
@@ -58,17 +66,37 @@ class Leadership:
                 written = self._election.record(decision, datetime.now(UTC))
                 self._lease.write(written)
                 with self._lock:
-                    if not self._was_leading:
-                        # Under the lock, before `won`: a writer asking leading() waits until the
-                        # term has started (the fresh grace granted), so no round runs before it;
-                        # if it fails, this replica does not lead, and tries again next retry.
-                        self._on_started()
-                    self._election.won(written, started)
+                    # Under the lock, before `won`: a writer asking leading() waits until the
+                    # term has started (the fresh grace granted), so no round runs before it.
+                    failed = None if self._was_leading else self._start(started)
+                    if failed is None:
+                        self._election.won(written, started)
+                    else:  # not leading: give the Lease up (below) rather than lock a standby out
+                        self._election.observe(written, self._clock())
+                        released = self._election.released_record(datetime.now(UTC))
+                if failed is not None:
+                    event(log, logging.ERROR, "leader election: on_started failed; releasing the lease",
+                          identity=self._election.identity, error=failed)
+                    self._lease.write(released)  # if this fails, the next retry renews and starts again
+                    with self._lock:
+                        self._election.released(released, self._clock())
         except LeaseConflict:
             pass  # another replica wrote first: read again at the next retry
         except Exception as exc:  # the API server unreachable or slow: the renew deadline decides
             event(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
+
+    def _start(self, started: float) -> str | None:
+        """`on_started`, for the Lease write that began at `started`: None if it returned in time
+        to lead on that write, else why this replica does not lead (it tries again next retry, or
+        a standby takes over)."""
+        try:
+            self._on_started()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if self._clock() >= started + self.timing.renew_deadline:
+            return f"it returned after the renew deadline ({self.timing.renew_deadline:g}s)"
+        return None
 
     def _notice(self) -> None:
         leading = self.leading()

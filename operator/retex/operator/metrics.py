@@ -6,10 +6,11 @@ no count. Their counters and histograms are derived from append-only rows plus w
 (retex.ledger.LedgerFigures), so none decreases across a requeue, a retry or a purge. Both
 replicas export the same ledger figures (aggregate them with max, not sum). Process figures
 (errors, rounds, leadership, status-mirror lag) are counted here, per replica. When the ledger
-cannot be read, the page still answers: `retex_ledger_up` 0 and the process figures (so
-`retex_leader` stays and an outage is not mistaken for no leader), without the ledger's. One family per
-name, counters named `_total`, durations in seconds (Prometheus' naming conventions). No label
-carries a task name or UID: cardinality stays bounded.
+cannot be read, or its read has not ended within SCRAPE_WAIT_SECONDS, the page still answers:
+`retex_ledger_up` 0 and the process figures (so `retex_leader` stays and an outage is not
+mistaken for no leader), without the ledger's. One family per name, counters named `_total`,
+durations in seconds (Prometheus' naming conventions). No label carries a task name or UID:
+cardinality stays bounded.
 """
 
 from __future__ import annotations
@@ -18,23 +19,40 @@ import logging
 import threading
 import time
 
+import psycopg
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from retex.ledger import DURATION_BUCKETS as BUCKETS
 from retex.ledger import Histogram as LedgerHistogram
-from retex.ledger import Ledger, LedgerError, LedgerFigures
+from retex.ledger import Ledger, LedgerError, LedgerFigures, LedgerUnavailable
 from retex.logs import event
 from retex.machine import TaskPhase
 
 log = logging.getLogger(__name__)
 
-# The scrape reads the ledger through a Ledger of its own with this short retry window (the
-# writers' retries run for minutes), after a ping of this many seconds: an outage costs a scrape
-# a few seconds, within Prometheus' default 10 s scrape timeout.
+# A scrape waits at most this long for the ledger read it asked for (under Prometheus' default
+# 10 s scrape timeout); a read still under way then goes on in its own thread, and the page
+# answers at once without the ledger's figures (retex_ledger_up 0).
+SCRAPE_WAIT_SECONDS = 5.0
+# The read goes through a Ledger of its own (`metrics_ledger`) with this short retry window (the
+# writers' retries run for minutes), after a ping of this many seconds (a refused Postgres would
+# otherwise cost the pool's connection wait), and its sessions give up on a lock or a statement
+# (METRICS_SESSION), so a read that cannot finish ends and frees its connection.
 METRICS_LEDGER_RETRY_SECONDS = 2.0
 PING_SECONDS = 2
+# libpq connection parameters of the metrics ledger's sessions. Without them a query waits as long
+# as the server lets it: behind a migration's ALTER TABLE (an ACCESS EXCLUSIVE lock) the scrape
+# waited for ever. The keepalives and tcp_user_timeout end a session whose server went silent
+# mid-query (the ping only proves it answered a moment before).
+METRICS_SESSION = {
+    "connect_timeout": str(PING_SECONDS),
+    "options": "-c statement_timeout=4s -c lock_timeout=1s",
+    "keepalives": "1", "keepalives_idle": "2", "keepalives_interval": "1", "keepalives_count": "2",
+    "tcp_user_timeout": "4000",
+    "application_name": "retex-metrics",  # the scrape's sessions, told apart in pg_stat_activity
+}
 
 REGISTRY = CollectorRegistry()
 LOOP_ERRORS = Counter("retex_reconcile_errors_total", "Failed rounds of an operator loop, by loop",
@@ -71,26 +89,73 @@ def count_failure(loop: str, error: BaseException) -> None:
         API_ERRORS.labels(loop).inc()
 
 
+def metrics_ledger(dsn: str) -> Ledger:
+    """The scrape's own Ledger (not yet open): two connections, a short retry window, and sessions
+    that give up within seconds (METRICS_SESSION; `options` already in `dsn` are kept, ours after)."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params.update(METRICS_SESSION, options=" ".join(filter(None, (params.get("options"), METRICS_SESSION["options"]))))
+    return Ledger(psycopg.conninfo.make_conninfo(**params), max_connections=2,
+                  retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS)
+
+
+# What a read of the ledger fails with when the ledger is away, locked or slow: these are
+# `retex_ledger_up` 0. Anything else is a bug and fails the scrape, rather than pass for an outage.
+LEDGER_DOWN = (psycopg.Error, LedgerUnavailable)
+
+
+class _Read:
+    """One read of the ledger's figures, shared by every scrape that waits for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.figures: LedgerFigures | None = None  # None: the ledger could not be read
+        self.bug: BaseException | None = None  # what the read raised that is not the database's
+
+
 class LedgerCollector:
     """Reads `Ledger.figures` at most every `cache_seconds` and renders it, with `retex_ledger_up`.
-    `ledger` should retry briefly (METRICS_LEDGER_RETRY_SECONDS): a scrape waits on it."""
+    One read at a time, in a thread of its own: a scrape waits for it at most `wait_seconds`, and
+    scrapes that come meanwhile wait for the same read. `ledger` should give up within seconds
+    (`metrics_ledger`), so a read that hangs ends and the next scrape reads afresh."""
 
-    def __init__(self, ledger: Ledger, cache_seconds: float = 5.0):
-        self._ledger, self._cache_seconds = ledger, cache_seconds
-        self._cached: tuple[float, LedgerFigures | None] | None = None  # None: the ledger could not be read
-        self._lock = threading.Lock()
+    def __init__(self, ledger: Ledger, cache_seconds: float = 5.0, wait_seconds: float = SCRAPE_WAIT_SECONDS):
+        self._ledger, self._cache_seconds, self._wait_seconds = ledger, cache_seconds, wait_seconds
+        self._cached: tuple[float, LedgerFigures | None] | None = None  # the last read, and when
+        self._reading: _Read | None = None  # the read under way
+        self._lock = threading.Lock()  # guards _cached and _reading; never held across a read
 
     def _figures(self) -> LedgerFigures | None:
         with self._lock:
-            if self._cached is None or time.monotonic() - self._cached[0] > self._cache_seconds:
-                self._cached = (time.monotonic(), self._read())
-            return self._cached[1]
+            if self._cached is not None and time.monotonic() - self._cached[0] <= self._cache_seconds:
+                return self._cached[1]
+            read = self._reading
+            if read is None:
+                read = self._reading = _Read()
+                threading.Thread(target=self._read_into, args=(read,), name="metrics-ledger-read", daemon=True).start()
+        if not read.done.wait(self._wait_seconds):
+            event(log, logging.WARNING, "metrics: the ledger read is still under way; answered without it",
+                  waited_seconds=self._wait_seconds)
+            return None
+        if read.bug is not None:
+            raise read.bug
+        return read.figures
+
+    def _read_into(self, read: _Read) -> None:
+        try:
+            read.figures = self._read()
+        except BaseException as bug:  # the scrapes waiting for it fail with it; nothing is cached
+            read.bug = bug
+        with self._lock:
+            if read.bug is None:
+                self._cached = (time.monotonic(), read.figures)
+            self._reading = None
+        read.done.set()
 
     def _read(self) -> LedgerFigures | None:
         try:
             self._ledger.ping(timeout=PING_SECONDS)  # refused or silent: no pool wait, no retry
             return self._ledger.figures()
-        except Exception as exc:  # whatever stopped it, the rest of the page must still answer
+        except LEDGER_DOWN as exc:
             event(log, logging.WARNING, "metrics: the ledger could not be read", error=f"{type(exc).__name__}: {exc}")
             return None
 

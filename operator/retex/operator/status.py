@@ -178,8 +178,8 @@ class StatusMirror(Loop):
         MIRROR_PENDING.set_function(self.oldest_pending_seconds)
 
     def oldest_pending_seconds(self) -> float:
-        """How long the oldest mark not yet settled (written, or found nothing to write) has waited.
-        0 on a standby: it writes nothing by design (its marks wait for it to lead)."""
+        """How long the oldest mark not yet settled (written, or found nothing to write) has waited,
+        since this replica last took over at the latest. 0 on a standby: it writes nothing by design."""
         with self._lock:
             oldest = min(self._marked_at.values(), default=None)
         return 0.0 if oldest is None or not self.may_write() else self._clock() - oldest
@@ -190,6 +190,11 @@ class StatusMirror(Loop):
             return self._marked_at.pop(uid, None)
 
     def mark(self, uid: str) -> None:
+        # A standby keeps no marks (the ledger-listen thread runs on every replica): taking over
+        # marks every Task whose status lags anyway (`resync_next_round`), and a standby's marks
+        # would pile up for as long as it waits, and show as old changes the moment it leads.
+        if not self.may_write():
+            return
         with self._lock:
             self._dirty.add(uid)
             self._marked_at.setdefault(uid, self._clock())
@@ -218,7 +223,10 @@ class StatusMirror(Loop):
 
     def resync_next_round(self) -> None:
         """Mark every lagging Task at the next round (a new leader: what it saw as a standby it
-        did not write)."""
+        did not write). Marks kept from an earlier leadership of this replica wait from now: the
+        pending gauge says how long this leader has not written a change, not how long it stood by."""
+        with self._lock:
+            self._marked_at = dict.fromkeys(self._marked_at, self._clock())
         self._next_resync = 0.0
 
     def round(self) -> float:
@@ -294,7 +302,10 @@ class StatusMirror(Loop):
         shown = task.get("status") or {}
         if shown.get("ledgerVersion", -1) >= record.version:
             self._settled(uid)
-            return  # never write a status older than (or the same as) the one shown
+            # Never write a status older than (or the same as) the one shown; but the label may
+            # still lag: its patch after the status write failed, and this is the retry.
+            self._label_dead_letter(task, record)
+            return
         previous = TaskStatus.model_validate(shown) if shown else None
         lease = self._leases.get(record.namespace, lease_name(record.name, uid), uid)
         status = compute_status(record, lease=lease, generation=task["metadata"].get("generation"),
@@ -310,13 +321,20 @@ class StatusMirror(Loop):
         marked_at = self._settled(uid)
         if marked_at is not None:
             MIRROR_LAG.observe(self._clock() - marked_at)
-        labels = task["metadata"].get("labels") or {}
-        if (labels.get(DEAD_LETTER_LABEL) == "true") != record.dead_lettered:
-            self._kube.patch_task_labels(record.namespace, record.name, uid,
-                                         {DEAD_LETTER_LABEL: "true" if record.dead_lettered else None})
+        # The Events before the label: once the status is written they cannot be derived again
+        # (the next round finds it current), while the label is checked at every round.
         for reason, message, warning in _events_between(previous, status):
             if reason in _FINAL_EVENTS or self._limiter.allow(uid, time.monotonic()):
                 try:
                     self._kube.post_event(task, reason=reason, message=message, warning=warning)
                 except EventNotPosted as exc:
                     event(log, logging.WARNING, "event not posted", uid=uid, reason=reason, http_status=exc.http_status)
+        self._label_dead_letter(task, record)
+
+    def _label_dead_letter(self, task: dict[str, Any], record: TaskRecord) -> None:
+        """The dead-letter label as the ledger says (`kubectl get tasks -l retex.dev/dead-letter=true`).
+        A failed patch raises: the round keeps the task's mark and the next round checks again."""
+        labels = task["metadata"].get("labels") or {}
+        if (labels.get(DEAD_LETTER_LABEL) == "true") != record.dead_lettered:
+            self._kube.patch_task_labels(record.namespace, record.name, record.uid,
+                                         {DEAD_LETTER_LABEL: "true" if record.dead_lettered else None})
