@@ -16,14 +16,18 @@ The protocol, one JSON object a line: the worker writes {"argv", "env", "cwd", "
 "stderr", "deadline"} to the tether's stdin; the tether answers on its stdout {"started": PID}
 (PID leads the step's new session and group), {"refused": WHY} (the command cannot be started
 at all: a permanent failure, which an exit code the command might use itself could not tell) or
-{"expired": true} (its deadline passed before it could start: nothing of it ran); and later
+{"expired": true} (its deadline passed before it could start: nothing of it ran), {"killed":
+WHY} (it was started but could not be watched — pidfd_open failed —, so its group was SIGKILLed
+and reaped at once: what it did is unknown); and later
 {"exited": PID, "code": CODE} (negative: the signal that ended it), once it has SIGKILLed
 whatever of the group is left, so nothing the step started outlives it.
 
 It is started once, at the worker's first exec step, not once a step: an interpreter start was
 most of a no-op step's cost (docs/benchmarks.md). It runs as a file, isolated and without site
 (`python -I -S`): only the standard library, no site-packages, no retex package, nothing of a
-step's working directory or PYTHON* environment; and it starts commands with posix_spawn.
+step's working directory or PYTHON* environment; and it starts commands with posix_spawn. It
+needs pidfd_open (Linux >= 5.3): it checks it at start and exits, having started nothing, without
+it. Whatever ends it, it SIGKILLs every group it started first.
 
 `tie_to` and `kill_group_at` also serve a python step's child, which leads its own group
 (`retex.worker.pycall`).
