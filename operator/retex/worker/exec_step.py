@@ -118,6 +118,8 @@ def _unanswered(end: ProcessEnd, step: Step) -> str | None:
     """Why the command gave no answer of its own (timeout, drain, a signal), or None if it exited."""
     if end.lease_lost:
         return LEASE_LOST
+    if end.why is not None:
+        return end.why
     if end.timed_out:
         return f"timed out after {step.timeout_seconds}s (process group killed)"
     if end.abandoned:

@@ -47,7 +47,16 @@ class Waitable(Protocol):
 
 
 class TetherLost(Exception):
-    """The worker's tether ended while a step it started was running: its end is unknown."""
+    """The worker's tether ended, or stopped answering, while it held a step: the step's end is
+    unknown (and, lost before it answered the start, whether it runs and under which pid)."""
+
+
+# How long the worker waits for its tether to answer (the start of a step, or the end of one it
+# has killed) before it gives up on it: a tether's start (an interpreter without site, tens of
+# milliseconds, seconds on a loaded host) and a posix_spawn (a vfork and an exec), with room to
+# spare — a live tether never comes near it — yet a worker stuck for ever could not act on a lost
+# lease or its drain deadline.
+TETHER_ANSWER_SECONDS = 30.0
 
 
 # Run as a file with -I -S: no site-packages, no retex package, nothing from a step's working
@@ -75,31 +84,54 @@ class Tether:
                               "stderr": str(stderr), "deadline": deadline}).encode() + b"\n"
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
-                self._proc, self._pending, self._answers = self._spawn(), b"", []
+                # The old tether's reports are of pids the kernel may since have reused.
+                self._proc, self._pending, self._answers, self._exited = self._spawn(), b"", [], {}
             try:
                 view = memoryview(request)
                 while view:
                     view = view[os.write(self._proc.stdin.fileno(), view):]
             except BrokenPipeError:
                 raise TetherLost("the worker's tether ended before it took the step") from None
-            while not self._answers:
-                self._read(None)
+            until = time.monotonic() + TETHER_ANSWER_SECONDS
+            try:
+                while not self._answers:
+                    if (left := until - time.monotonic()) <= 0:
+                        self._give_up()
+                    self._read(left)
+            except TetherLost as lost:
+                # Its pid unknown, nothing here can kill the step: the attempt records an unknown
+                # outcome (never a success), and the next attempt waits out the step's deadline.
+                raise TetherLost(f"{lost}; it had not answered the start: the step may be running, "
+                                 "its pid unknown") from None
             answer = self._answers.pop(0)
         if "refused" in answer:
             return answer["refused"]
         if "expired" in answer:
             return ProcessEnd(-signal.SIGKILL)
+        if "killed" in answer:
+            return ProcessEnd(-signal.SIGKILL, why=f"the worker's tether {answer['killed']}")
         return _StepProcess(self, answer["started"])
 
     def wait_for(self, pid: int, timeout: float | None) -> int:
-        until = None if timeout is None else time.monotonic() + timeout
+        """Its exit code; `timeout` None: the group has been killed, so the tether answers at once,
+        or within TETHER_ANSWER_SECONDS before the worker gives up on it (TetherLost)."""
+        until = time.monotonic() + (TETHER_ANSWER_SECONDS if timeout is None else timeout)
         with self._lock:
             while pid not in self._exited:
-                left = None if until is None else until - time.monotonic()
-                if left is not None and left <= 0:
+                if (left := until - time.monotonic()) <= 0:
+                    if timeout is None:
+                        self._give_up()
                     raise subprocess.TimeoutExpired(str(pid), timeout)
                 self._read(left)
             return self._exited.pop(pid)
+
+    def _give_up(self) -> None:
+        """A tether that does not answer is lost: its request pipe closed, it kills every group it
+        started when it reads again (the next step gets a new tether)."""
+        assert self._proc is not None and self._proc.stdin is not None
+        self._proc.stdin.close()
+        self._proc = None
+        raise TetherLost(f"the worker's tether has not answered for {TETHER_ANSWER_SECONDS:g}s")
 
     def _spawn(self) -> subprocess.Popen:
         # Its own session: a signal to the worker's group (a pod's processes) does not reach it;
@@ -123,6 +155,8 @@ class Tether:
             if "exited" in answer:
                 self._exited[answer["exited"]] = answer["code"]
             else:
+                if "started" in answer:  # a pid reused: an exit filed for it is an earlier process's
+                    self._exited.pop(answer["started"], None)
                 self._answers.append(answer)
 
 
@@ -147,6 +181,7 @@ class ProcessEnd:
     timed_out: bool = False
     abandoned: bool = False  # stopped at the drain deadline, or killed because the lease was lost
     lease_lost: bool = False
+    why: str | None = None  # why it was killed, when the command could not answer for itself
 
 
 def supervise(proc: Waitable, *, deadline: float, drain: Drain, kill_grace: float,

@@ -16,14 +16,18 @@ The protocol, one JSON object a line: the worker writes {"argv", "env", "cwd", "
 "stderr", "deadline"} to the tether's stdin; the tether answers on its stdout {"started": PID}
 (PID leads the step's new session and group), {"refused": WHY} (the command cannot be started
 at all: a permanent failure, which an exit code the command might use itself could not tell) or
-{"expired": true} (its deadline passed before it could start: nothing of it ran); and later
+{"expired": true} (its deadline passed before it could start: nothing of it ran), {"killed":
+WHY} (it was started but could not be watched — pidfd_open failed —, so its group was SIGKILLed
+and reaped at once: what it did is unknown); and later
 {"exited": PID, "code": CODE} (negative: the signal that ended it), once it has SIGKILLed
 whatever of the group is left, so nothing the step started outlives it.
 
 It is started once, at the worker's first exec step, not once a step: an interpreter start was
 most of a no-op step's cost (docs/benchmarks.md). It runs as a file, isolated and without site
 (`python -I -S`): only the standard library, no site-packages, no retex package, nothing of a
-step's working directory or PYTHON* environment; and it starts commands with posix_spawn.
+step's working directory or PYTHON* environment; and it starts commands with posix_spawn. It
+needs pidfd_open (Linux >= 5.3): it checks it at start and exits, having started nothing, without
+it. Whatever ends it, it SIGKILLs every group it started first.
 
 `tie_to` and `kill_group_at` also serve a python step's child, which leads its own group
 (`retex.worker.pycall`).
@@ -80,8 +84,9 @@ class _Steps:
     """The groups this tether started and has not seen end: pid → (pidfd, deadline), the
     deadline None once the group has been killed at it."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_pid: int, orphaned: Callable[[], None]) -> None:
         self.running: dict[int, tuple[int, float | None]] = {}
+        self.worker_pid, self.orphaned = worker_pid, orphaned
 
     def kill_all(self) -> None:
         for pid in self.running:
@@ -104,6 +109,8 @@ class _Steps:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         try:
             os.chdir(request["cwd"])
+            if os.getppid() != self.worker_pid:  # a request the worker wrote before it died
+                self.orphaned()
             # Its own session and group; the signals Python ignores (SIGPIPE, SIGXFSZ) back to
             # their defaults, as subprocess does; no signal blocked.
             try:
@@ -111,7 +118,16 @@ class _Steps:
                                       setsigdef=(signal.SIGPIPE, signal.SIGXFSZ), setsigmask=())
             except OSError as exc:
                 return {"refused": f"cannot start {command[0]!r}: {exc}"}
-            self.running[pid] = (os.pidfd_open(pid), request["deadline"])
+            try:
+                self.running[pid] = (os.pidfd_open(pid), request["deadline"])
+            except BaseException as exc:
+                # It runs, and this tether could not see it end: it dies now, not at its deadline;
+                # what it did first is unknown (not a refusal: nothing says a retry would fail).
+                _kill_group(pid)
+                os.waitpid(pid, 0)
+                if not isinstance(exc, Exception):
+                    raise
+                return {"killed": f"started {command[0]!r} but could not watch it ({exc}): killed at once"}
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         return {"started": pid}
@@ -132,13 +148,27 @@ def _kill_group(pgid: int) -> None:
 
 
 def serve(worker_pid: int, requests: int, replies: int) -> int:
-    steps = _Steps()
+    # pidfd_open (Linux >= 5.3) is how a step's end is seen: without it, fail before starting any.
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError as exc:
+        print(f"retex tether: os.pidfd_open is unavailable ({exc}): no exec step can run here "
+              "(Linux >= 5.3 needed)", file=sys.stderr)
+        return 2
 
     def orphaned() -> None:
         steps.kill_all()
         os._exit(1)
 
-    tie_to(worker_pid, orphaned=orphaned)
+    steps = _Steps(worker_pid, orphaned)
+    try:
+        tie_to(worker_pid, orphaned=orphaned)
+        return _serve(steps, requests, replies, orphaned)
+    finally:  # whatever ended it: nothing it started outlives it
+        steps.kill_all()
+
+
+def _serve(steps: _Steps, requests: int, replies: int, orphaned: Callable[[], None]) -> int:
     pending = b""
     while True:
         deadlines = [deadline for _, deadline in steps.running.values() if deadline is not None]
