@@ -154,3 +154,39 @@ def test_an_unfenced_ledger_writes_whatever_the_term_the_administrators_cli(repl
     uid = admitted(leader)
     ledger.request_cancel(uid, actor="cli:admin")  # `ledger`: made without leader_fenced, as the CLI's
     assert ledger.get(uid).cancel_requested
+
+
+def test_a_replica_deposed_while_it_waited_takes_no_term(replicas, ledger):
+    """The review's race: the old leader asked leading(), paused, and its successor took the term.
+    Asked again under the term's lock, it takes none: the successor's term stays the ledger's."""
+    old, new = replicas
+    assert old.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 1
+    assert new.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 2
+    with pytest.raises(NotLeader, match="no longer leads"):
+        old.take_term(lock_timeout_seconds=TAKE_TIMEOUT, still_leading=lambda: False)
+    admitted(new)  # the successor still writes
+
+
+def test_no_term_is_taken_between_the_leading_answer_and_the_increment(replicas, ledger):
+    """A replica that answered "leading" holds the term's row lock until its increment commits: a
+    successor's take waits for it and comes after, so the successor holds the ledger's term."""
+    first, second = replicas
+    taken: dict[str, int] = {}
+
+    def successor_takes() -> None:
+        taken["second"] = second.take_term(lock_timeout_seconds=5)
+
+    thread = threading.Thread(target=successor_takes)
+
+    def answer_then_pause() -> bool:
+        thread.start()
+        time.sleep(0.5)  # the successor's take starts meanwhile: it must wait for this one
+        return True
+
+    taken["first"] = first.take_term(lock_timeout_seconds=TAKE_TIMEOUT, still_leading=answer_then_pause)
+    thread.join()
+    assert taken == {"first": 1, "second": 2}
+    admitted(second)
+    with pytest.raises(NotLeader):
+        first.admit(admission())
+

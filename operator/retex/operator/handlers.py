@@ -79,6 +79,7 @@ class Runtime:
         limits = session_limits(timing)  # a replica frozen in a transaction frees its locks
         self.ledger = Ledger(settings.database_url, limits=limits, leader_fenced=True).open()
         self._term_taken = threading.Event()  # this replica's leadership holds the ledger's term
+        self._leaderships = 0  # how many times this replica became leader: a term taker's own
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
@@ -140,19 +141,35 @@ class Runtime:
         waits for the predecessor's transactions under way (the server ends a frozen one's after
         the renew deadline), and the election thread must go on renewing meanwhile."""
         self._term_taken.clear()
+        self._leaderships += 1
         self.leases.grant_grace()
         self.mirror.resync_next_round()
-        threading.Thread(target=self._take_term, name="ledger-term", daemon=True).start()
+        leadership = self._leaderships
+        threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
-    def _take_term(self) -> None:
-        while self.leadership.leading():
+    def _take_term(self, leadership: int) -> None:
+        """Take the ledger's term for this replica's `leadership`-th leadership. Whether it still
+        leads is asked again under the term's row lock (Ledger.take_term), so a replica deposed
+        meanwhile takes none after its successor's; a taker left over from an earlier leadership
+        of this replica's stops, and never marks the term taken for a later one."""
+
+        def current() -> bool:
+            return leadership == self._leaderships and self.leadership.leading()
+
+        while current():
             try:
-                term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period)
+                term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period,
+                                             still_leading=current)
+            except NotLeader as exc:
+                event(log, logging.WARNING, "ledger term not taken: this leadership ended", error=str(exc))
+                return
             except Exception as exc:  # the predecessor's transaction still holds the term, or Postgres is away
                 event(log, logging.WARNING, "ledger term not taken yet: trying again",
                       error=f"{type(exc).__name__}: {exc}")
                 time.sleep(self.leadership.timing.retry_period)
                 continue
+            if leadership != self._leaderships:
+                return  # a later leadership's own taker takes a newer term
             event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
                   identity=self.leadership.identity)
             self._term_taken.set()
