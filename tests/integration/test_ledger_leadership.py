@@ -11,7 +11,7 @@ import time
 import psycopg
 import pytest
 
-from retex.ledger import Ledger, NotLeader
+from retex.ledger import Ledger, LedgerUnavailable, NotLeader
 from retex.ledger.transactions import SessionLimits
 from tests.integration.ledger_helpers import admission, admitted
 
@@ -190,3 +190,26 @@ def test_no_term_is_taken_between_the_leading_answer_and_the_increment(replicas,
     with pytest.raises(NotLeader):
         first.admit(admission())
 
+
+
+def test_a_live_leaders_batch_cut_for_sitting_idle_is_no_loss_of_leadership(replicas, ledger):
+    """A relay batch whose API calls are slow sits idle in its transaction past the session's limit
+    and is ended by the server: nobody took the term, so that is a retryable LedgerUnavailable (the
+    loops count it), not NotLeader; the leader goes on writing."""
+    leader, _ = replicas
+    leader.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    admitted(leader)
+    with pytest.raises(LedgerUnavailable, match="sat idle"), leader.dispatch_batch() as (batch, outcomes):
+        time.sleep(1.5)
+        outcomes.sent(batch[0], "job-1")
+    leader.promote_due()
+
+
+def test_a_batch_cut_for_sitting_idle_after_a_successor_took_the_term_is_not_leader(replicas, ledger):
+    old, new = replicas
+    old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    admitted(old)
+    with pytest.raises(NotLeader), old.dispatch_batch() as (batch, outcomes):
+        time.sleep(1.5)  # the server ends it after 1 s; the successor takes the term
+        new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+        outcomes.sent(batch[0], "job-1")

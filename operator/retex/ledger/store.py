@@ -31,7 +31,7 @@ import psycopg
 
 from retex.failpoints import failpoint
 from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
-from retex.ledger.errors import NotLeader
+from retex.ledger.errors import LedgerUnavailable, NotLeader
 from retex.ledger.migrate import migrate
 from retex.ledger.moves import Cursor, check_result_size, record_history
 from retex.ledger.outbox import DispatchOutcomes
@@ -120,7 +120,17 @@ class Ledger:
             if not fenced:
                 raise
             idle = f" for {self._limits.idle_in_transaction_seconds:g}s" if self._limits else ""
-            raise NotLeader(f"the server ended this transaction after it sat idle{idle}: nothing of it was written") from cut
+            why = f"the server ended this transaction after it sat idle{idle}: nothing of it was written"
+            # A frozen leader's, or a live leader's slow batch (API calls inside it): asked in a
+            # fresh transaction, only a changed term makes it NotLeader; else the loops retry it.
+            try:
+                with transactions.transaction(self._pool) as cur:
+                    current = transactions.current_term(cur)
+            except psycopg.Error as exc:
+                raise LedgerUnavailable(f"{why}; the leadership term could not be read: {exc}") from cut
+            if current != self._term:
+                raise NotLeader(f"{why}; the ledger's leadership term is now {current}") from cut
+            raise LedgerUnavailable(f"{why}; the leadership term is still this replica's") from cut
 
     def _tx_once(self, fn: Callable[[Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         return self._tx(transactions.once(fn, uid=uid), op=op, leader=True)

@@ -100,6 +100,12 @@ def check_term(cur: Cursor, term: int | None) -> None:
                         else f"this writer has taken no leadership term (the ledger's is {current})")
 
 
+def current_term(cur: Cursor) -> int:
+    """The ledger's leadership term now (no lock)."""
+    term: int = one(cur.execute("SELECT term FROM retex.leadership"))["term"]
+    return term
+
+
 def take_term(cur: Cursor, *, lock_timeout_seconds: float, still_leading: Callable[[], bool]) -> int:
     """Take the next leadership term: the predecessor's writes under way commit first (or are
     ended by the server); its later ones are refused. Raises LockNotAvailable when they have
