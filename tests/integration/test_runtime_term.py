@@ -5,11 +5,14 @@ after its successor's (the review's reproduction of issue 17)."""
 from __future__ import annotations
 
 import threading
+import time
 import types
 from collections.abc import Callable
 from typing import Any
 
-from retex.ledger import Ledger
+import pytest
+
+from retex.ledger import Ledger, NotLeader
 from retex.ledger.transactions import SessionLimits
 from retex.operator.handlers import Runtime
 
@@ -30,6 +33,7 @@ def runtime(ledger: Ledger, leading: Callable[[], bool]) -> Any:
     rt: Any = object.__new__(Runtime)
     rt.ledger, rt.leadership = ledger, FakeLeadership(leading)
     rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
+    rt._leaderships_lock = threading.Lock()
     return rt
 
 
@@ -69,5 +73,23 @@ def test_a_taker_left_over_from_an_earlier_leadership_marks_nothing(dsn, ledger)
         a._take_term(1)
         assert not a.may_write()
         a._take_term(2)
+        assert a.may_write()
+        la.promote_due()
+
+
+def test_a_leader_whose_term_moved_on_takes_it_again(dsn, ledger):
+    """Should the ledger's term ever move past a replica that still leads, a refused write makes it
+    take the term again rather than abandon every round for ever."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as other):
+        a = runtime(la, lambda: True)
+        a._take_term(1)
+        other.take_term(lock_timeout_seconds=0.3)  # the term moves past A, which still leads
+        with pytest.raises(NotLeader):
+            la.promote_due()
+        a._term_lost()
+        deadline = time.monotonic() + 5
+        while not a.may_write() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert a.may_write()
         la.promote_due()
