@@ -11,7 +11,7 @@ import time
 import psycopg
 import pytest
 
-from retex.ledger import Ledger, NotLeader
+from retex.ledger import Ledger, LedgerUnavailable, NotLeader
 from retex.ledger.transactions import SessionLimits
 from tests.integration.ledger_helpers import admission, admitted
 
@@ -154,3 +154,62 @@ def test_an_unfenced_ledger_writes_whatever_the_term_the_administrators_cli(repl
     uid = admitted(leader)
     ledger.request_cancel(uid, actor="cli:admin")  # `ledger`: made without leader_fenced, as the CLI's
     assert ledger.get(uid).cancel_requested
+
+
+def test_a_replica_deposed_while_it_waited_takes_no_term(replicas, ledger):
+    """The review's race: the old leader asked leading(), paused, and its successor took the term.
+    Asked again under the term's lock, it takes none: the successor's term stays the ledger's."""
+    old, new = replicas
+    assert old.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 1
+    assert new.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 2
+    with pytest.raises(NotLeader, match="no longer leads"):
+        old.take_term(lock_timeout_seconds=TAKE_TIMEOUT, still_leading=lambda: False)
+    admitted(new)  # the successor still writes
+
+
+def test_no_term_is_taken_between_the_leading_answer_and_the_increment(replicas, ledger):
+    """A replica that answered "leading" holds the term's row lock until its increment commits: a
+    successor's take waits for it and comes after, so the successor holds the ledger's term."""
+    first, second = replicas
+    taken: dict[str, int] = {}
+
+    def successor_takes() -> None:
+        taken["second"] = second.take_term(lock_timeout_seconds=5)
+
+    thread = threading.Thread(target=successor_takes)
+
+    def answer_then_pause() -> bool:
+        thread.start()
+        time.sleep(0.5)  # the successor's take starts meanwhile: it must wait for this one
+        return True
+
+    taken["first"] = first.take_term(lock_timeout_seconds=TAKE_TIMEOUT, still_leading=answer_then_pause)
+    thread.join()
+    assert taken == {"first": 1, "second": 2}
+    admitted(second)
+    with pytest.raises(NotLeader):
+        first.admit(admission())
+
+
+
+def test_a_live_leaders_batch_cut_for_sitting_idle_is_no_loss_of_leadership(replicas, ledger):
+    """A relay batch whose API calls are slow sits idle in its transaction past the session's limit
+    and is ended by the server: nobody took the term, so that is a retryable LedgerUnavailable (the
+    loops count it), not NotLeader; the leader goes on writing."""
+    leader, _ = replicas
+    leader.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    admitted(leader)
+    with pytest.raises(LedgerUnavailable, match="sat idle"), leader.dispatch_batch() as (batch, outcomes):
+        time.sleep(1.5)
+        outcomes.sent(batch[0], "job-1")
+    leader.promote_due()
+
+
+def test_a_batch_cut_for_sitting_idle_after_a_successor_took_the_term_is_not_leader(replicas, ledger):
+    old, new = replicas
+    old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    admitted(old)
+    with pytest.raises(NotLeader), old.dispatch_batch() as (batch, outcomes):
+        time.sleep(1.5)  # the server ends it after 1 s; the successor takes the term
+        new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+        outcomes.sent(batch[0], "job-1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from retex.kube.election import ElectionTiming
+from retex.kube.election import ElectionTiming, LeaderRecord
 from retex.operator.leadership import Leadership
 
 TIMING = ElectionTiming(lease_duration=15, renew_deadline=10, retry_period=2)
@@ -121,3 +121,38 @@ def test_on_started_may_ask_whether_this_replica_leads_and_hears_not_yet():
     election.join(timeout=10)  # only there to report a deadlock: it returns at once
     assert not election.is_alive(), "on_started asking leading() deadlocked the election thread"
     assert heard == [False] and leadership.leading()
+
+
+class FreeLease:
+    """A Lease whose record a test sets (another replica's writes) and this replica writes."""
+
+    def __init__(self) -> None:
+        self.record: LeaderRecord | None = None
+
+    def read(self) -> LeaderRecord | None:
+        return self.record
+
+    def write(self, record: LeaderRecord) -> None:
+        self.record = record
+
+
+def test_a_leader_that_takes_the_lease_again_after_a_pause_starts_a_new_leadership():
+    """A paused past the lease duration; B took over and released the Lease meanwhile. A's first
+    round after it resumes takes the free Lease: that is a new leadership (fresh grace, a new
+    ledger term), though no round of A's ever noticed it had stopped leading."""
+    now = [0.0]
+    started: list[float] = []
+    lease = FreeLease()
+    timing = ElectionTiming(lease_duration=15, renew_deadline=10, retry_period=2)
+    a = Leadership(lease, "a", timing, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    assert a.leading() and started == [0.0]
+    now[0] = 60.0
+    lease.record = LeaderRecord(holder=None, duration_seconds=15, transitions=2)  # B took it, then released it
+    assert not a.leading()
+    a.try_acquire_or_renew()
+    assert a.leading()
+    assert started == [0.0, 60.0]
+    now[0] = 62.0
+    a.try_acquire_or_renew()  # a renewal is no new leadership
+    assert started == [0.0, 60.0]

@@ -131,17 +131,23 @@ def _status_of(exc: ApiException) -> dict[str, Any]:
     return status if isinstance(status, dict) else {}
 
 
+LIST_TIMEOUT_SECONDS = 30.0  # a read, not fenced by D − R: kopf's own request timeout
+
+
 class KubeCalls:
     """Every call carries `request_timeout` (the election's D − R: a call made while leading is
     answered or given up by the time a successor may start), and every write first asks
     `may_write` (whether this replica leads, on its own clock), so a writer that resumes after a
-    pause past its renew deadline sends nothing more. Reads are not asked."""
+    pause past its renew deadline sends nothing more. Reads are not asked. D − R bounds writes
+    only: the cluster-wide LIST of Tasks (`list_tasks`), which grows with the cluster, gets
+    `list_timeout` (at least `request_timeout`)."""
 
     def __init__(self, api: client.ApiClient, *, instance: str, request_timeout: float,
-                 may_write: Callable[[], bool] = lambda: True):
+                 may_write: Callable[[], bool] = lambda: True, list_timeout: float = LIST_TIMEOUT_SECONDS):
         self._api = api
         self._instance = instance  # this replica (its pod's name): who reported an Event
         self._timeout = request_timeout
+        self._list_timeout = max(list_timeout, request_timeout)
         self.may_write = may_write
         self._batch = client.BatchV1Api(api)
         self._coordination = client.CoordinationV1Api(api)
@@ -228,7 +234,7 @@ class KubeCalls:
 
     def list_tasks(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = custom_object(
-            self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=self._timeout))["items"]
+            self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=self._list_timeout))["items"]
         return items
 
     def patch_task_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:

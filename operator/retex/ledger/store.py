@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -30,7 +31,7 @@ import psycopg
 
 from retex.failpoints import failpoint
 from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
-from retex.ledger.errors import NotLeader
+from retex.ledger.errors import LedgerUnavailable, NotLeader
 from retex.ledger.migrate import migrate
 from retex.ledger.moves import Cursor, check_result_size, record_history
 from retex.ledger.outbox import DispatchOutcomes
@@ -61,7 +62,8 @@ class Ledger:
         self._pool = transactions.connection_pool(dsn, max_connections=max_connections, limits=limits)
         self._dsn = dsn
         self._limits, self._leader_fenced = limits, leader_fenced
-        self._term: int | None = None  # the leadership term taken last (`take_term`)
+        self._term: int | None = None  # the leadership term highest taken (`take_term`)
+        self._term_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -118,7 +120,17 @@ class Ledger:
             if not fenced:
                 raise
             idle = f" for {self._limits.idle_in_transaction_seconds:g}s" if self._limits else ""
-            raise NotLeader(f"the server ended this transaction after it sat idle{idle}: nothing of it was written") from cut
+            why = f"the server ended this transaction after it sat idle{idle}: nothing of it was written"
+            # A frozen leader's, or a live leader's slow batch (API calls inside it): asked in a
+            # fresh transaction, only a changed term makes it NotLeader; else the loops retry it.
+            try:
+                with transactions.transaction(self._pool) as cur:
+                    current = transactions.current_term(cur)
+            except psycopg.Error as exc:
+                raise LedgerUnavailable(f"{why}; the leadership term could not be read: {exc}") from cut
+            if current != self._term:
+                raise NotLeader(f"{why}; the ledger's leadership term is now {current}") from cut
+            raise LedgerUnavailable(f"{why}; the leadership term is still this replica's") from cut
 
     def _tx_once(self, fn: Callable[[Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
         return self._tx(transactions.once(fn, uid=uid), op=op, leader=True)
@@ -133,16 +145,20 @@ class Ledger:
 
     # -- leadership (retex.ledger.transactions: check_term, take_term) ---------------------------
 
-    def take_term(self, *, lock_timeout_seconds: float) -> int:
+    def take_term(self, *, lock_timeout_seconds: float, still_leading: Callable[[], bool] = lambda: True) -> int:
         """Become the ledger's leader: take the next leadership term, after every write of the
         previous leader's term that is under way has committed or ended, and refuse that term's
         writes from now on. One try, not retried: raises LockNotAvailable when the predecessor's
-        transactions held the term for `lock_timeout_seconds` (ask again while still leading)."""
+        transactions held the term for `lock_timeout_seconds` (ask again while still leading);
+        NotLeader when `still_leading()`, asked holding the term's lock, says no. Terms only grow,
+        so the ledger keeps the highest it took: a leftover taker of an earlier leadership that
+        returns late does not put an older term back."""
         if not self._leader_fenced:
             raise TypeError("take_term on a Ledger made without leader_fenced=True")
         with transactions.transaction(self._pool) as cur:
-            term = transactions.take_term(cur, lock_timeout_seconds=lock_timeout_seconds)
-        self._term = term
+            term = transactions.take_term(cur, lock_timeout_seconds=lock_timeout_seconds, still_leading=still_leading)
+        with self._term_lock:
+            self._term = max(term, self._term or 0)
         return term
 
     # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).

@@ -100,11 +100,26 @@ def check_term(cur: Cursor, term: int | None) -> None:
                         else f"this writer has taken no leadership term (the ledger's is {current})")
 
 
-def take_term(cur: Cursor, *, lock_timeout_seconds: float) -> int:
+def current_term(cur: Cursor) -> int:
+    """The ledger's leadership term now (no lock)."""
+    term: int = one(cur.execute("SELECT term FROM retex.leadership"))["term"]
+    return term
+
+
+def take_term(cur: Cursor, *, lock_timeout_seconds: float, still_leading: Callable[[], bool]) -> int:
     """Take the next leadership term: the predecessor's writes under way commit first (or are
     ended by the server); its later ones are refused. Raises LockNotAvailable when they have
-    not within `lock_timeout_seconds` (the caller tries again while it still leads)."""
+    not within `lock_timeout_seconds` (the caller tries again while it still leads).
+
+    `still_leading()` is asked *holding the term's row lock*, right before the increment, and
+    NotLeader raised when it says no: no other replica can take a term between that answer and
+    this increment, so a replica deposed while it waited cannot take the term after its
+    successor's (and a pause after the answer holds the lock, so the successor's take waits,
+    until the server ends this idle transaction or it commits first)."""
     cur.execute("SELECT set_config('lock_timeout', %s, true)", (_milliseconds(lock_timeout_seconds),))
+    current = one(cur.execute("SELECT term FROM retex.leadership FOR UPDATE"))["term"]
+    if not still_leading():
+        raise NotLeader(f"not taking the leadership term after {current}: this replica no longer leads")
     term: int = one(cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term"))["term"]
     return term
 

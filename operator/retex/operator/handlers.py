@@ -79,6 +79,8 @@ class Runtime:
         limits = session_limits(timing)  # a replica frozen in a transaction frees its locks
         self.ledger = Ledger(settings.database_url, limits=limits, leader_fenced=True).open()
         self._term_taken = threading.Event()  # this replica's leadership holds the ledger's term
+        self._leaderships = 0  # how many times this replica became leader: a term taker's own
+        self._leaderships_lock = threading.Lock()
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
@@ -113,6 +115,7 @@ class Runtime:
         self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
         for loop in self._writers:
             loop.may_write = self.may_write
+            loop.on_not_leader = self._term_lost
         self._loops = [self.leases, *self._writers]
         self._threads = [
             threading.Thread(target=fn, name=name, daemon=True)
@@ -138,20 +141,53 @@ class Runtime:
         the ledger's term; its writers start once it has. In a thread of its own: taking the term
         waits for the predecessor's transactions under way (the server ends a frozen one's after
         the renew deadline), and the election thread must go on renewing meanwhile."""
-        self._term_taken.clear()
+        with self._leaderships_lock:
+            self._term_taken.clear()
+            self._leaderships += 1
+            leadership = self._leaderships
         self.leases.grant_grace()
         self.mirror.resync_next_round()
-        threading.Thread(target=self._take_term, name="ledger-term", daemon=True).start()
+        threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
-    def _take_term(self) -> None:
-        while self.leadership.leading():
+    def _term_lost(self) -> None:
+        """A writer's write was refused NotLeader: if this replica still leads with a term taken,
+        the ledger's term moved past it (this should not happen: `_take_term`); rather than
+        abandon every round for ever, take the term again. (leading() before the lock: `_lead`
+        runs under the election's lock and takes this one.)"""
+        if not self.leadership.leading():
+            return
+        with self._leaderships_lock:
+            if not self._term_taken.is_set():
+                return  # not taken yet, or another writer's refusal is being handled
+            self._term_taken.clear()
+            self._leaderships += 1
+            leadership = self._leaderships
+        event(log, logging.WARNING, "ledger term lost while leading: taking it again", identity=self.leadership.identity)
+        threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
+
+    def _take_term(self, leadership: int) -> None:
+        """Take the ledger's term for this replica's `leadership`-th leadership. Whether it still
+        leads is asked again under the term's row lock (Ledger.take_term), so a replica deposed
+        meanwhile takes none after its successor's; a taker left over from an earlier leadership
+        of this replica's stops, and never marks the term taken for a later one."""
+
+        def current() -> bool:
+            return leadership == self._leaderships and self.leadership.leading()
+
+        while current():
             try:
-                term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period)
+                term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period,
+                                             still_leading=current)
+            except NotLeader as exc:
+                event(log, logging.WARNING, "ledger term not taken: this leadership ended", error=str(exc))
+                return
             except Exception as exc:  # the predecessor's transaction still holds the term, or Postgres is away
                 event(log, logging.WARNING, "ledger term not taken yet: trying again",
                       error=f"{type(exc).__name__}: {exc}")
                 time.sleep(self.leadership.timing.retry_period)
                 continue
+            if leadership != self._leaderships:
+                return  # a later leadership's own taker takes a newer term
             event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
                   identity=self.leadership.identity)
             self._term_taken.set()

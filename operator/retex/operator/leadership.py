@@ -62,13 +62,17 @@ class Leadership:
             with self._lock:
                 self._election.observe(record, started)
                 decision = self._election.decide(started)
+                # A new leadership unless this replica was leading at `started`, by its own clock:
+                # not `_was_leading`, which a replica paused past the lease duration still holds
+                # when its first round after resuming takes the Lease again.
+                continuing = self._election.leading(started)
             if decision is not Decision.WAIT:
                 written = self._election.record(decision, datetime.now(UTC))
                 self._lease.write(written)
                 with self._lock:
                     # Under the lock, before `won`: a writer asking leading() waits until the
                     # term has started (the fresh grace granted), so no round runs before it.
-                    failed = None if self._was_leading else self._start(started)
+                    failed = None if continuing else self._start(started)
                     if failed is None:
                         self._election.won(written, started)
                     else:  # not leading: give the Lease up (below) rather than lock a standby out

@@ -1,0 +1,95 @@
+"""The Runtime's taking of the ledger's leadership term (retex.operator.handlers.Runtime._take_term)
+on a real ledger: a replica deposed between its "leading" answer and its increment takes no term
+after its successor's (the review's reproduction of issue 17)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from retex.ledger import Ledger, NotLeader
+from retex.ledger.transactions import SessionLimits
+from retex.operator.handlers import Runtime
+
+LIMITS = SessionLimits(idle_in_transaction_seconds=1.0, lock_timeout_seconds=1.0)
+
+
+class FakeLeadership:
+    def __init__(self, leading: Callable[[], bool]):
+        self._leading = leading
+        self.timing = types.SimpleNamespace(retry_period=0.1)
+        self.identity = "x"
+
+    def leading(self) -> bool:
+        return self._leading()
+
+
+def runtime(ledger: Ledger, leading: Callable[[], bool]) -> Any:
+    rt: Any = object.__new__(Runtime)
+    rt.ledger, rt.leadership = ledger, FakeLeadership(leading)
+    rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
+    rt._leaderships_lock = threading.Lock()
+    return rt
+
+
+def test_a_replica_deposed_after_its_leading_check_does_not_depose_its_successor(dsn, ledger):
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as lb):
+        a_leads = [True]
+        a = runtime(la, lambda: a_leads[0])
+        paused, resume = threading.Event(), threading.Event()
+        real_take = la.take_term
+
+        def take_after_pause(**kw: Any) -> int:  # A freezes right after its `while leading()` check
+            paused.set()
+            resume.wait()
+            return real_take(**kw)
+
+        la.take_term = take_after_pause  # type: ignore[method-assign]
+        ta = threading.Thread(target=a._take_term, args=(1,))
+        ta.start()
+        assert paused.wait(5)
+        a_leads[0] = False  # A's renew deadline passes while it is frozen; B takes over
+        b = runtime(lb, lambda: True)
+        b._take_term(1)
+        assert b.may_write()
+        lb.promote_due()
+        resume.set()  # A resumes and goes on to take the term
+        ta.join(5)
+        assert not ta.is_alive() and not a.may_write()
+        assert b.may_write()
+        lb.promote_due()  # B still writes
+
+
+def test_a_taker_left_over_from_an_earlier_leadership_marks_nothing(dsn, ledger):
+    with Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la:
+        a = runtime(la, lambda: True)
+        a._leaderships = 2  # this replica lost and took leadership again since taker 1 started
+        a._take_term(1)
+        assert not a.may_write()
+        a._take_term(2)
+        assert a.may_write()
+        la.promote_due()
+
+
+def test_a_leader_whose_term_moved_on_takes_it_again(dsn, ledger):
+    """Should the ledger's term ever move past a replica that still leads, a refused write makes it
+    take the term again rather than abandon every round for ever."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as other):
+        a = runtime(la, lambda: True)
+        a._take_term(1)
+        other.take_term(lock_timeout_seconds=0.3)  # the term moves past A, which still leads
+        with pytest.raises(NotLeader):
+            la.promote_due()
+        a._term_lost()
+        deadline = time.monotonic() + 5
+        while not a.may_write() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a.may_write()
+        la.promote_due()

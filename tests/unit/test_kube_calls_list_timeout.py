@@ -1,0 +1,22 @@
+"""D − R bounds the operator's writes only: the cluster-wide LIST of Tasks gets a longer timeout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes import client
+
+from retex.kube.calls import LIST_TIMEOUT_SECONDS, KubeCalls
+
+
+def test_the_task_list_has_a_longer_timeout_than_writes(monkeypatch):
+    seen: dict[str, Any] = {}
+
+    def list_cluster_custom_object(self: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        seen.update(kwargs)
+        return {"items": []}
+
+    monkeypatch.setattr(client.CustomObjectsApi, "list_cluster_custom_object", list_cluster_custom_object)
+    calls = KubeCalls(client.ApiClient(client.Configuration()), instance="x", request_timeout=5.0)
+    assert calls.list_tasks() == []
+    assert seen["_request_timeout"] == LIST_TIMEOUT_SECONDS > 5.0
