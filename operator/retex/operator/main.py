@@ -15,12 +15,16 @@ import asyncio
 import logging
 import os
 import signal
+from typing import TYPE_CHECKING
 
 import kopf
 
 from retex.logs import JsonLines, event
 from retex.operator.health import serve_health
 from retex.operator.settings import OperatorSettings
+
+if TYPE_CHECKING:  # imported in main(): the import registers kopf's handlers
+    from retex.operator.handlers import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ def main() -> None:
             health.shutdown()
 
 
-async def _operate(runtime, *, namespaces: list[str]) -> None:
+async def _operate(runtime: Runtime, *, namespaces: list[str]) -> None:
     """Run kopf for each term this replica leads, until a signal."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()

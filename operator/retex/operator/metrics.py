@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 
 import psycopg
 from kubernetes.client.exceptions import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 
 from retex.ledger import DURATION_BUCKETS as BUCKETS
 from retex.ledger import Histogram as LedgerHistogram
@@ -93,8 +95,9 @@ def metrics_ledger(dsn: str) -> Ledger:
     """The scrape's own Ledger (not yet open): two connections, a short retry window, and sessions
     that give up within seconds (METRICS_SESSION; `options` already in `dsn` are kept, ours after)."""
     params = psycopg.conninfo.conninfo_to_dict(dsn)
-    params.update(METRICS_SESSION, options=" ".join(filter(None, (params.get("options"), METRICS_SESSION["options"]))))
-    return Ledger(psycopg.conninfo.make_conninfo(**params), max_connections=2,
+    ours, theirs = METRICS_SESSION["options"], params.get("options")
+    params.update(METRICS_SESSION, options=f"{theirs} {ours}" if theirs else ours)
+    return Ledger(psycopg.conninfo.make_conninfo("", **params), max_connections=2,
                   retry_for_seconds=METRICS_LEDGER_RETRY_SECONDS)
 
 
@@ -159,7 +162,7 @@ class LedgerCollector:
             event(log, logging.WARNING, "metrics: the ledger could not be read", error=f"{type(exc).__name__}: {exc}")
             return None
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         figures = self._figures()
         yield GaugeMetricFamily("retex_ledger_up", "1 if this replica read the ledger at its last scrape, 0 if not "
                                 "(then the ledger's figures are left out)", value=0 if figures is None else 1)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
-from retex.api.models import Step, TaskSpec
+from retex.api.models import Action, Step, TaskSpec
 from retex.failpoints import failpoint
 from retex.ledger import (
     CancelRequested,
@@ -208,7 +208,7 @@ class Attempt:
         if step.verify is not None:
             if (end := self._await_step_deadline(idx, step, begun_at=prior.started_at)) is not None:
                 return end
-            match self._verify(step, call):
+            match self._verify(step.verify, step, call):
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed without running")
                 case NotFound():
@@ -231,7 +231,7 @@ class Attempt:
             # The step stays `started` until its deadline: a server may still be processing it.
             if (end := self._await_step_deadline(idx, step, run_started=call.begun)) is not None:
                 return end
-            match self._verify(step, call):
+            match self._verify(step.verify, step, call):
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed")
                 case NotFound():
@@ -282,13 +282,13 @@ class Attempt:
             log.exception("step runner failed")
             return Unknown(f"the worker failed while running the step: {type(exc).__name__}: {exc}")
 
-    def _verify(self, step: Step, call: StepCall) -> VerifyOutcome:
+    def _verify(self, verify: Action, step: Step, call: StepCall) -> VerifyOutcome:
         """Verify is read-only, so an error is retried a few times before a human is asked."""
         outcome: VerifyOutcome = VerifyFailed("not run")
         for attempt in range(1, self._verify_tries + 1):
             try:
                 # A verify's own time counts from its own start, not from the step's begin.
-                outcome = run_verify(step.verify, step, dataclasses.replace(call, begun=time.monotonic()), self._sup)
+                outcome = run_verify(verify, step, dataclasses.replace(call, begun=time.monotonic()), self._sup)
             except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
                 log.exception("verify runner failed")
                 outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")

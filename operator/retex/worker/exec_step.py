@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from retex.api.models import ExecAction, Step
 from retex.worker.calls import SecretMissing, StepCall, Supervision, secret_value
@@ -108,14 +108,14 @@ def _execute(action: ExecAction, step: Step, call: StepCall, sup: Supervision,
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _last_bytes(file, limit: int) -> bytes:
+def _last_bytes(file: BinaryIO, limit: int) -> bytes:
     size = file.seek(0, os.SEEK_END)
     file.seek(max(0, size - limit))
     return file.read()
 
 
-def _unanswered(end: ProcessEnd, step: Step) -> str | None:
-    """Why the command gave no answer of its own (timeout, drain, a signal), or None if it exited."""
+def _exit_code_or_why(end: ProcessEnd, step: Step) -> int | str:
+    """The command's exit code, or why it gave no answer of its own (timeout, drain, a signal)."""
     if end.lease_lost:
         return LEASE_LOST
     if end.why is not None:
@@ -124,9 +124,11 @@ def _unanswered(end: ProcessEnd, step: Step) -> str | None:
         return f"timed out after {step.timeout_seconds}s (process group killed)"
     if end.abandoned:
         return "stopped at the drain deadline"
-    if end.returncode is not None and end.returncode < 0:
+    if end.returncode is None:  # supervise() marks every end it caused, so not seen
+        return "stopped by the worker"
+    if end.returncode < 0:
         return f"killed by signal {-end.returncode}"
-    return None
+    return end.returncode
 
 
 def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
@@ -135,11 +137,9 @@ def run(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> Ste
     ran = _execute(action, step, call, sup)
     if isinstance(ran, Failed):
         return ran
-    if ran.end.abandoned:
-        return Abandoned(_unanswered(ran.end, step))
-    if (why := _unanswered(ran.end, step)) is not None:
-        return Unknown(why)
-    code = ran.end.returncode
+    code = _exit_code_or_why(ran.end, step)
+    if isinstance(code, str):
+        return Abandoned(code) if ran.end.abandoned else Unknown(code)
     if code == 0:
         return Succeeded(ran.output)
     return exit_outcome(step, code, ran.stderr_tail)
@@ -151,12 +151,11 @@ def verify(action: ExecAction, step: Step, call: StepCall, sup: Supervision) -> 
     ran = _execute(action, step, call, sup, {"RETEX_NOT_FOUND_EXIT_CODE": str(VERIFY_NOT_FOUND_EXIT_CODE)})
     if isinstance(ran, Failed):
         return VerifyFailed(ran.error)
-    if ran.end.abandoned:
-        return Abandoned(_unanswered(ran.end, step))
-    if (why := _unanswered(ran.end, step)) is not None:
-        return VerifyFailed(f"verify {why}")
-    if ran.end.returncode == 0:
+    code = _exit_code_or_why(ran.end, step)
+    if isinstance(code, str):
+        return Abandoned(code) if ran.end.abandoned else VerifyFailed(f"verify {code}")
+    if code == 0:
         return Found({**ran.output, "verified": True})
-    if ran.end.returncode == VERIFY_NOT_FOUND_EXIT_CODE:
+    if code == VERIFY_NOT_FOUND_EXIT_CODE:
         return NotFound()
-    return VerifyFailed(f"verify exit code {ran.end.returncode}: {ran.stderr_tail}")
+    return VerifyFailed(f"verify exit code {code}: {ran.stderr_tail}")

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from retex.api.models import HttpAction, Step
@@ -77,7 +77,8 @@ def forbidden_destination(address: str) -> bool:
 def _destination(host: str, port: int) -> str:
     """The first address `host` resolves to that a step may reach. Raises OSError when it does not
     resolve, `ForbiddenDestination` when every address it resolves to is forbidden."""
-    addresses = [info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
+    # An AF_INET or AF_INET6 address (the only families a name resolves to here) is a string.
+    addresses = [str(info[4][0]) for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)]
     allowed = [address for address in addresses if not forbidden_destination(address)]
     if not allowed:
         raise ForbiddenDestination(
@@ -149,6 +150,9 @@ class _LostAfterSending:
     error: str
 
 
+_Answer = _Response | _NotConnected | _NotSent | _LostAfterSending
+
+
 class _Exchange:
     """One request/response on a helper thread, so the caller can give up on it at a deadline.
 
@@ -164,7 +168,7 @@ class _Exchange:
         self._lock = threading.Lock()
         self._aborted = False
         self._connection: http.client.HTTPConnection | None = None
-        self.answer: _Response | _NotConnected | _NotSent | _LostAfterSending | None = None
+        self.answer: _Answer | None = None
         self.done = threading.Event()
 
     def start(self) -> None:
@@ -188,7 +192,7 @@ class _Exchange:
         finally:
             self.done.set()
 
-    def _exchange(self) -> _Response | _NotConnected | _NotSent | _LostAfterSending:
+    def _exchange(self) -> _Answer:
         body, content_type = _request_body(self._action, self._call)
         from_secrets: dict[str, str] = {}
         for header in self._action.headers_from or ():
@@ -204,23 +208,31 @@ class _Exchange:
         headers = {**(self._action.headers or {}), **from_secrets, **_retex_headers(self._call)}
         if content_type and not any(h.lower() == "content-type" for h in headers):
             headers["Content-Type"] = content_type
-        url = urlsplit(self._action.url)
-        port = url.port or (443 if url.scheme == "https" else 80)
+        # The CRD's URL pattern lets a URL without a host ("http://:80/") or with a bad port through.
         try:
-            address = _destination(url.hostname, port)
+            url = urlsplit(self._action.url)
+            host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+        except ValueError as exc:
+            return _NotSent(f"the URL cannot be used ({exc}); nothing was sent")
+        if not host:
+            return _NotSent("the URL names no host; nothing was sent")
+        try:
+            address = _destination(host, port)
         except ForbiddenDestination as refusal:
             return _NotSent(str(refusal))
         except OSError as exc:  # the name does not resolve (now)
-            return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
+            return _NotConnected(f"cannot connect to {host}:{url.port or url.scheme}: {exc}")
         connect_within = max(0.001, self._send_by - time.monotonic())
+        connection: http.client.HTTPConnection
         if url.scheme == "https":
-            connection = http.client.HTTPSConnection(url.hostname, url.port, timeout=connect_within,
+            connection = http.client.HTTPSConnection(host, port, timeout=connect_within,
                                                      context=ssl.create_default_context())
         else:
-            connection = http.client.HTTPConnection(url.hostname, url.port, timeout=connect_within)
+            connection = http.client.HTTPConnection(host, port, timeout=connect_within)
         connection.auto_open = 0  # a connection closed under it must fail, never be reopened and sent on
         # To the address checked above (TLS still verifies the name): a second lookup could answer otherwise.
-        connection._create_connection = lambda _, timeout, source: socket.create_connection(
+        # An instance attribute http.client sets in __init__ and calls in connect(); typeshed leaves it out.
+        connection._create_connection = lambda _, timeout, source: socket.create_connection(  # type: ignore[attr-defined]
             (address, port), timeout, source)
         with self._lock:
             if self._aborted:
@@ -230,7 +242,7 @@ class _Exchange:
             try:
                 connection.connect()
             except OSError as exc:  # includes TLS handshake and certificate errors, and the connect timeout
-                return _NotConnected(f"cannot connect to {url.hostname}:{url.port or url.scheme}: {exc}")
+                return _NotConnected(f"cannot connect to {host}:{url.port or url.scheme}: {exc}")
             path = url.path or "/"
             if url.query:
                 path += f"?{url.query}"
@@ -250,7 +262,7 @@ class _Exchange:
                 if not self._held():
                     return _NotSent(LEASE_LOST)
                 if time.monotonic() >= self._send_by:
-                    return _NotConnected(f"not connected to {url.hostname}:{url.port or url.scheme} in time; "
+                    return _NotConnected(f"not connected to {host}:{url.port or url.scheme} in time; "
                                          "nothing was sent")
                 connection.sock.settimeout(max(0.001, self._answer_by - time.monotonic()))
             try:
@@ -294,7 +306,8 @@ def _parse(status: int, data: bytes) -> _Response:
     return _Response(status, text, truncated=cut or len(data) > BODY_LIMIT_BYTES)
 
 
-def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
+def _exchange(action: HttpAction, step: Step, call: StepCall,
+              sup: Supervision) -> _Answer | Literal["timeout", "abandoned", "lease-lost"]:
     """The answer, or "timeout" / "abandoned" / "lease-lost" when the step's time, the drain or the
     lease ran out first. Closing the connection stops the client; a server may still process what
     it received, which is why a verify waits for the step's deadline (docs/worker.md)."""
@@ -315,6 +328,8 @@ def _exchange(action: HttpAction, step: Step, call: StepCall, sup: Supervision):
         if sup.drain.deadline is not None and now >= sup.drain.deadline:
             exchange.abort()
             return "abandoned"
+    if exchange.answer is None:  # its thread ended by a BaseException (not an Exception): it may have sent
+        return _LostAfterSending("the request's thread ended without an answer")
     return exchange.answer
 
 

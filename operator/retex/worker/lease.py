@@ -160,6 +160,7 @@ class AttemptLease:
 
     def _renew_once(self) -> None:
         for _ in range(2):  # a conflict while we still hold it (someone touched metadata): once more
+            assert self._body is not None  # renewing starts once acquire() has taken it
             try:
                 sent = self._clock()
                 self._body = self._replace(renewed(self._body, datetime.now(UTC)))

@@ -44,8 +44,8 @@ class LedgerClient:
         self._retry_for = retry_for_seconds
         # https: the endpoint's certificate is checked against the CA the operator handed over
         # (else the system's), host name included; a token is never sent to whoever answers.
-        tls = {"cert_reqs": "CERT_REQUIRED", **({"ca_cert_data": ca_pem} if ca_pem else {})}
-        self._http = urllib3.PoolManager(maxsize=2, retries=False, timeout=REQUEST_TIMEOUT, **tls)
+        self._http = urllib3.PoolManager(maxsize=2, retries=False, timeout=REQUEST_TIMEOUT, cert_reqs="CERT_REQUIRED",
+                                         ca_cert_data=ca_pem or None)
         self.keep_trying: Callable[[], bool] = lambda: False
 
     def close(self) -> None:

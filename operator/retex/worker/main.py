@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -118,7 +119,7 @@ def run(config: WorkerConfig, ledger: LedgerClient, drain: Drain, tagger: logs.T
     return end
 
 
-def _renew_deadline(spec: dict) -> float | None:
+def _renew_deadline(spec: dict[str, Any]) -> float | None:
     """The spec's renew deadline; None (the default) for a spec the models refuse: the attempt
     then ends the task over it, fenced, while holding the Lease."""
     try:

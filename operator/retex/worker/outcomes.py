@@ -121,7 +121,7 @@ def storable(value: Any) -> tuple[Any, bool]:
     surrogates in strings (keys too) become U+FFFD, NaN and ±Infinity become the strings "NaN",
     "Infinity", "-Infinity" (jsonb has no such numbers)."""
     if isinstance(value, str):
-        clean = _UNSTORABLE_CHARS.sub("\ufffd", value)
+        clean = _storable_text(value)
         return clean, clean != value
     if isinstance(value, float) and not math.isfinite(value):
         return ("NaN" if math.isnan(value) else _NON_FINITE[value]), True
@@ -146,5 +146,9 @@ def stored_result(result: Any) -> Any:
 
 def stored_text(text: str) -> str:
     """Error text the ledger can store; says so when characters had to be replaced."""
-    clean, changed = storable(text)
-    return clean + SANITIZED_NOTE if changed else clean
+    clean = _storable_text(text)
+    return clean + SANITIZED_NOTE if clean != text else clean
+
+
+def _storable_text(text: str) -> str:
+    return _UNSTORABLE_CHARS.sub("\ufffd", text)

@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from retex.api.models import Step
 from retex.worker.calls import StepCall, Supervision
 from retex.worker.drain import Drain
+from retex.worker.tether import Answer, StartRequest
 
 _POLL_SECONDS = 0.05
 LEASE_LOST = "lease lost (renew deadline passed, or taken): the step was killed"
@@ -70,9 +71,9 @@ class Tether:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         self._pending = b""
-        self._answers: list[dict] = []
+        self._answers: list[Answer] = []
         self._exited: dict[int, int] = {}
 
     def start(self, argv: list[str], *, env: dict[str, str], stdout: Path, stderr: Path,
@@ -80,12 +81,14 @@ class Tether:
         """The step's group leader; or, if `deadline` (on the monotonic clock, when the tether
         SIGKILLs the group whatever the worker does) passed before it could start, its end (as
         a group killed then: nothing of it ran); or why its command cannot be started at all."""
-        request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout),
-                              "stderr": str(stderr), "deadline": deadline}).encode() + b"\n"
+        start: StartRequest = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": str(stdout),
+                               "stderr": str(stderr), "deadline": deadline}
+        request = json.dumps(start).encode() + b"\n"
         with self._lock:
             if self._proc is None or self._proc.poll() is not None:
                 # The old tether's reports are of pids the kernel may since have reused.
                 self._proc, self._pending, self._answers, self._exited = self._spawn(), b"", [], {}
+            assert self._proc.stdin is not None  # started with stdin=PIPE
             try:
                 view = memoryview(request)
                 while view:
@@ -125,7 +128,7 @@ class Tether:
                 self._read(left)
             return self._exited.pop(pid)
 
-    def _give_up(self) -> None:
+    def _give_up(self) -> NoReturn:
         """A tether that does not answer is lost: its request pipe closed, it kills every group it
         started when it reads again (the next step gets a new tether)."""
         assert self._proc is not None and self._proc.stdin is not None
@@ -133,7 +136,7 @@ class Tether:
         self._proc = None
         raise TetherLost(f"the worker's tether has not answered for {TETHER_ANSWER_SECONDS:g}s")
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self) -> subprocess.Popen[bytes]:
         # Its own session: a signal to the worker's group (a pod's processes) does not reach it;
         # it learns of the worker's death from the kernel (PDEATHSIG) and from its pipe.
         return subprocess.Popen([sys.executable, "-I", "-S", _TETHER_FILE, str(os.getpid())], env={},
@@ -151,7 +154,7 @@ class Tether:
         self._pending += data
         while b"\n" in self._pending:
             line, self._pending = self._pending.split(b"\n", 1)
-            answer = json.loads(line)
+            answer: Answer = json.loads(line)
             if "exited" in answer:
                 self._exited[answer["exited"]] = answer["code"]
             else:

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from retex.worker.context import PermanentError, RetryableError, StepContext
@@ -22,9 +23,10 @@ from retex.worker.tether import kill_group_at, tie_to
 ERROR_TAIL_CHARS = 2048
 
 
-def _resolve(target: str):
+def _resolve(target: str) -> Callable[..., object]:
     module_name, _, function_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), function_name)
+    function: Callable[..., object] = getattr(importlib.import_module(module_name), function_name)
+    return function
 
 
 def _answer(request: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ def run_step(step: Step, call: StepCall, sup: Supervision) -> StepOutcome:
         return exec_step.run(step.exec, step, call, sup)
     if step.http is not None:
         return http_step.run(step.http, step, call, sup)
+    assert step.python is not None  # exactly one kind (Action's validator)
     return python_step.run(step.python, step, call, sup)
 
 
@@ -31,4 +32,5 @@ def run_verify(verify: Action, step: Step, call: StepCall, sup: Supervision) -> 
         return exec_step.verify(verify.exec, step, call, sup)
     if verify.http is not None:
         return http_step.verify(verify.http, step, call, sup)
+    assert verify.python is not None  # exactly one kind (Action's validator)
     return python_step.verify(verify.python, step, call, sup)

@@ -44,8 +44,32 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
+from typing import TypedDict
 
 _PR_SET_PDEATHSIG = 1
+
+
+class StartRequest(TypedDict):
+    """The worker's request to start a step's group (on the monotonic clock, `deadline`)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    stdout: str
+    stderr: str
+    deadline: float
+
+
+class Answer(TypedDict, total=False):
+    """One line of the tether's: exactly one of started, refused, expired, killed or exited (with code)."""
+
+    started: int
+    refused: str
+    expired: bool
+    killed: str
+    exited: int
+    code: int
 
 
 def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None,
@@ -53,7 +77,7 @@ def tie_to(worker_pid: int, on_sigterm: Callable[[], None] | None = None,
     """Make this process call `orphaned` (by default: SIGKILL its own group, which it leads) when
     `worker_pid` dies; a SIGTERM while the worker lives calls `on_sigterm`."""
 
-    def handle_sigterm(signum, frame) -> None:
+    def handle_sigterm(signum: int, frame: FrameType | None) -> None:
         # PDEATHSIG also comes when the worker's thread that started this process ends: only a
         # parent that is no longer the worker means the worker is gone.
         if os.getppid() != worker_pid:
@@ -92,7 +116,7 @@ class _Steps:
         for pid in self.running:
             _kill_group(pid)
 
-    def start(self, request: dict) -> dict:
+    def start(self, request: StartRequest) -> Answer:
         # PATH as the step's environment has it: posix_spawnp looks the command up in this
         # process's own (as the command's own exec would have).
         if "PATH" in request["env"]:
@@ -132,7 +156,7 @@ class _Steps:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         return {"started": pid}
 
-    def ended(self, pid: int) -> dict:
+    def ended(self, pid: int) -> Answer:
         """The group's leader has exited (not yet reaped, so its group id cannot be reused)."""
         _kill_group(pid)  # before it leaves the list the worker's death would kill
         pidfd, _ = self.running.pop(pid)
