@@ -55,6 +55,13 @@ def test_a_function_that_cannot_be_imported_fails_permanently():
     assert isinstance(outcome, Failed) and not outcome.retryable and "cannot import" in outcome.error
 
 
+def test_a_target_that_is_not_callable_fails_permanently_without_being_called():
+    # Nothing ran, and no retry will change what the image holds: not an Unknown outcome.
+    outcome = run("RATE")
+    assert isinstance(outcome, Failed) and not outcome.retryable, outcome
+    assert "is not callable" in outcome.error, outcome
+
+
 def test_a_result_that_is_not_json_is_kept_as_its_repr():
     outcome = run("not_json")
     assert isinstance(outcome, Succeeded) and outcome.result == {"tags": "{'a'}"}

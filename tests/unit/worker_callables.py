@@ -71,3 +71,6 @@ def unexpected_after_effect(ctx: StepContext) -> None:
     with open(os.environ["COUNTS"], "a") as counts:
         counts.write(ctx.idempotency_key + "\n")
     raise KeyError("the effect happened, then a bug")
+
+
+RATE = 0.25  # a name a Task could point its callable at by mistake

@@ -25,7 +25,10 @@ ERROR_TAIL_CHARS = 2048
 
 def _resolve(target: str) -> Callable[..., object]:
     module_name, _, function_name = target.partition(":")
-    function: Callable[..., object] = getattr(importlib.import_module(module_name), function_name)
+    found = getattr(importlib.import_module(module_name), function_name)
+    if not callable(found):
+        raise TypeError(f"{target} is {type(found).__name__}, which is not callable")
+    function: Callable[..., object] = found
     return function
 
 
@@ -40,6 +43,8 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
         function = _resolve(request["callable"])
     except (ImportError, AttributeError) as exc:  # the image lacks it: no retry will change that
         return {"outcome": "permanent", "error": f"cannot import {request['callable']}: {exc}"}
+    except TypeError as exc:  # nothing was called, and the image will not change either
+        return {"outcome": "permanent", "error": str(exc)}
     try:
         result = function(context, **request["args"])
     except PermanentError as exc:
