@@ -249,3 +249,16 @@ def test_a_spec_just_under_the_size_cap_with_a_full_payload_is_accepted():
     steps = [{"name": "a", "python": {"callable": "m:f", "args": {"blob": "y" * 150_000}}}]
     spec = TaskSpec.model_validate({"steps": steps, "payload": payload})
     assert models.payload_bytes(spec.as_admitted()) < models.SPEC_MAX_BYTES
+
+
+@pytest.mark.parametrize("url", ["http://:80/x", "http://host:abc/", "http://host:99999/", "http://host:0/", "http://[::1/"])
+def test_a_url_without_a_host_or_with_a_port_out_of_range_is_refused(url):
+    """An http step's worker must never meet a URL it cannot send to (it could not say whether
+    anything was sent)."""
+    with pytest.raises(ValidationError, match="String should match pattern"):
+        TaskSpec.model_validate({"steps": [{"name": "only", "http": {"method": "GET", "url": url}}]})
+
+
+@pytest.mark.parametrize("url", ["https://[::1]:443/x", "http://shop.example:65535", "http://10.0.0.7:8080/a?b#c"])
+def test_a_url_with_a_host_and_a_port_in_range_is_accepted(url):
+    TaskSpec.model_validate({"steps": [{"name": "only", "http": {"method": "GET", "url": url}}]})

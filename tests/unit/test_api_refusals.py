@@ -149,6 +149,24 @@ REFUSALS = [
         "String should match pattern",
     ),
     Refusal(
+        "url-without-a-host",
+        spec_with(step(http={**HTTP, "url": "http://:80/orders"})),
+        (
+            'spec.steps[0].http.url: Invalid value: "http://:80/orders": spec.steps[0].http.url '
+            f"in body should match '{models.URL_PATTERN}'",
+        ),
+        "String should match pattern",
+    ),
+    Refusal(
+        "url-with-a-port-out-of-range",
+        spec_with(step(http={**HTTP, "url": "https://shop.example:99999/orders"})),
+        (
+            'spec.steps[0].http.url: Invalid value: "https://shop.example:99999/orders": spec.steps[0].http.url '
+            f"in body should match '{models.URL_PATTERN}'",
+        ),
+        "String should match pattern",
+    ),
+    Refusal(
         "exit-codes-on-an-http-step",
         spec_with(step(http=HTTP, retryableExitCodes=[75])),
         (f"spec.steps[0]: Invalid value: {models.MSG_EXIT_CODES_EXEC_ONLY}",),

@@ -241,15 +241,6 @@ def test_a_destination_resolving_to_a_link_local_or_metadata_address_fails_for_g
     assert isinstance(verified, VerifyFailed) and "may not reach link-local" in verified.error, verified
 
 
-@pytest.mark.parametrize("url", ["http://:80/x", "http://host:abc/", "http://host:99999/", "http://[::1/"])
-def test_a_url_the_model_accepts_but_without_a_host_or_a_valid_port_fails_for_good_and_nothing_is_sent(url):
-    """The CRD's URL pattern lets these through; they are not requests that were lost after sending."""
-    s = step(http={"method": "POST", "url": url})
-    outcome = http_step.run(s.http, s, call(), supervision())
-    assert isinstance(outcome, Failed) and outcome.retryable is False, outcome
-    assert "nothing was sent" in outcome.error, outcome
-
-
 def test_the_request_goes_to_the_address_that_was_checked_not_to_a_second_lookups_answer(stub, monkeypatch):
     """DNS rebinding: a name answers a harmless address when checked, then the metadata address.
     The connection is made to the first answer; the name is looked up once."""

@@ -57,8 +57,13 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # ASCII classes only, so Go's RE2 (API server) and Rust's regex (pydantic) agree on every string.
-# The authority may not contain '@': credentials in a URL would be stored in the Task.
-URL_PATTERN = r"^https?://[-A-Za-z0-9._~%!$&'()*+,;=:\[\]]+([/?#][!-~]*)?$"
+# The authority is a host (a name or a bracketed IPv6 literal) and an optional port 1-65535; it may
+# not contain '@': credentials in a URL would be stored in the Task.
+URL_PATTERN = (
+    r"^https?://([-A-Za-z0-9._~%!$&'()*+,;=]+|\[[0-9A-Fa-f:.]+\])"
+    r"(:(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3}))?"
+    r"([/?#][!-~]*)?$"
+)
 HEADER_NAME_PATTERN = r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
 # CR or LF in a header value would inject headers (or a second request); NUL is refused by servers.
 HEADER_VALUE_PATTERN = r"^[^\r\n\x00]*$"

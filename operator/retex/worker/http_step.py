@@ -208,14 +208,10 @@ class _Exchange:
         headers = {**(self._action.headers or {}), **from_secrets, **_retex_headers(self._call)}
         if content_type and not any(h.lower() == "content-type" for h in headers):
             headers["Content-Type"] = content_type
-        # The CRD's URL pattern lets a URL without a host ("http://:80/") or with a bad port through.
-        try:
-            url = urlsplit(self._action.url)
-            host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
-        except ValueError as exc:
-            return _NotSent(f"the URL cannot be used ({exc}); nothing was sent")
-        if not host:
-            return _NotSent("the URL names no host; nothing was sent")
+        # The model's URL pattern (api/models.py) admits only a host and a port in range.
+        url = urlsplit(self._action.url)
+        host, port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+        assert host is not None
         try:
             address = _destination(host, port)
         except ForbiddenDestination as refusal:
