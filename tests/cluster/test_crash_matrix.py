@@ -329,7 +329,7 @@ def test_R4_a_status_written_by_a_newer_mirror_is_never_overwritten_by_an_older_
 # -- worker side ----------------------------------------------------------------------------------
 
 
-def test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_the_lease_expires(retex, stubs):
+def test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_once_its_pod_is_seen_dead(retex, stubs):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
     crash, expected = crash_worker_at(retex, "after-lease", steps)
@@ -339,7 +339,10 @@ def test_R5_worker_killed_holding_the_lease_before_any_step_is_replaced_after_th
     assert_exactly_once(effects_of(payments, notifier, crash.uid))
     attempts = retex.ledger.attempts(crash.uid)
     assert [(a.epoch, a.outcome) for a in attempts] == [(1, "lost"), (2, "succeeded")]
-    assert attempts[1].cause == "lease-expired", "the reaper saw no renewal for the lease duration"
+    # Not the lease's expiry (a silent death, R11): a late renewal and the pod reported terminated.
+    assert attempts[1].cause == "disruption", "the reaper saw the holder's pod terminated"
+    assert "lease holder's pod terminated: not waiting for the lease to expire" in \
+        retex.operator.log_path.read_text(errors="replace")
     record = retex.ledger.get(crash.uid)
     assert (record.epoch, record.failures, record.disruptions) == (2, 0, 1), "a disruption, not a failure"
     assert commits_by_epoch(retex, crash.uid) == {2: [0, 1, 2, 3]}
@@ -555,6 +558,7 @@ def test_R11_a_zombie_frozen_after_its_effect_is_fenced_when_it_resumes_after_th
     assert notifier.for_task(crash.uid)["notify"] == {"deliveries": 1, "executions": 1}
     settle(retex, crash, phases=("Succeeded",))
     assert commits_by_epoch(retex, crash.uid) == {1: [0, 1], 2: [2, 3]}, "attempt 2 committed notify (verified)"
+    assert retex.ledger.attempts(crash.uid)[1].cause == "lease-expired", "a frozen pod is a silent loss"
     assert retex.ledger.get(crash.uid).steps[2].result.get("verified") is True
     version, history = retex.ledger.get(crash.uid).version, retex.ledger.history(crash.uid)
 

@@ -1,8 +1,8 @@
 """The attempt lifecycle on the rig: purged tasks are not run again, a Job that fails before its
 worker takes the lease is a disruption (up to the cap), worker pods that never start end their
 attempt with Kubernetes' reason, cancel and delete without a worker end at once, a
-deleted namespace finishes terminating, and a timed-out task keeps its key until its old attempt
-is known dead."""
+deleted namespace finishes terminating, a timed-out task keeps its key until its old attempt
+is known dead, and a worker seen dead is replaced without waiting for its lease to expire."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from e2e.system import job_pod_ends, wait_for
 from retex.kube.objects import job_name, lease_name
+from tests.cluster.test_crash_matrix import submit, worker_died_at
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
 START_DEADLINE = 8  # RETEX_WORKER_START_DEADLINE_SECONDS for these tests
@@ -226,3 +227,19 @@ def test_an_operator_paused_longer_than_a_lease_condemns_no_live_worker(retex):
     wait_for(lambda: phase_is(retex, "patient", "Succeeded"), timeout=60, what="Succeeded")
     record = retex.ledger.find(retex.namespace, "patient")
     assert [(a.epoch, a.cause) for a in retex.ledger.attempts(record.uid)] == [(1, "first")]
+
+
+def test_a_worker_killed_mid_step_is_replaced_without_waiting_for_its_lease_to_expire(retex):
+    """With a 60 s lease, attempt 1's worker dies by SIGKILL just after beginning its step; the
+    kubelet (here the rig's node agent) reports its container terminated, so the reaper starts the
+    next attempt once a renewal is late, long before the lease would expire."""
+    lease_seconds = 60
+    submitted = submit(retex, "killed", [sh("only", "echo done", idempotent=True)], failpoint="after-begin=kill",
+                       lease={"durationSeconds": lease_seconds})
+    death = worker_died_at(retex, "after-begin", submitted)  # proves SIGKILL at the failpoint
+    died_at = time.monotonic()
+    wait_for(lambda: phase_is(retex, "killed", "Succeeded"), timeout=lease_seconds - 15, what="Succeeded")
+    recovered = time.monotonic() - died_at
+    assert operator_log_has(retex, "lease holder's pod terminated: not waiting for the lease to expire"), death.pod
+    assert [(a.epoch, a.cause) for a in retex.ledger.attempts(submitted.uid)] == [(1, "first"), (2, "disruption")]
+    assert recovered < lease_seconds / 2, f"{recovered:.1f}s after the worker's death"

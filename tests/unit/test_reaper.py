@@ -200,3 +200,54 @@ def test_a_blind_reaper_judges_nobody():
     clock.ago = 0.0
     r.round()
     assert ledger.calls == []
+
+
+def holder_pod(phase, state):
+    return {"metadata": {"name": "pod-a"}, "status": {"phase": phase, "containerStatuses": [
+        {"name": "worker", "state": state}]}}
+
+
+KILLED = holder_pod("Failed", {"terminated": {"exitCode": 137, "reason": "Error"}})
+RUNNING = holder_pod("Running", {"running": {"startedAt": "2026-12-03T09:00:00Z"}})
+# What PodGC writes for a pod of a deleted Node: the phase, not what its kubelet reported.
+MARKED_FAILED = holder_pod("Failed", {"running": {"startedAt": "2026-12-03T09:00:00Z"}})
+
+
+def late_renewal(uid, pods):
+    """The watch last saw a renewal 40% of the lease duration ago (a worker renews every fifth of
+    its renew deadline or sooner), and the GET shows none since: the lease is held, not expired."""
+    clock = Clock()
+    clock.ago = DURATION * 0.4
+    kube = FakeKube(leases={name_of(uid): lease(uid, R1, "pod-a:1")}, pods=pods)
+    return clock, kube
+
+
+def test_a_holder_whose_pod_has_terminated_is_replaced_before_its_lease_expires():
+    clock, kube = late_renewal("u1", [KILLED])
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == [("replace_attempt", "u1", 1, "disruption")]
+    assert kube.deleted == ["job-1"]
+
+
+@pytest.mark.parametrize("pod", [RUNNING, MARKED_FAILED], ids=["running", "marked-failed-by-the-control-plane"])
+def test_a_late_renewal_is_no_verdict_while_the_holders_containers_are_not_reported_terminated(pod):
+    clock, kube = late_renewal("u1", [pod])
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == []
+    assert kube.deleted == []
+
+
+def test_a_lease_renewed_on_time_costs_no_pod_list():
+    clock, kube = late_renewal("u1", [KILLED])
+    clock.ago = 0.0  # renewed just now
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or [KILLED]
+    ledger = FakeLedger([attempt("u1")])
+    reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock).round()
+    assert (listed, ledger.calls) == ([], [])

@@ -7,6 +7,8 @@ a step: its first ledger write is fenced). Until then it holds its run slot and 
 For the current attempt of a Running task:
   - lease released by E — a disruption (eviction, drain): the next attempt at once;
   - lease held by E, no renewal seen for the duration — a disruption ('lease-expired');
+  - lease held by E, its renewals late, and the kubelet reported the holder pod's containers
+    terminated (a killed or crashed worker) — a disruption, without waiting for the expiry;
   - E never took the lease and its Job failed or vanished — a disruption;
   - E never took the lease within the start deadline and its pod is stuck (missing Secret, image
     pull, no node matches, a quota below the pod) — a failed attempt, with the pod's reason as
@@ -41,8 +43,12 @@ from retex.operator.starting import start_verdict
 
 log = logging.getLogger(__name__)
 
-# A Job that has not taken its lease is asked about at most this often.
+# A Job that has not taken its lease, or whose holder's renewals are late, is asked about at most
+# this often.
 JOB_CHECK_SECONDS = 3.0
+# A worker renews every fifth of its renew deadline or sooner: a lease unrenewed for a quarter of
+# its duration has missed a renewal, and its holder's pod is worth a look.
+LATE_RENEWAL_FRACTION = 0.25
 
 
 class Hold(enum.Enum):
@@ -66,6 +72,16 @@ def _job_failed(job: dict[str, Any] | None) -> bool:
     status = job.get("status") or {}
     failed = any(c.get("type") == "Failed" and c.get("status") == "True" for c in status.get("conditions") or [])
     return failed or bool(status.get("failed"))
+
+
+def _containers_terminated(pod: dict[str, Any]) -> bool:
+    """The kubelet reported every container of the pod terminated: with restartPolicy Never, for
+    good. The phase alone is not enough: the control plane marks the pods of a deleted Node Failed
+    while their processes may still run on it."""
+    status = pod.get("status") or {}
+    containers = status.get("containerStatuses") or []
+    return status.get("phase") in ("Failed", "Succeeded") and bool(containers) and \
+        all((c.get("state") or {}).get("terminated") for c in containers)
 
 
 class Reaper(Loop):
@@ -108,6 +124,10 @@ class Reaper(Loop):
     def _judge_current(self, attempt: WatchedAttempt) -> None:
         hold = self._observed(attempt)
         if hold is Hold.HELD:
+            if self._holder_died(attempt) and self._confirmed(attempt, hold):
+                event(log, logging.INFO, "lease holder's pod terminated: not waiting for the lease to expire",
+                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
+                self._replace(attempt, "disruption")
             return
         if hold is not Hold.NEVER:
             if self._confirmed(attempt, hold):
@@ -149,6 +169,21 @@ class Reaper(Loop):
 
     def _observed(self, attempt: WatchedAttempt) -> Hold:
         return hold_of(self._leases.get(attempt.namespace, _lease(attempt), attempt.uid), attempt.epoch, time.monotonic())
+
+    def _holder_died(self, attempt: WatchedAttempt) -> bool:
+        """The holder's renewals are late and its pod's containers terminated: no process of it
+        is left to run a step, so the next attempt need not wait for the lease to expire."""
+        seen = self._leases.get(attempt.namespace, _lease(attempt), attempt.uid)
+        now = time.monotonic()
+        if seen is None or seen.holder_pod is None or \
+                now - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
+            return False
+        key = (attempt.uid, attempt.epoch)
+        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
+            return False
+        self._job_checked[key] = now
+        pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
+        return any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
 
     def _confirmed(self, attempt: WatchedAttempt, hold: Hold) -> bool:
         """Before acting on what the watch showed, read the Lease itself: True if it still says
