@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.json"
 CHARTS = REPO / "docs" / "benchmarks"
 LEASE_SECONDS = 10  # the recovery measure's lease duration
+OBSERVED_DEATH_TARGET_SECONDS = 3.0
 
 
 def say(message: str) -> None:
@@ -289,10 +290,11 @@ def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         jobs.append(_kill_and_time_restart(system, name, f"bench={name}"))
         system.batch.delete_namespaced_job(name, system.namespace, propagation_policy="Background")
     r, b = percentile(retex, 95), percentile(jobs, 95)
-    bound = LEASE_SECONDS + 5
+    # A death the kubelet reports is not waited for (issue 18: ≤ 3 s); lease + 5 s is for silent ones.
+    bound = OBSERVED_DEATH_TARGET_SECONDS
     return [Figure(measure="recovery from a worker SIGKILLed mid-step, p95", unit="s", retex=r, baseline=b,
                    baseline_name="bare Job, backoffLimit 1: pod killed → replacement started", ratio=r / b,
-                   target=f"≤ lease duration + 5 s ({bound} s)", met=r <= bound,
+                   target=f"≤ {bound} s (an observed death)", met=r <= bound,
                    detail={"lease_seconds": LEASE_SECONDS, "retex_p50": percentile(retex, 50),
                            "job_p50": percentile(jobs, 50), "samples": len(retex)})]
 
