@@ -1,7 +1,7 @@
 """`make bench`: retex measured side by side with what users would run instead, on the local rig.
 
     python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
-        measures: checkpoint latency throughput recovery profile
+        measures: checkpoint latency throughput recovery profile ledger
 
 Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
 it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
@@ -37,7 +37,7 @@ from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
 from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.api import GROUP, PLURAL, VERSION
-from retex.ledger import Ledger
+from retex.ledger import Ledger, TaskAdmission
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.json"
@@ -59,11 +59,12 @@ class Sizes:
     throughput_limit: int = 10
     recovery_runs: int = 10
     profile_tasks: int = 3
+    ledger_tasks: int = 1000
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
-                   throughput_limit=2, recovery_runs=1, profile_tasks=1)
+                   throughput_limit=2, recovery_runs=1, profile_tasks=1, ledger_tasks=10)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
         """These sizes with `NAME=N` overrides (e.g. `latency_tasks=10`): sizes between --quick and full."""
@@ -368,6 +369,86 @@ def _iso_seconds(stamp: str) -> float:
     return datetime.fromisoformat(re.sub(r"Z$", "+00:00", stamp)).timestamp()
 
 
+LEDGER_STEPS = 5  # the growth per step is the difference between tasks of this many steps and of one
+
+
+def measure_ledger(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """Ledger growth: bytes on disk per finished task and per step, tasks driven through the ledger
+    in process (admit, begin and commit each step, complete: what operator and worker write) on a
+    database of its own; then the purge of all of them, against a plain DELETE of as many rows."""
+    count = sizes.ledger_tasks
+    database = f"bench_ledger_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(system.postgres.dsn(), autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {database}")
+    dsn = system.postgres.dsn(dbname=database)
+    with Ledger(dsn) as ledger:
+        empty = sum(_ledger_bytes(dsn).values())
+        spec_bytes = 0
+        grown: dict[int, float] = {}
+        by_table: dict[str, float] = {}
+        for steps in (1, LEDGER_STEPS):
+            before = _ledger_bytes(dsn)
+            for i in range(count):
+                spec = {"steps": [{"name": f"s{j}", "exec": {"command": ["sh", "-c", f"echo {j}"]}} for j in range(steps)]}
+                spec_bytes = len(json.dumps(spec))
+                uid = ledger.admit(TaskAdmission(uid=str(uuid.uuid4()), namespace="bench", name=f"g{steps}-{i}",
+                                                 spec=spec, step_names=[f"s{j}" for j in range(steps)])).uid
+                record = ledger.get(uid)
+                for j in range(steps):
+                    ledger.begin_step(record.uid, record.epoch, j, actor="worker")
+                    ledger.commit_step(record.uid, record.epoch, j, {"out": f"{j}\n"}, actor="worker")
+                ledger.complete_task(record.uid, record.epoch, actor="worker")
+            after = _ledger_bytes(dsn)
+            by_table = {table: (size - before.get(table, 0)) / count for table, size in after.items()}
+            grown[steps] = sum(by_table.values())
+            say(f"  {count} finished tasks of {steps} step(s): {grown[steps]:.0f} bytes each")
+        per_step = (grown[LEDGER_STEPS] - grown[1]) / (LEDGER_STEPS - 1)
+        time.sleep(0.01)
+        started = time.perf_counter()
+        purged = ledger.purge_finished(older_than_seconds=0)
+        purge_seconds = time.perf_counter() - started
+        after_purge = sum(_ledger_bytes(dsn).values())
+    delete_seconds = _plain_delete_seconds(system.postgres, purged)
+    with psycopg.connect(system.postgres.dsn(), autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE {database}")
+    # What the API server keeps of the same task: its spec (a Task object is that plus metadata).
+    return [
+        Figure(measure=f"ledger growth per finished {LEDGER_STEPS}-step task", unit="bytes",
+               retex=grown[LEDGER_STEPS], baseline=spec_bytes, baseline_name="the task's spec as JSON",
+               ratio=grown[LEDGER_STEPS] / spec_bytes, target="reported", met=True,
+               detail={"bytes_per_step": per_step, "bytes_per_one_step_task": grown[1], "tasks": count,
+                       "empty_ledger_bytes": empty, "bytes_per_task_by_table": by_table}),
+        Figure(measure=f"purge of {purged} finished tasks", unit="s", retex=purge_seconds, baseline=delete_seconds,
+               baseline_name=f"DELETE of {purged} rows of a plain table", ratio=purge_seconds / delete_seconds,
+               target="reported", met=True,
+               detail={"tasks_purged": purged, "bytes_left_after_purge": after_purge - empty,
+                       "note": "space is reused after VACUUM, not returned: the files do not shrink"}),
+    ]
+
+
+def _ledger_bytes(dsn: str) -> dict[str, int]:
+    """Each table of the retex schema on disk with its indexes and TOAST, after a VACUUM so dead
+    rows do not count."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("VACUUM")
+        rows = conn.execute("SELECT c.relname, pg_total_relation_size(c.oid) FROM pg_class c "
+                            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+                            "WHERE n.nspname = 'retex' AND c.relkind = 'r'").fetchall()
+        return {name: int(size) for name, size in rows}
+
+
+def _plain_delete_seconds(postgres: PostgresServer, rows: int) -> float:
+    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS bench_purge")
+        conn.execute("CREATE TABLE bench_purge (id bigserial PRIMARY KEY, v text)")
+        conn.execute("INSERT INTO bench_purge (v) SELECT md5(g::text) FROM generate_series(1, %s) g", (rows,))
+        started = time.perf_counter()
+        conn.execute("DELETE FROM bench_purge")
+        seconds = time.perf_counter() - started
+        conn.execute("DROP TABLE bench_purge")
+        return seconds
+
+
 def _uid(system: BenchSystem, name: str) -> str:
     return system.custom.get_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)["metadata"]["uid"]
 
@@ -387,6 +468,7 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "throughput": measure_throughput,
     "recovery": measure_recovery,
     "profile": measure_profile,
+    "ledger": measure_ledger,
 }
 
 
