@@ -198,7 +198,8 @@ for tar in "$out"/images/*.tar; do
     --all-platforms --no-unpack --digests - <"$tar" >/dev/null
 done
 docker exec "$build" ctr --namespace=k8s.io images list -q >&2
-docker exec "$build" bash -c 'pkill containerd; while pgrep -x containerd >/dev/null; do sleep 0.2; done'
+# (sleep, the container's PID 1, reaps nothing: containerd stays a zombie once it has exited)
+docker exec "$build" bash -c 'pkill -x containerd; while ps -C containerd -o stat= | grep -qv Z; do sleep 0.2; done'
 docker commit --change 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]' \
   --change "LABEL dev.retex.kind-node=$key" "$build" "$NODE_IMAGE" >/dev/null
 log "built $NODE_IMAGE ($(docker image inspect -f '{{.Size}}' "$NODE_IMAGE" | awk '{printf "%d MB", $1/1e6}'))"
