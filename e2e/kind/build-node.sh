@@ -29,6 +29,8 @@ k8s_version=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$repo/e
 etcd_version=$(awk '$1=="require" && $2=="go.etcd.io/etcd/server/v3" {print $3}' "$repo/e2e/rig/gobuild/etcd/go.mod")
 key=k8s-$k8s_version-containerd-$CONTAINERD_VERSION-crictl-$CRICTL_VERSION-cni-$CNI_PLUGINS_VERSION-kind-$KIND_VERSION
 out=$cache/kind-node-$key
+# The images are rebuilt when what goes into them here changes (the binaries are keyed by version).
+recipe=$(cat "$here"/{build-node.sh,Dockerfile.base,node-cni.sh,node-cni.service,pause.c} "$repo/images/runc-capbnd" | sha256sum | cut -c1-12)
 kind_dir=$cache/bin/kind-$KIND_VERSION
 NODE_IMAGE=retex-kind-node:$k8s_version
 BASE_IMAGE=retex-kind-base:$k8s_version
@@ -77,8 +79,8 @@ if docker image inspect "$default_image" >/dev/null 2>&1 || timeout 60 docker pu
   echo "$default_image"
   exit 0
 fi
-if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}' "$NODE_IMAGE" 2>/dev/null) == "$key" ]]; then
-  log "$NODE_IMAGE is built ($key)"
+if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}' "$NODE_IMAGE" 2>/dev/null) == "$key-$recipe" ]]; then
+  log "$NODE_IMAGE is built ($key, recipe $recipe)"
   echo "$NODE_IMAGE"
   exit 0
 fi
@@ -136,7 +138,7 @@ if ! docker image inspect "$PYTHON_BASE" >/dev/null 2>&1; then
   log "$PYTHON_BASE is missing: images/build.sh makes it (debootstrap)"
   bash "$repo/images/build.sh" >&2
 fi
-if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}' "$BASE_IMAGE" 2>/dev/null) != "$key" ]]; then
+if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}' "$BASE_IMAGE" 2>/dev/null) != "$key-$recipe" ]]; then
   log "building $BASE_IMAGE (e2e/kind/Dockerfile.base: apt-get in the build, a few minutes cold)"
   ctx=$out/base-context
   rm -rf "$ctx"; mkdir -p "$ctx/bin" "$ctx/cni"
@@ -151,7 +153,7 @@ if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}'
   install -m 0755 "$out"/cni/* "$ctx/cni/"
   install -m 0755 "$repo/images/runc-capbnd" "$ctx/runc-capbnd"
   "$DOCKER" build --progress=plain -f "$here/Dockerfile.base" \
-    --build-arg "BASE_IMAGE=$PYTHON_BASE" --label "dev.retex.kind-node=$key" -t "$BASE_IMAGE" "$ctx" 2>&1 \
+    --build-arg "BASE_IMAGE=$PYTHON_BASE" --label "dev.retex.kind-node=$key-$recipe" -t "$BASE_IMAGE" "$ctx" 2>&1 \
     | { grep --line-buffered -E '^#[0-9]+ (\[|DONE|CACHED|ERROR)|ERROR|error' || true; } >&2
   [[ ${PIPESTATUS[0]} == 0 ]] || { log "base image build failed"; exit 1; }
 fi
@@ -201,6 +203,6 @@ docker exec "$build" ctr --namespace=k8s.io images list -q >&2
 # (sleep, the container's PID 1, reaps nothing: containerd stays a zombie once it has exited)
 docker exec "$build" bash -c 'pkill -x containerd; while ps -C containerd -o stat= | grep -qv Z; do sleep 0.2; done'
 docker commit --change 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]' \
-  --change "LABEL dev.retex.kind-node=$key" "$build" "$NODE_IMAGE" >/dev/null
+  --change "LABEL dev.retex.kind-node=$key-$recipe" "$build" "$NODE_IMAGE" >/dev/null
 log "built $NODE_IMAGE ($(docker image inspect -f '{{.Size}}' "$NODE_IMAGE" | awk '{printf "%d MB", $1/1e6}'))"
 echo "$NODE_IMAGE"

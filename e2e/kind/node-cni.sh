@@ -9,7 +9,25 @@ KUBECONFIG=/etc/kubernetes/kubelet.conf
 export KUBECONFIG
 node=$(hostname)
 conf=/etc/cni/net.d/10-retex-ptp.conflist
+# Kubelet's credentials may read only their own Node (the Node authorizer); RBAC lets every node
+# list them all, granted once from a control-plane node.
+grant_node_list() {
+  kubectl --kubeconfig /etc/kubernetes/admin.conf apply -f - >/dev/null <<'YAML'
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: retex-node-cni}
+rules: [{apiGroups: [""], resources: [nodes], verbs: [get, list]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: retex-node-cni}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: retex-node-cni}
+subjects: [{apiGroup: rbac.authorization.k8s.io, kind: Group, name: "system:nodes"}]
+YAML
+}
+granted=false
 while true; do
+  if ! $granted && [[ -f /etc/kubernetes/admin.conf ]] && grant_node_list; then granted=true; fi
   if [[ -f $KUBECONFIG ]]; then
     rows=$(kubectl get nodes -o jsonpath='{range .items[*]}{.metadata.name} {.spec.podCIDR} {.status.addresses[?(@.type=="InternalIP")].address}{"\n"}{end}' 2>/dev/null)
     while read -r name cidr ip; do
