@@ -25,6 +25,7 @@ KIND_VERSION=v0.33.0
 CONTAINERD_VERSION=v2.4.2
 CRICTL_VERSION=v1.37.0
 CNI_PLUGINS_VERSION=v1.10.0
+LOCAL_PATH_VERSION=v0.0.30  # rancher's local-path-provisioner, kind's default storage
 k8s_version=$(awk '$1=="require" && $2=="k8s.io/kubernetes" {print $3}' "$repo/e2e/rig/gobuild/kubernetes/go.mod")
 etcd_version=$(awk '$1=="require" && $2=="go.etcd.io/etcd/server/v3" {print $3}' "$repo/e2e/rig/gobuild/etcd/go.mod")
 key=k8s-$k8s_version-containerd-$CONTAINERD_VERSION-crictl-$CRICTL_VERSION-cni-$CNI_PLUGINS_VERSION-kind-$KIND_VERSION
@@ -127,6 +128,13 @@ cni=github.com/containernetworking/plugins/plugins
 go_install "$out/cni" "CNI plugins" "" "$cni/ipam/host-local@$CNI_PLUGINS_VERSION" \
   "$cni/main/loopback@$CNI_PLUGINS_VERSION" "$cni/main/ptp@$CNI_PLUGINS_VERSION" \
   "$cni/meta/portmap@$CNI_PLUGINS_VERSION"
+kubeadm_images=$("$out/kubernetes/kubeadm" config images list --kubernetes-version "$k8s_version" 2>/dev/null)
+image_for() { grep -E "/$1:" <<<"$kubeadm_images"; }
+coredns_version=$(image_for coredns | sed 's/.*://')
+go_install "$out/coredns-$coredns_version" "CoreDNS $coredns_version (a few minutes cold)" "" \
+  "github.com/coredns/coredns@$coredns_version"
+go_install "$out/local-path-provisioner-$LOCAL_PATH_VERSION" local-path-provisioner "" \
+  "github.com/rancher/local-path-provisioner@$LOCAL_PATH_VERSION"
 if [[ ! -x $out/pause/pause ]]; then
   log "building pause (e2e/kind/pause.c, static)"
   mkdir -p "$out/pause"
@@ -159,8 +167,6 @@ if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}'
 fi
 
 # --- component images: what kubeadm's static pods and kube-proxy run ------------------------------
-kubeadm_images=$("$out/kubernetes/kubeadm" config images list --kubernetes-version "$k8s_version" 2>/dev/null)
-image_for() { grep -E "/$1:" <<<"$kubeadm_images"; }
 pause_image=$(sed -n 's/^ *sandbox_image = "\(.*\)"/\1/p' "$kind_src/images/base/files/etc/containerd/config.toml")
 mkdir -p "$out/images"
 component_image() {  # component_image <name> <image> <binary> <from>
@@ -182,6 +188,30 @@ done
 component_image kube-proxy "$(image_for kube-proxy)" "$out/kubernetes/kube-proxy" "$BASE_IMAGE"  # needs iptables
 component_image etcd "$(image_for etcd)" "$cache/bin/etcd-$etcd_version/etcd" scratch
 component_image pause "$pause_image" "$out/pause/pause" scratch
+component_image coredns "$(image_for coredns)" "$out/coredns-$coredns_version/coredns" scratch
+# kind's storage manifest (its nodeimage package), with the images it names built here: the
+# provisioner, and as its helper (a shell for mkdir/rm in the volume) the local Debian base.
+python3 - "$kind_src/pkg/build/nodeimage/const_storage.go" >"$out/default-storage.yaml" <<'EOF2'
+import re, sys
+source = open(sys.argv[1]).read()
+consts = dict(re.findall(r'^const (\w+) = "([^"]*)"', source, re.M))
+# The Go expression `raw` + name + `raw` + ...: raw strings and constants alternate.
+parts = source.split("const defaultStorageManifest = `", 1)[1].split("`")
+manifest = [parts[0]]
+for joint, raw in zip(parts[1::2], parts[2::2]):
+    name = re.fullmatch(r"\s*\+\s*(\w+)\s*\+\s*", joint)
+    if not name:
+        break
+    manifest += [consts[name.group(1)], raw]
+print("".join(manifest))
+EOF2
+storage_image() { sed -n "s/^ *image: \(.*$1.*\)/\1/p" "$out/default-storage.yaml" | head -1; }
+component_image local-path-provisioner "$(storage_image local-path-provisioner)" \
+  "$out/local-path-provisioner-$LOCAL_PATH_VERSION/local-path-provisioner" scratch
+if [[ ! -f $out/images/local-path-helper.tar ]]; then
+  docker tag "$PYTHON_BASE" "$(storage_image local-path-helper)"
+  docker save -o "$out/images/local-path-helper.tar" "$(storage_image local-path-helper)"
+fi
 
 # --- the node image: kind's nodeimage steps ---------------------------------------------------------
 log "assembling $NODE_IMAGE: binaries into $BASE_IMAGE, images into its containerd"
@@ -193,7 +223,8 @@ for binary in kubelet kubeadm kubectl; do
   docker cp "$out/kubernetes/$binary" "$build:/usr/bin/$binary"
 done
 docker exec "$build" bash -c "chown root:root /usr/bin/kube* && chmod 0755 /usr/bin/kube* \
-  && echo $k8s_version > /kind/version && systemctl enable node-cni.service"
+  && echo $k8s_version > /kind/version && systemctl enable node-cni.service && mkdir -p /kind/manifests"
+docker cp "$out/default-storage.yaml" "$build:/kind/manifests/default-storage.yaml"
 docker exec "$build" bash -c 'nohup containerd >/dev/null 2>&1 & for i in $(seq 30); do ctr version >/dev/null 2>&1 && exit 0; sleep 1; done; exit 1'
 for tar in "$out"/images/*.tar; do
   docker exec -i "$build" ctr --namespace=k8s.io images import --label=io.cri-containerd.pinned=pinned \

@@ -19,7 +19,7 @@ cache=${RETEX_CACHE:-$HOME/.cache/retex}
 log() { echo "[kind-cluster $(date +%H:%M:%S)] $*" >&2; }
 
 image=$(bash "$here/build-node.sh")
-kind=$(command -v kind || echo "$cache/bin/kind-v0.33.0/kind")
+kind=$cache/bin/kind-$(sed -n 's/^KIND_VERSION=//p' "$here/build-node.sh")/kind  # build-node.sh built it
 
 patched=$(mktemp /tmp/retex-kind-config.XXXXXX.yaml)
 trap 'rm -f "$patched"' EXIT
