@@ -168,9 +168,12 @@ fi
 
 # --- component images: what kubeadm's static pods and kube-proxy run ------------------------------
 pause_image=$(sed -n 's/^ *sandbox_image = "\(.*\)"/\1/p' "$kind_src/images/base/files/etc/containerd/config.toml")
-mkdir -p "$out/images"
+# Image archives of this recipe only (kube-proxy's base is built here too).
+images=$out/images-$recipe
+find "$out" -maxdepth 1 -name 'images-*' ! -name "images-$recipe" -exec rm -rf {} +
+mkdir -p "$images"
 component_image() {  # component_image <name> <image> <binary> <from>
-  local name=$1 image=$2 binary=$3 from=$4 tar=$out/images/$1.tar
+  local name=$1 image=$2 binary=$3 from=$4 tar=$images/$1.tar
   [[ -f $tar ]] && return 0
   log "image $image ($(basename "$binary") FROM $from)"
   local ctx
@@ -185,7 +188,15 @@ rig_k8s=$cache/bin/kubernetes-$k8s_version
 for component in kube-apiserver kube-controller-manager kube-scheduler; do
   component_image "$component" "$(image_for "$component")" "$rig_k8s/$component" scratch
 done
-component_image kube-proxy "$(image_for kube-proxy)" "$out/kubernetes/kube-proxy" "$BASE_IMAGE"  # needs iptables
+# kube-proxy needs iptables and conntrack: on the local Debian base, which the storage helper
+# below is too, so the node's containerd stores that base's layer once.
+IPTABLES_IMAGE=retex-kind-iptables:bookworm
+if ! docker image inspect "$IPTABLES_IMAGE" >/dev/null 2>&1; then
+  log "image $IPTABLES_IMAGE (iptables, nftables, conntrack on $PYTHON_BASE)"
+  printf 'FROM %s\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iptables nftables conntrack >/dev/null && rm -rf /var/lib/apt/lists/* /var/cache/apt/* /var/log/*\n' \
+    "$PYTHON_BASE" | "$DOCKER" build -q -t "$IPTABLES_IMAGE" - >/dev/null
+fi
+component_image kube-proxy "$(image_for kube-proxy)" "$out/kubernetes/kube-proxy" "$IPTABLES_IMAGE"
 component_image etcd "$(image_for etcd)" "$cache/bin/etcd-$etcd_version/etcd" scratch
 component_image pause "$pause_image" "$out/pause/pause" scratch
 component_image coredns "$(image_for coredns)" "$out/coredns-$coredns_version/coredns" scratch
@@ -208,9 +219,9 @@ EOF2
 storage_image() { sed -n "s/^ *image: \(.*$1.*\)/\1/p" "$out/default-storage.yaml" | head -1; }
 component_image local-path-provisioner "$(storage_image local-path-provisioner)" \
   "$out/local-path-provisioner-$LOCAL_PATH_VERSION/local-path-provisioner" scratch
-if [[ ! -f $out/images/local-path-helper.tar ]]; then
+if [[ ! -f $images/local-path-helper.tar ]]; then
   docker tag "$PYTHON_BASE" "$(storage_image local-path-helper)"
-  docker save -o "$out/images/local-path-helper.tar" "$(storage_image local-path-helper)"
+  docker save -o "$images/local-path-helper.tar" "$(storage_image local-path-helper)"
 fi
 
 # --- the node image: kind's nodeimage steps ---------------------------------------------------------
@@ -226,11 +237,11 @@ docker exec "$build" bash -c "chown root:root /usr/bin/kube* && chmod 0755 /usr/
   && echo $k8s_version > /kind/version && systemctl enable node-cni.service && mkdir -p /kind/manifests"
 docker cp "$out/default-storage.yaml" "$build:/kind/manifests/default-storage.yaml"
 docker exec "$build" bash -c 'nohup containerd >/dev/null 2>&1 & for i in $(seq 30); do ctr version >/dev/null 2>&1 && exit 0; sleep 1; done; exit 1'
-for tar in "$out"/images/*.tar; do
+for tar in "$images"/*.tar; do
   docker exec -i "$build" ctr --namespace=k8s.io images import --label=io.cri-containerd.pinned=pinned \
-    --all-platforms --no-unpack --digests - <"$tar" >/dev/null
+    --all-platforms --no-unpack --digests - <"$tar" 2> >(grep -v 'support for cgroup v1 is deprecated' >&2) >/dev/null
 done
-docker exec "$build" ctr --namespace=k8s.io images list -q >&2
+docker exec "$build" ctr --namespace=k8s.io images list -q 2>/dev/null | grep -v -e '^sha256:' -e '@sha256:' >&2
 # (sleep, the container's PID 1, reaps nothing: containerd stays a zombie once it has exited)
 docker exec "$build" bash -c 'pkill -x containerd; while ps -C containerd -o stat= | grep -qv Z; do sleep 0.2; done'
 docker commit --change 'ENTRYPOINT [ "/usr/local/bin/entrypoint", "/sbin/init" ]' \
