@@ -100,7 +100,7 @@ go_install() {  # go_install <dir> <what> <ldflags> <package@version>...
 build_node_binaries() {  # kubelet, kubeadm, kubectl, kube-proxy: the rig's module, its ldflags
   local dir=$out/kubernetes
   [[ -d $dir ]] && return 0
-  log "building kubelet, kubeadm, kubectl, kube-proxy $k8s_version (~10 min cold, ~1 min with the rig's build cache)"
+  log "building kubelet, kubeadm, kubectl, kube-proxy $k8s_version (3.5 min measured with the rig's build cache warm)"
   rm -rf "$dir.partial" "$out/gobuild"; mkdir -p "$dir.partial"
   # A copy of the rig's build module: `-mod=mod` may add to its go.sum for these commands.
   cp -r "$repo/e2e/rig/gobuild/kubernetes" "$out/gobuild"
@@ -147,7 +147,7 @@ if ! docker image inspect "$PYTHON_BASE" >/dev/null 2>&1; then
   bash "$repo/images/build.sh" >&2
 fi
 if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}' "$BASE_IMAGE" 2>/dev/null) != "$key-$recipe" ]]; then
-  log "building $BASE_IMAGE (e2e/kind/Dockerfile.base: apt-get in the build, a few minutes cold)"
+  log "building $BASE_IMAGE (e2e/kind/Dockerfile.base: apt-get in the build, under a minute)"
   ctx=$out/base-context
   rm -rf "$ctx"; mkdir -p "$ctx/bin" "$ctx/cni"
   cp -r "$kind_src/images/base/files" "$ctx/kind-files"
