@@ -57,3 +57,7 @@ local_image=false
 log "kind create cluster --name $name --image $image"
 "$kind" create cluster --name "$name" --image "$image" --config "$patched" --kubeconfig "$kubeconfig" \
   --wait "${RETEX_KIND_WAIT:-300s}"
+# kind's --wait covers the control plane only; workers join a few seconds later.
+log "waiting until every node is Ready"
+docker exec "$name-control-plane" kubectl --kubeconfig /etc/kubernetes/admin.conf wait --for=condition=Ready \
+  nodes --all --timeout="${RETEX_KIND_WAIT:-300s}" >&2
