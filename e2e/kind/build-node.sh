@@ -164,6 +164,7 @@ if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}'
     --build-arg "BASE_IMAGE=$PYTHON_BASE" --label "dev.retex.kind-node=$key-$recipe" -t "$BASE_IMAGE" "$ctx" 2>&1 \
     | { grep --line-buffered -E '^#[0-9]+ (\[|DONE|CACHED|ERROR)|ERROR|error' || true; } >&2
   [[ ${PIPESTATUS[0]} == 0 ]] || { log "base image build failed"; exit 1; }
+  rm -rf "$ctx"
 fi
 
 # --- component images: what kubeadm's static pods and kube-proxy run ------------------------------
