@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "images" / "Dockerfile"
 LOCK = ROOT / "images" / "requirements.lock"
 EXTENDED_WORKER = ROOT / "examples" / "custom-worker" / "Dockerfile"
+KIND_NODE_BASE = ROOT / "e2e" / "kind" / "Dockerfile.base"
 
 
 def _hadolint() -> str:
@@ -39,7 +40,7 @@ def _stages(text: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-@pytest.mark.parametrize("dockerfile", [DOCKERFILE, EXTENDED_WORKER], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, EXTENDED_WORKER, KIND_NODE_BASE], ids=lambda p: str(p.relative_to(ROOT)))
 def test_dockerfiles_pass_hadolint(dockerfile):
     result = subprocess.run([_hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

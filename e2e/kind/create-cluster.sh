@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A kind cluster on this machine: `e2e/kind/create-cluster.sh <name> <kubeconfig> [config]`
+# (config default e2e/kind/cluster.yaml). The node image comes from e2e/kind/build-node.sh (kind's
+# own where it can be pulled, else the locally built one), and the cluster configuration gets the
+# patches such hosts need, each only where it is needed (docs/dev.md, "A kind node image built
+# locally"):
+#   - cgroup v1 host: kubelet >= 1.35 refuses cgroup v1 unless `failCgroupV1: false`;
+#   - no CAP_SYS_RESOURCE in the capability bounding set: containerd must not lower
+#     oom_score_adj (`restrict_oom_score_adj`, else every sandbox fails with "can't get final
+#     child's PID from pipe: EOF"), and privileged pods need runc-capbnd as containerd's runc;
+#   - the locally built image has no kindnetd: kind's default CNI is off and the image's
+#     node-cni service (e2e/kind/node-cni.sh) provides the pod network.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+name=${1:?cluster name}
+kubeconfig=${2:?kubeconfig path}
+config=${3:-$here/cluster.yaml}
+cache=${RETEX_CACHE:-$HOME/.cache/retex}
+log() { echo "[kind-cluster $(date +%H:%M:%S)] $*" >&2; }
+
+image=$(bash "$here/build-node.sh")
+kind=$cache/bin/kind-$(sed -n 's/^KIND_VERSION=//p' "$here/build-node.sh")/kind  # build-node.sh built it
+
+patched=$(mktemp /tmp/retex-kind-config.XXXXXX.yaml)
+trap 'rm -f "$patched"' EXIT
+cp "$config" "$patched"
+kubelet_patches=() containerd_patches=()
+if [[ ! -f /sys/fs/cgroup/cgroup.controllers ]]; then
+  log "cgroup v1 host: kubelet failCgroupV1: false"
+  kubelet_patches+=("failCgroupV1: false")
+fi
+bounding=$((16#$(awk '/^CapBnd:/ {print $2}' /proc/self/status)))
+if (( bounding != (1 << ($(cat /proc/sys/kernel/cap_last_cap) + 1)) - 1 )); then
+  log "capability bounding set $(printf '%x' "$bounding") is reduced: containerd restrict_oom_score_adj, runc-capbnd"
+  containerd_patches+=('[plugins."io.containerd.grpc.v1.cri"]'
+    '  restrict_oom_score_adj = true'
+    '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]'
+    '  BinaryName = "/usr/local/sbin/runc-capbnd"')
+fi
+local_image=false
+[[ $image == retex-kind-node:* ]] && local_image=true
+{
+  if $local_image; then
+    log "locally built node image $image: kind's default CNI off, the image's node-cni on"
+    printf 'networking:\n  disableDefaultCNI: true\n'
+  fi
+  if ((${#kubelet_patches[@]})); then
+    printf 'kubeadmConfigPatches:\n  - |\n    kind: KubeletConfiguration\n'
+    printf '    %s\n' "${kubelet_patches[@]}"
+  fi
+  if ((${#containerd_patches[@]})); then
+    printf 'containerdConfigPatches:\n  - |-\n'
+    printf '    %s\n' "${containerd_patches[@]}"
+  fi
+} >>"$patched"
+
+log "kind create cluster --name $name --image $image"
+"$kind" create cluster --name "$name" --image "$image" --config "$patched" --kubeconfig "$kubeconfig" \
+  --wait "${RETEX_KIND_WAIT:-300s}"
+# kind's --wait covers the control plane only; workers join a few seconds later.
+log "waiting until every node is Ready"
+docker exec "$name-control-plane" kubectl --kubeconfig /etc/kubernetes/admin.conf wait --for=condition=Ready \
+  nodes --all --timeout="${RETEX_KIND_WAIT:-300s}" >&2
