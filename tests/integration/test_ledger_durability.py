@@ -64,3 +64,24 @@ def test_commits_are_durable_even_when_the_server_default_is_asynchronous(dsn, p
         conn.execute(f"ALTER DATABASE {dbname} SET synchronous_commit = off")
     with Ledger(dsn) as ledger, ledger._pool.connection() as conn:
         assert conn.execute("SHOW synchronous_commit").fetchone()["synchronous_commit"] == "on"
+
+
+def test_a_connection_the_server_ended_right_after_its_use_is_replaced_and_the_operation_lands(dsn):
+    # The pool hands a connection returned moments ago out again without a check (a round trip
+    # per transaction otherwise): one the server ended meanwhile fails its first statement, and
+    # the operation's retry takes it to a new connection.
+    import psycopg
+
+    with Ledger(dsn, max_connections=1) as ledger:
+        uid = admitted(ledger)
+        with ledger._pool.connection() as conn:
+            pid = conn.info.backend_pid
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            assert admin.execute("SELECT pg_terminate_backend(%s, 5000) AS ended", (pid,)).fetchone()[0]
+        ledger.begin_step(uid, 1, 0, actor="worker")
+        # The fault reached the operation: the ended connection came back broken from it, not from a check.
+        assert ledger._pool.get_stats().get("returns_bad") == 1
+        with ledger._pool.connection() as conn:
+            assert conn.info.backend_pid != pid
+        assert ledger.get(uid).steps[0].state == StepState.STARTED
+        assert [h.event for h in ledger.history(uid)].count("step-begin") == 1

@@ -27,8 +27,17 @@ def one(cur: Cursor) -> dict[str, Any]:
         raise LookupError("the statement returned no row")
     return row
 
-# A marker for "SET col = now()" in the generic UPDATE builders, so the database clock is used.
-NOW = object()
+class DatabaseTime:
+    """A column value the database sets when the UPDATE runs (`set_clause`), on its own clock."""
+
+    def __init__(self, expression: str):
+        self.expression = expression
+
+
+# The transaction's start.
+NOW = DatabaseTime("now()")
+# The moment of the write itself, after any lock wait of the transaction.
+WRITE_TIME = DatabaseTime("clock_timestamp()")
 
 
 def lock_task(cur: Cursor, uid: str) -> dict[str, Any]:
@@ -43,43 +52,54 @@ def fence(task: dict[str, Any], epoch: int) -> None:
         raise FenceRejected(task["uid"], epoch, task["epoch"], task["phase"])
 
 
+_HISTORY_INSERT = """INSERT INTO retex.history (task_uid, actor, event, epoch, step_idx, from_state, to_state, detail)
+                     VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"""
+_TOUCH = "UPDATE retex.tasks SET version = version + 1, updated_at = now(){assignments} WHERE uid = %s"
+
+
 def record_history(cur: Cursor, uid: str, actor: str, event: str, *, epoch: int | None = None,
                    step_idx: int | None = None, from_state: str | None = None, to_state: str | None = None,
                    detail: dict[str, Any] | None = None) -> None:
-    cur.execute(
-        """INSERT INTO retex.history (task_uid, actor, event, epoch, step_idx, from_state, to_state, detail)
-           VALUES (%s, %s, %s, %s, %s, %s, %s, %s)""",
-        (uid, actor, event, epoch, step_idx, from_state, to_state, Jsonb(detail) if detail else None),
-    )
+    cur.execute(_HISTORY_INSERT,
+                (uid, actor, event, epoch, step_idx, from_state, to_state, Jsonb(detail) if detail else None))
 
 
 def touch(cur: Cursor, uid: str, **columns: Any) -> None:
     """Bump the task's version (a step changed, or a flag did): the mirror must see it."""
     assignments = "".join(f", {col} = %s" for col in columns)
-    cur.execute(
-        f"UPDATE retex.tasks SET version = version + 1, updated_at = now(){assignments} WHERE uid = %s",
-        (*[adapt(v) for v in columns.values()], uid),
-    )
+    cur.execute(_TOUCH.format(assignments=assignments), (*[adapt(v) for v in columns.values()], uid))
 
 
-def move_step(cur: Cursor, uid: str, idx: int, event: StepEvent, actor: str,
-              epoch: int | None, **columns: Any) -> dict[str, Any]:
+def lock_step(cur: Cursor, uid: str, idx: int, event: StepEvent) -> dict[str, Any]:
+    """The step's state and name, its row locked (after the task's: the caller holds that)."""
     step = cur.execute(
-        "SELECT * FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
+        "SELECT state, name FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
     ).fetchone()
     if step is None:
         raise IllegalTransition("step", "missing", f"{event} of step {idx}")
-    new_state = step_transition(step["state"], event)
+    return step
+
+
+def move_step(cur: Cursor, uid: str, idx: int, event: StepEvent, actor: str,
+              epoch: int | None, *, locked_state: str | None = None, **columns: Any) -> dict[str, Any]:
+    """Move step `idx` by `event` to the state the machine says, set `columns`, record it in
+    history and bump the task's version. The caller holds the task row lock; the step's row
+    is locked here (`lock_step`), unless the caller did and passes the `locked_state` it read.
+    The update, its history row and the version are one statement: one round trip."""
+    if locked_state is None:
+        locked_state = lock_step(cur, uid, idx, event)["state"]
+    new_state = step_transition(locked_state, event)
     columns["state"] = str(new_state)
     assignments, values = set_clause(columns)
-    updated = one(cur.execute(
-        f"UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *",
-        (*values, uid, idx),
+    return one(cur.execute(
+        f"""WITH moved AS (UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *),
+                 recorded AS ({_HISTORY_INSERT}),
+                 touched AS ({_TOUCH.format(assignments="")})
+            SELECT * FROM moved""",
+        (*values, uid, idx,
+         uid, actor, f"step-{event}", epoch, idx, str(locked_state), str(new_state), None,
+         uid),
     ))
-    record_history(cur, uid, actor, f"step-{event}", epoch=epoch, step_idx=idx, from_state=step["state"],
-                   to_state=str(new_state))
-    touch(cur, uid)
-    return updated
 
 
 def end_attempt(cur: Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
@@ -94,9 +114,11 @@ def end_attempt(cur: Cursor, uid: str, epoch: int, outcome: str, *, settled: boo
 
 
 def set_clause(columns: dict[str, Any]) -> tuple[str, list[Any]]:
-    """`col = %s, ...` and its values for an UPDATE; `NOW` becomes the database's now()."""
-    assignments = ", ".join(f"{col} = now()" if val is NOW else f"{col} = %s" for col, val in columns.items())
-    return assignments, [adapt(val) for val in columns.values() if val is not NOW]
+    """`col = %s, ...` and its values for an UPDATE; a `DatabaseTime` (`NOW`, `WRITE_TIME`) is
+    the database's own expression."""
+    assignments = ", ".join(f"{col} = {val.expression}" if isinstance(val, DatabaseTime) else f"{col} = %s"
+                            for col, val in columns.items())
+    return assignments, [adapt(val) for val in columns.values() if not isinstance(val, DatabaseTime)]
 
 
 def adapt(value: Any) -> Any:

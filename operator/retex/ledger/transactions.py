@@ -13,6 +13,7 @@ import functools
 import logging
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -70,11 +71,30 @@ def connection_pool(dsn: str, *, max_connections: int,
         min_size=1,
         max_size=max_connections,
         kwargs={"row_factory": dict_row},
-        check=ConnectionPool.check_connection,  # drop connections a Postgres restart broke
+        check=_check_if_idle,  # drop connections a Postgres restart broke
+        reset=_note_returned,
         configure=functools.partial(_configure, limits=limits),
         open=False,
         name="retex-ledger",
     )
+
+
+# A connection returned to the pool this recently is handed out again unchecked: the check is a
+# round trip per transaction otherwise. One a Postgres restart broke meanwhile fails its first
+# statement, a transient error the operation's retry takes to another connection (the pool
+# replaces the broken one).
+CHECK_AFTER_IDLE_SECONDS = 2.0
+_returned_at: weakref.WeakKeyDictionary[psycopg.Connection[DictRow], float] = weakref.WeakKeyDictionary()
+
+
+def _note_returned(conn: psycopg.Connection[DictRow]) -> None:
+    _returned_at[conn] = time.monotonic()
+
+
+def _check_if_idle(conn: psycopg.Connection[DictRow]) -> None:
+    returned = _returned_at.get(conn)
+    if returned is None or time.monotonic() - returned > CHECK_AFTER_IDLE_SECONDS:
+        ConnectionPool.check_connection(conn)
 
 
 def _configure(conn: psycopg.Connection[DictRow], *, limits: SessionLimits | None) -> None:

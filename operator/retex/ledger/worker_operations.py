@@ -21,7 +21,20 @@ from psycopg.types.json import Jsonb
 from retex.failpoints import failpoint
 from retex.ledger import readers
 from retex.ledger.errors import CancelRequested, StepOutOfOrder, TaskNotFound, UnstorableValue
-from retex.ledger.moves import NOW, Cursor, cancel_reason, end_attempt, fence, lock_task, move_step, one, record_history, touch
+from retex.ledger.moves import (
+    NOW,
+    WRITE_TIME,
+    Cursor,
+    cancel_reason,
+    end_attempt,
+    fence,
+    lock_step,
+    lock_task,
+    move_step,
+    one,
+    record_history,
+    touch,
+)
 from retex.ledger.placement import retry_or_fail, transition
 from retex.ledger.records import StepRecord, TaskRecord
 from retex.machine import IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
@@ -59,24 +72,28 @@ def begin_step(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str,
     fence(task, epoch)
     if task["cancel_requested"]:
         raise CancelRequested(uid)
-    steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
-    row = steps[idx]
+    # This step's row, locked as `move_step` would, and how many steps ahead of it are not done:
+    # one row and a count, not every step with its result.
+    row = cur.execute(
+        """SELECT s.*, (SELECT count(*) FROM retex.steps ahead WHERE ahead.task_uid = s.task_uid
+                        AND ahead.idx < s.idx AND ahead.state <> 'done') AS undone_ahead
+           FROM retex.steps s WHERE s.task_uid = %s AND s.idx = %s FOR UPDATE OF s""",
+        (uid, idx)).fetchone()
+    if row is None:
+        raise IllegalTransition("step", "missing", f"{StepEvent.BEGIN} of step {idx}")
     prior = readers.step_record(row)
     if prior.state == StepState.STARTED and prior.attempt == epoch:
         if request is not None and row["begin_request"] == request:  # the same call again
             return replace(prior, state=StepState(row["prior_state"]), attempt=row["prior_attempt"],
                            started_at=row["prior_started_at"]), task["name"]
         return prior, task["name"]  # a repeated call
-    if any(s["state"] != StepState.DONE for s in steps[:idx]):
+    if row["undone_ahead"]:
         raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
-    move_step(cur, uid, idx, StepEvent.BEGIN, actor, epoch, attempt=epoch, error=None)
-    # The moment of this write, not the transaction's start (now(), before the lock wait):
-    # a later attempt's deadline wait counts from it.
-    cur.execute(
-        """UPDATE retex.steps SET started_at = clock_timestamp(), begin_request = %s,
-                  prior_state = %s, prior_attempt = %s, prior_started_at = %s
-           WHERE task_uid = %s AND idx = %s""",
-        (request, prior.state, prior.attempt, prior.started_at, uid, idx))
+    # started_at: the moment of this write, not the transaction's start (now(), before the lock
+    # wait): a later attempt's deadline wait counts from it.
+    move_step(cur, uid, idx, StepEvent.BEGIN, actor, epoch, locked_state=row["state"], attempt=epoch, error=None,
+              started_at=WRITE_TIME, begin_request=request, prior_state=prior.state, prior_attempt=prior.attempt,
+              prior_started_at=prior.started_at)
     return prior, task["name"]
 
 
@@ -120,12 +137,11 @@ def commit_step(cur: Cursor, uid: str, epoch: int, idx: int, result: Any, *, act
     result's size is checked before the transaction (`Ledger.commit_step`: `check_result_size`)."""
     task = lock_task(cur, uid)
     fence(task, epoch)
-    state = cur.execute("SELECT state FROM retex.steps WHERE task_uid = %s AND idx = %s",
-                        (uid, idx)).fetchone()
-    if state and state["state"] == StepState.DONE:
+    step = lock_step(cur, uid, idx, StepEvent.COMMIT)
+    if step["state"] == StepState.DONE:
         return  # a repeated call
-    step = move_step(cur, uid, idx, StepEvent.COMMIT, actor, epoch, result=Jsonb(result),
-                     error=None, finished_at=NOW)
+    move_step(cur, uid, idx, StepEvent.COMMIT, actor, epoch, locked_state=step["state"], result=Jsonb(result),
+              error=None, finished_at=NOW)
     failpoint("in-commit", step["name"], task=task["name"], uid=uid)  # crash-matrix R8: dies before COMMIT
 
 
