@@ -1,7 +1,7 @@
 """`make bench`: retex measured side by side with what users would run instead, on the local rig.
 
     python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
-        measures: checkpoint latency throughput recovery profile ledger
+        measures: checkpoint latency throughput recovery profile ledger writes
 
 Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
 it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
@@ -60,11 +60,13 @@ class Sizes:
     recovery_runs: int = 10
     profile_tasks: int = 3
     ledger_tasks: int = 1000
+    writes_tasks: int = 10
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
-                   throughput_limit=2, recovery_runs=1, profile_tasks=1, ledger_tasks=10)
+                   throughput_limit=2, recovery_runs=1, profile_tasks=1, ledger_tasks=10,
+                   writes_tasks=2)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
         """These sizes with `NAME=N` overrides (e.g. `latency_tasks=10`): sizes between --quick and full."""
@@ -153,6 +155,10 @@ class BenchSystem:
     def jobs_finished(self, names: set[str]) -> int:
         jobs = self.batch.list_namespaced_job(self.namespace).items
         return sum(1 for j in jobs if j.metadata.name in names and (j.status.succeeded or j.status.failed))
+
+    def jobs_finished_by_label(self, label: str) -> int:
+        jobs = self.batch.list_namespaced_job(self.namespace, label_selector=label).items
+        return sum(1 for j in jobs if j.status.succeeded or j.status.failed)
 
     def succeeded(self, uids: list[str]) -> int:
         """How many of these tasks the ledger shows Succeeded (one not admitted yet is not)."""
@@ -369,6 +375,74 @@ def _iso_seconds(stamp: str) -> float:
     return datetime.fromisoformat(re.sub(r"Z$", "+00:00", stamp)).timestamp()
 
 
+WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
+# Written all along, whatever runs: the node agents' status and the control plane's own elections.
+BACKGROUND_RESOURCES = frozenset({"nodes", "leases"})
+WRITES_STEPS = 5
+DRY_RUN = " (dry run)"  # validated and admitted, never stored: reported, not counted as a write
+
+
+def measure_writes(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """Writes to the API server (its own request counters; dry runs apart) per 5-step no-op task,
+    against a bare Job running the same five commands: everything written while they run, by every client (the
+    Job controller's and the scheduler's writes for retex's Job are there too, so retex's own are
+    about the difference). Lease writes are counted apart: retex's renewals and the control plane's
+    elections both land there."""
+    count = sizes.writes_tasks
+    steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True} for i in range(WRITES_STEPS)]
+    before = _api_writes(system)
+    uids = [system.create_task(f"writes-task-{i}", steps) for i in range(count)]
+    wait_for(f"{count} tasks Succeeded", lambda: system.succeeded(uids) == count, timeout=60 + 10 * count, interval=0.5)
+    wait_for("their Jobs complete", lambda: system.jobs_finished_by_label("retex.dev/task-uid") >= count, timeout=60)
+    time.sleep(3)  # the status mirror's last patch and the Job controller's last status update
+    retex_writes = _writes_between(before, _api_writes(system))
+    before = _api_writes(system)
+    names = {f"writes-job-{i}" for i in range(count)}
+    for name in names:
+        system.create_job(name, ["sh", "-c", "; ".join(["true"] * WRITES_STEPS)])
+    wait_for(f"{count} Jobs complete", lambda: system.jobs_finished(names) == count, timeout=60 + 10 * count, interval=0.5)
+    time.sleep(3)
+    job_writes = _writes_between(before, _api_writes(system))
+
+    def per_task(writes: dict[str, int], *, leases: bool) -> float:
+        return sum(n for key, n in writes.items()
+                   if not key.endswith(DRY_RUN) and (key.split("/")[0] in BACKGROUND_RESOURCES) == leases) / count
+
+    r, b = per_task(retex_writes, leases=False), per_task(job_writes, leases=False)
+    own = r - b
+    return [Figure(measure=f"API server writes per {WRITES_STEPS}-step task, leases and nodes apart", unit="writes",
+                   retex=r, baseline=b, baseline_name=f"bare Job running {WRITES_STEPS} commands", ratio=r / b,
+                   target="retex's own (the difference) ≤ 12", met=own <= 12,
+                   detail={"retex_own_per_task": own, "tasks": count,
+                           "lease_and_node_writes_per_task": per_task(retex_writes, leases=True),
+                           "lease_and_node_writes_per_job": per_task(job_writes, leases=True),
+                           "retex_by_resource": {k: v / count for k, v in sorted(retex_writes.items())},
+                           "job_by_resource": {k: v / count for k, v in sorted(job_writes.items())}})]
+
+
+def _api_writes(system: BenchSystem) -> dict[str, int]:
+    """The API server's write requests so far, by `resource/subresource verb`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = system.rig.kubectl("get", "--raw", "/metrics").stdout
+    writes: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "apiserver_request":
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name != "apiserver_request_total" or labels.get("verb") not in WRITE_VERBS:
+                continue
+            key = f"{labels.get('resource')}/{labels.get('subresource') or ''} {labels['verb']}"
+            key += DRY_RUN if labels.get("dry_run") else ""
+            writes[key] = writes.get(key, 0) + int(sample.value)
+    return writes
+
+
+def _writes_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
+
+
 LEDGER_STEPS = 5  # the growth per step is the difference between tasks of this many steps and of one
 
 
@@ -469,6 +543,7 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "recovery": measure_recovery,
     "profile": measure_profile,
     "ledger": measure_ledger,
+    "writes": measure_writes,
 }
 
 
