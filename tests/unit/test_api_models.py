@@ -262,3 +262,9 @@ def test_a_url_without_a_host_or_with_a_port_out_of_range_is_refused(url):
 @pytest.mark.parametrize("url", ["https://[::1]:443/x", "http://shop.example:65535", "http://10.0.0.7:8080/a?b#c"])
 def test_a_url_with_a_host_and_a_port_in_range_is_accepted(url):
     TaskSpec.model_validate({"steps": [{"name": "only", "http": {"method": "GET", "url": url}}]})
+
+
+def test_the_shown_phases_are_the_ledgers_phases_and_refused():
+    from retex.api.models import REFUSED, ShownPhase
+
+    assert {(p.name, p.value) for p in ShownPhase} == {(p.name, p.value) for p in TaskPhase} | {("REFUSED", REFUSED)}

@@ -665,8 +665,25 @@ class ConditionType(enum.StrEnum):
 # What status.phase shows: the ledger's phase, or Refused for a Task the operator did not admit
 # (an invalid spec, a Job the API server would refuse, a duplicate idempotencyKey): never run.
 REFUSED = "Refused"
-ShownPhase = enum.StrEnum(  # type: ignore[misc]  # mypy reads only literal members; these are TaskPhase's
-    "ShownPhase", {**{p.name: p.value for p in TaskPhase}, "REFUSED": REFUSED})
+
+
+# TaskPhase's members and REFUSED, spelled out so type checkers can read them
+# (tests/unit/test_api_models.py keeps the two in step). No docstring: it would become the CRD's.
+class ShownPhase(enum.StrEnum):
+    PENDING = TaskPhase.PENDING.value
+    SCHEDULED = TaskPhase.SCHEDULED.value
+    QUEUED = TaskPhase.QUEUED.value
+    RUNNING = TaskPhase.RUNNING.value
+    RETRYING = TaskPhase.RETRYING.value
+    SUCCEEDED = TaskPhase.SUCCEEDED.value
+    FAILED = TaskPhase.FAILED.value
+    CANCELLED = TaskPhase.CANCELLED.value
+    NEEDS_ATTENTION = TaskPhase.NEEDS_ATTENTION.value
+    REFUSED = REFUSED
+
+    @classmethod
+    def of(cls, phase: TaskPhase) -> ShownPhase:
+        return cls(phase.value)
 
 
 class StatusModel(ApiModel):
