@@ -471,14 +471,15 @@ def test_a_leader_resumed_between_its_leading_check_and_a_ledger_write_is_refuse
              timeout=30, what="scheduled admitted, not yet due")
     scheduled = pair.ledger.find(pair.namespace, "scheduled")
     assert not due(pair, scheduled.uid), "admitted too late: already due"
-    time.sleep(max(0.0, not_before - 1.5 - time.time()))
+    reported = events_reported_by(pair, "operator-a")
+    time.sleep(max(0.0, not_before - 0.7 - time.time()))
 
     # The successor paused for about a second (under its renew deadline): it keeps the Lease and
     # the term, and promotes nothing meanwhile.
     os.killpg(new.proc.pid, signal.SIGSTOP)
     try:
         wait_for(lambda: process_state(new.proc.pid) == "T", timeout=5, interval=0.05, what="the successor paused")
-        marks, reported = ledger_marks(pair), events_reported_by(pair, "operator-a")
+        marks = ledger_marks(pair)
         wait_for(lambda: due(pair, scheduled.uid), timeout=5, interval=0.05, what="scheduled due")
         log_before = len(old.log_path.read_bytes())
         os.killpg(old.proc.pid, signal.SIGCONT)
