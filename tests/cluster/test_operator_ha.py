@@ -462,7 +462,7 @@ def test_a_leader_resumed_between_its_leading_check_and_a_ledger_write_is_refuse
     early = [f"early-{i}" for i in range(2)]
     submit(pair, notifier, early, sleep=0.5)
     assert_each_ended_once(pair, notifier, early)
-    not_before = time.time() + 8
+    not_before = math.ceil(time.time()) + 8  # whole seconds, as notBefore is written
     pair.kubectl("apply", "-f", "-", input=task_manifest(
         "scheduled", [{"name": "work", "exec": {"command": ["sh", "-c", "echo worked"]}},
                       {"name": "effect", "http": {"method": "POST", "url": f"{notifier.url}/effects/notify"}}],
