@@ -9,6 +9,9 @@
                                  someone sends SIGCONT (crash-matrix R11)
     in-loop-round:relay=hang     the calling thread alone blocks for ever (the process lives on):
                                  a wedged operator loop, for the liveness probe
+    in-loop-round:promoter=stop  the replica freezes in a round its leadership let start, before
+                                 the round's first ledger write: resumed after a successor took
+                                 the term, only the ledger's term fence stops that write
     in-lease-watch=raise         the calling thread alone raises FailpointRaised (the process lives
                                  on): a thread dead of a bug, for the liveness probe
 
@@ -36,7 +39,7 @@ POINTS = frozenset({
     # operator
     "before-admit", "after-admit", "after-job-create", "in-status-mirror",
     "in-dispatch-batch",  # the relay's transaction holds its claims, nothing of the record sent yet
-    "in-loop-round",  # step: the loop's name (relay, promoter, reaper, status-mirror)
+    "in-loop-round",  # step: the loop's name (relay, promoter, reaper, status-mirror); past may_write
     # worker
     "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",
     # ledger, on a worker's behalf: it runs in the operator's ledger endpoint. in-commit: inside

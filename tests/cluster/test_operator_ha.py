@@ -407,3 +407,96 @@ def test_a_leader_resumed_after_its_successor_started_writes_nothing_its_open_tr
     assert events_reported_by(pair, "operator-a") == reported, "the old leader posted an Event after resuming"
     assert pair.holder() == "operator-b"
     assert len([j for j in pair.jobs() if j["metadata"]["labels"].get("retex.dev/task-uid") == late.uid]) == 1
+
+
+# The leader freezes (SIGSTOP) in its promoter's first round: past `may_write`, before the
+# round's first ledger write. The promoter calls no API server, so once resumed nothing but the
+# ledger's term fence stands between it and that write.
+FROZEN_BEFORE_A_LEDGER_WRITE = {"RETEX_FAILPOINT": "in-loop-round:promoter=stop"}
+TERM_TAKEN = "ledger term taken: this replica writes as the leader"
+
+
+def logged(operator: OperatorProcess, msg: str, *, since: int = 0) -> list[dict]:
+    """The operator's JSON log lines with message `msg`, from byte `since` of its log on."""
+    found = []
+    for line in operator.log_path.read_bytes()[since:].decode(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # kopf's and the failpoint's plain lines
+        if isinstance(entry, dict) and entry.get("msg") == msg:
+            found.append(entry)
+    return found
+
+
+def ledger_term(pair: Pair) -> int:
+    with psycopg.connect(pair.ledger._dsn, autocommit=True) as conn:
+        return conn.execute("SELECT term FROM retex.leadership").fetchone()[0]
+
+
+def due(pair: Pair, uid: str) -> bool:
+    """Whether the task's notBefore has passed, on the database's clock (the promoter's)."""
+    with psycopg.connect(pair.ledger._dsn, autocommit=True) as conn:
+        return conn.execute("SELECT not_before <= now() FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", [FROZEN_BEFORE_A_LEDGER_WRITE], indirect=True)
+def test_a_leader_resumed_between_its_leading_check_and_a_ledger_write_is_refused_by_the_term_fence(pair, stubs):
+    """The old leader froze after its promoter's round was allowed to start and before that
+    round's first ledger write; the successor takes the Lease and a newer term, runs tasks, and
+    is itself paused (a GC pause, say) just before a scheduled task falls due. The old leader
+    resumed then finds that task due and no successor's write ahead of it, and its round makes
+    no call the KubeCalls gate could stop: only the ledger's term check refuses its write."""
+    _, notifier = stubs
+    old, new = pair.operators["operator-a"], pair.operators["operator-b"]
+    wait_for(lambda: process_state(old.proc.pid) == "T", timeout=30, what="the leader frozen (SIGSTOP)")
+    assert "retex failpoint in-loop-round:promoter fired: task=- uid=- step=promoter: SIGSTOP" in old.log_path.read_text()
+    pair.service.remove(old.ledger_port)  # its readiness would fail: workers reach the successor
+    [taken] = logged(old, TERM_TAKEN)
+    wait_for(lambda: pair.holder() == "operator-b", timeout=LEASE_SECONDS + 5, what="operator-b leads")
+    wait_for(lambda: logged(new, TERM_TAKEN), timeout=30, what="operator-b took the ledger's term")
+    term = ledger_term(pair)
+    assert term > taken["term"], f"the successor's term {term} is not newer than the old leader's {taken['term']}"
+
+    early = [f"early-{i}" for i in range(2)]
+    submit(pair, notifier, early, sleep=0.5)
+    assert_each_ended_once(pair, notifier, early)
+    not_before = math.ceil(time.time()) + 8  # whole seconds, as notBefore is written
+    pair.kubectl("apply", "-f", "-", input=task_manifest(
+        "scheduled", [{"name": "work", "exec": {"command": ["sh", "-c", "echo worked"]}},
+                      {"name": "effect", "http": {"method": "POST", "url": f"{notifier.url}/effects/notify"}}],
+        notBefore=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(not_before))))
+    wait_for(lambda: (r := pair.ledger.find(pair.namespace, "scheduled")) is not None and r.phase == "Scheduled",
+             timeout=30, what="scheduled admitted, not yet due")
+    scheduled = pair.ledger.find(pair.namespace, "scheduled")
+    assert not due(pair, scheduled.uid), "admitted too late: already due"
+    reported = events_reported_by(pair, "operator-a")
+    time.sleep(max(0.0, not_before - 0.7 - time.time()))
+
+    # The successor paused for about a second (under its renew deadline): it keeps the Lease and
+    # the term, and promotes nothing meanwhile.
+    os.killpg(new.proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: process_state(new.proc.pid) == "T", timeout=5, interval=0.05, what="the successor paused")
+        marks = ledger_marks(pair)
+        wait_for(lambda: due(pair, scheduled.uid), timeout=5, interval=0.05, what="scheduled due")
+        log_before = len(old.log_path.read_bytes())
+        os.killpg(old.proc.pid, signal.SIGCONT)
+        wait_for(lambda: logged(old, "not the leader: round abandoned", since=log_before) or rounds(old)["promoter"],
+                 timeout=5, interval=0.05, what="the old leader's promoter round over")
+        written = ledger_marks(pair)
+    finally:
+        os.killpg(new.proc.pid, signal.SIGCONT)
+    assert written == marks, "the old leader's promoter wrote to the ledger after its successor took the term"
+    refused = [e for e in logged(old, "not the leader: round abandoned", since=log_before) if e.get("loop") == "promoter"]
+    assert refused and refused[0]["why"].endswith(f"the ledger's leadership term is {term}, this writer's is {taken['term']}"), \
+        refused
+
+    wait_for(lambda: leader_gauge(old) == 0, timeout=10, what="the old leader reports itself a follower")
+    assert_each_ended_once(pair, notifier, [*early, "scheduled"])
+    assert pair.holder() == "operator-b"
+    assert ledger_term(pair) == term, "the leadership term changed: the successor was deposed"
+    resumed = old.log_path.read_bytes()[log_before:].decode(errors="replace")
+    assert "attempt dispatched" not in resumed, "the old leader dispatched after resuming"
+    assert events_reported_by(pair, "operator-a") == reported, "the old leader posted an Event after resuming"
