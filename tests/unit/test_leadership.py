@@ -156,3 +156,38 @@ def test_a_leader_that_takes_the_lease_again_after_a_pause_starts_a_new_leadersh
     now[0] = 62.0
     a.try_acquire_or_renew()  # a renewal is no new leadership
     assert started == [0.0, 60.0]
+
+
+def test_a_restarted_leader_stops_leading_at_once_and_starts_a_new_leadership_on_its_next_renewal():
+    """`restart` (the ledger refused a write of this leader's term): no writer hears "leading"
+    until a Lease write has proved this replica still holds the Lease, and that write starts a
+    new leadership (on_started: a new ledger term) rather than continue the old one."""
+    now, started = [0.0], []
+    lease = FreeLease()
+    a = Leadership(lease, "a", TIMING, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    assert a.leading() and started == [0.0]
+    now[0] = 2.0
+    a.restart()
+    assert not a.leading()
+    a.try_acquire_or_renew()  # still its Lease: a renewal, proved by the write, and a new leadership
+    assert a.leading() and started == [0.0, 2.0]
+    assert lease.record is not None and lease.record.holder == "a"
+
+
+def test_a_restart_during_a_renewal_under_way_still_starts_a_new_leadership():
+    now, started = [0.0], []
+    a: Leadership
+
+    class RestartedWhileWriting(FreeLease):
+        def write(self, record: LeaderRecord) -> None:
+            if started:  # the renewal after the first takeover: the ledger refuses a write meanwhile
+                a.restart()
+            super().write(record)
+
+    a = Leadership(RestartedWhileWriting(), "a", TIMING, on_started=lambda: started.append(now[0]),
+                   clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    now[0] = 2.0
+    a.try_acquire_or_renew()
+    assert a.leading() and started == [0.0, 2.0]

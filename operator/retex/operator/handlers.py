@@ -150,20 +150,19 @@ class Runtime:
         threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
     def _term_lost(self) -> None:
-        """A writer's write was refused NotLeader: if this replica still leads with a term taken,
-        the ledger's term moved past it (this should not happen: `_take_term`); rather than
-        abandon every round for ever, take the term again. (leading() before the lock: `_lead`
-        runs under the election's lock and takes this one.)"""
-        if not self.leadership.leading():
-            return
+        """A writer's write was refused NotLeader while this replica held a term: the ledger's term
+        moved on. Its writers stop, and its leadership restarts (Leadership.restart): a new term is
+        taken only after a Lease write proved this replica still holds the Lease, never on its own
+        clock alone, which a host suspend can stop, and which two installs sharing one database
+        would each trust. (restart outside this lock: `_lead` runs under the election's lock and
+        takes this one.)"""
         with self._leaderships_lock:
             if not self._term_taken.is_set():
                 return  # not taken yet, or another writer's refusal is being handled
             self._term_taken.clear()
-            self._leaderships += 1
-            leadership = self._leaderships
-        event(log, logging.WARNING, "ledger term lost while leading: taking it again", identity=self.leadership.identity)
-        threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
+        event(log, logging.ERROR, "ledger term lost while leading: restarting the leadership",
+              identity=self.leadership.identity)
+        self.leadership.restart()
 
     def _take_term(self, leadership: int) -> None:
         """Take the ledger's term for this replica's `leadership`-th leadership. Whether it still

@@ -70,6 +70,8 @@ class Leadership:
                 written = self._election.record(decision, datetime.now(UTC))
                 self._lease.write(written)
                 with self._lock:
+                    # Asked again: a `restart` while the write was under way makes it a new leadership.
+                    continuing = continuing and self._election.leading(started)
                     # Under the lock, before `won`: a writer asking leading() waits until the
                     # term has started (the fresh grace granted), so no round runs before it.
                     failed = None if continuing else self._start(started)
@@ -89,6 +91,14 @@ class Leadership:
         except Exception as exc:  # the API server unreachable or slow: the renew deadline decides
             event(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
+
+    def restart(self) -> None:
+        """Stop leading now, and lead again only as a new leadership (`on_started` again) once
+        the next round's Lease write succeeded: that write's resourceVersion check, not this
+        replica's clock, proves it still holds the Lease. For a leader whose ledger term moved
+        on while its clock said it led (retex.operator.handlers.Runtime._term_lost)."""
+        with self._lock:
+            self._election.stop_leading()
 
     def _start(self, started: float) -> str | None:
         """`on_started`, for the Lease write that began at `started`: None if it returned in time
