@@ -99,11 +99,36 @@ def test_a_leader_whose_term_moved_on_restarts_its_leadership_rather_than_take_t
         a = runtime(la, lambda: True)
         a._take_term(1)
         moved_on = other.take_term(lock_timeout_seconds=0.3)  # the term moves past A, which still leads
-        with pytest.raises(NotLeader):
+        with pytest.raises(NotLeader) as refused:
             la.promote_due()
-        a._term_lost()
+        a._term_lost(refused.value)
         time.sleep(1.0)  # a term taker started here would have taken the term by now
         assert not a.may_write()
         assert ledger_term(dsn) == moved_on, "A took the term on its own clock"
         assert a.leadership.restarts == 1
         other.promote_due()  # the other still writes
+
+
+def test_a_refusal_of_an_earlier_term_does_not_restart_the_leadership_again(dsn, ledger):
+    """Two writers refused for the same lost term: the first restarts the leadership; the
+    second's refusal, handled after the new term was taken, is of a term this replica no longer
+    writes with, and restarts nothing."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as other):
+        a = runtime(la, lambda: True)
+        a._take_term(1)
+        other.take_term(lock_timeout_seconds=0.3)
+        refusals = []
+        for _ in range(2):  # two writers, each refused for A's first term
+            with pytest.raises(NotLeader) as refused:
+                la.promote_due()
+            refusals.append(refused.value)
+        a._term_lost(refusals[0])
+        assert a.leadership.restarts == 1 and not a.may_write()
+        a._leaderships = 2  # the restarted leadership's taker takes a new term
+        a._take_term(2)
+        assert a.may_write()
+        a._term_lost(refusals[1])
+        assert a.may_write(), "a refusal of the term before restarted the leadership again"
+        assert a.leadership.restarts == 1
+        la.promote_due()

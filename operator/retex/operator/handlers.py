@@ -149,19 +149,20 @@ class Runtime:
         self.mirror.resync_next_round()
         threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
-    def _term_lost(self) -> None:
-        """A writer's write was refused NotLeader while this replica held a term: the ledger's term
-        moved on. Its writers stop, and its leadership restarts (Leadership.restart): a new term is
+    def _term_lost(self, refused: NotLeader) -> None:
+        """A writer's write was refused NotLeader for the term this replica holds: the ledger's term
+        moved on. (A refusal of an earlier term — a writer under way when the leadership restarted
+        — changes nothing.) Its writers stop, and its leadership restarts (Leadership.restart): a new term is
         taken only after a Lease write proved this replica still holds the Lease, never on its own
         clock alone, which a host suspend can stop, and which two installs sharing one database
         would each trust. (restart outside this lock: `_lead` runs under the election's lock and
         takes this one.)"""
         with self._leaderships_lock:
-            if not self._term_taken.is_set():
-                return  # not taken yet, or another writer's refusal is being handled
+            if not self._term_taken.is_set() or refused.term != self.ledger.term:
+                return  # not taken yet, an earlier term's refusal, or another writer's is being handled
             self._term_taken.clear()
         event(log, logging.ERROR, "ledger term lost while leading: restarting the leadership",
-              identity=self.leadership.identity)
+              identity=self.leadership.identity, term=refused.term, why=str(refused))
         self.leadership.restart()
 
     def _take_term(self, leadership: int) -> None:
