@@ -186,11 +186,12 @@ class Runtime:
                       error=f"{type(exc).__name__}: {exc}")
                 time.sleep(self.leadership.timing.retry_period)
                 continue
-            if leadership != self._leaderships:
-                return  # a later leadership's own taker takes a newer term
+            with self._leaderships_lock:  # checked and marked at once: `_lead` clears it under this lock
+                if leadership != self._leaderships:
+                    return  # a later leadership's own taker takes a newer term
+                self._term_taken.set()
             event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
                   identity=self.leadership.identity)
-            self._term_taken.set()
             for loop in self._writers:
                 loop.wake.set()
             return
