@@ -191,3 +191,27 @@ def test_a_restart_during_a_renewal_under_way_still_starts_a_new_leadership():
     now[0] = 2.0
     a.try_acquire_or_renew()
     assert a.leading() and started == [0.0, 2.0]
+
+
+def test_a_takeover_whose_read_stalled_while_it_still_led_is_a_new_leadership():
+    """A's round starts while it leads (t=8, renewed at 0); its read stalls until t=16, meanwhile B
+    took the Lease (at D) and released it. A takes the free Lease: a new leadership (on_started,
+    a new ledger term), though A was leading when the round started."""
+    now, started = [0.0], []
+    b_released = LeaderRecord(holder=None, duration_seconds=15, transitions=2)
+
+    class StallingRead(FreeLease):
+        stall = False
+
+        def read(self) -> LeaderRecord | None:
+            if self.stall:
+                now[0] = 16.0
+                self.record = b_released
+            return self.record
+
+    lease = StallingRead()
+    a = Leadership(lease, "a", TIMING, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    now[0], lease.stall = 8.0, True
+    a.try_acquire_or_renew()
+    assert started == [0.0, 16.0], "a takeover counted as continuing the leadership before it"

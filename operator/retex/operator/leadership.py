@@ -62,10 +62,12 @@ class Leadership:
             with self._lock:
                 self._election.observe(record, started)
                 decision = self._election.decide(started)
-                # A new leadership unless this replica was leading at `started`, by its own clock:
-                # not `_was_leading`, which a replica paused past the lease duration still holds
-                # when its first round after resuming takes the Lease again.
-                continuing = self._election.leading(started)
+                # A new leadership unless this round renews a Lease this replica was leading on at
+                # `started`, by its own clock: not `_was_leading`, which a replica paused past the
+                # lease duration still holds when its first round after resuming takes the Lease
+                # again; and never a TAKE or CREATE (a read that stalled while a successor took the
+                # Lease and released it).
+                continuing = decision is Decision.RENEW and self._election.leading(started)
             if decision is not Decision.WAIT:
                 written = self._election.record(decision, datetime.now(UTC))
                 self._lease.write(written)
