@@ -23,7 +23,7 @@ LIMITS = SessionLimits(idle_in_transaction_seconds=1.0, lock_timeout_seconds=1.0
 class FakeLeadership:
     def __init__(self, leading: Callable[[], bool]):
         self._leading = leading
-        self.timing = types.SimpleNamespace(retry_period=0.1)
+        self.timing = types.SimpleNamespace(retry_period=0.1, lease_duration=1.0)
         self.identity = "x"
         self.restarts = 0
 
@@ -39,6 +39,7 @@ def runtime(ledger: Ledger, leading: Callable[[], bool]) -> Any:
     rt.ledger, rt.leadership = ledger, FakeLeadership(leading)
     rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
     rt._leaderships_lock = threading.Lock()
+    rt._term_wanted_since = None
     return rt
 
 
@@ -132,3 +133,29 @@ def test_a_refusal_of_an_earlier_term_does_not_restart_the_leadership_again(dsn,
         assert a.may_write(), "a refusal of the term before restarted the leadership again"
         assert a.leadership.restarts == 1
         la.promote_due()
+
+
+def test_a_leader_that_cannot_take_the_term_for_a_lease_duration_may_not_keep_the_lease(dsn, ledger):
+    """An old leader's long transaction holds the term's row: the new leader's taker keeps
+    failing, and after a lease duration (1 s here) the election hears that it may not keep the
+    Lease (Leadership gives it up then: tests/unit/test_leadership.py)."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          psycopg.connect(dsn) as old_leader):
+        old_leader.execute("SELECT term FROM retex.leadership FOR SHARE")  # its transaction stays open
+        a_leads = [True]
+        a = runtime(la, lambda: a_leads[0])
+        a._term_wanted_since = time.monotonic()  # what Runtime._lead sets as the leadership begins
+        taker = threading.Thread(target=a._take_term, args=(1,), daemon=True)
+        taker.start()
+        time.sleep(0.3)
+        assert not a.may_write() and a._may_keep_lease()
+        time.sleep(1.0)
+        assert not a.may_write()
+        waited = a._waiting_for_term()
+        assert waited is not None and waited >= 1.0
+        assert not a._may_keep_lease()
+        a_leads[0] = False  # it gave the Lease up: the taker stops
+        taker.join(3)
+        assert not taker.is_alive()
+        assert a._waiting_for_term() is None
+        old_leader.rollback()

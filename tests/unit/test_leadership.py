@@ -215,3 +215,24 @@ def test_a_takeover_whose_read_stalled_while_it_still_led_is_a_new_leadership():
     now[0], lease.stall = 8.0, True
     a.try_acquire_or_renew()
     assert started == [0.0, 16.0], "a takeover counted as continuing the leadership before it"
+
+
+def test_a_leader_that_may_not_keep_the_lease_gives_it_up_and_rests_a_lease_duration():
+    """A leader that could not take the ledger's term for a lease duration (`may_keep` says no)
+    releases the Lease so a standby that can takes over, and does not take it back before D."""
+    lease, now, keep = SharedLease(), [100.0], [True]
+    a = Leadership(lease, "replica-a", TIMING, on_started=lambda: None, clock=lambda: now[0],
+                   may_keep=lambda: keep[0])
+    a.try_acquire_or_renew()
+    assert a.leading()
+    keep[0] = False
+    now[0] += TIMING.retry_period
+    a.try_acquire_or_renew()
+    assert not a.leading() and lease.record.holder is None
+    keep[0] = True
+    now[0] += TIMING.retry_period
+    a.try_acquire_or_renew()  # resting: the free Lease is left to a standby
+    assert not a.leading() and lease.record.holder is None
+    b = Leadership(lease, "replica-b", TIMING, on_started=lambda: None, clock=lambda: now[0])
+    b.try_acquire_or_renew()
+    assert b.leading() and lease.record.holder == "replica-b"

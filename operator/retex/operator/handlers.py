@@ -53,7 +53,7 @@ from retex.operator.admission import (
     not_onboarded_message,
 )
 from retex.operator.dispatch import Promoter, Relay
-from retex.operator.health import LoopState, Verdict, liveness, readiness
+from retex.operator.health import LoopState, Verdict, liveness, readiness, term_overdue
 from retex.operator.leadership import Leadership
 from retex.operator.loop import STOPPED_LEADING
 from retex.operator.metrics import metrics_ledger
@@ -81,6 +81,7 @@ class Runtime:
         self._term_taken = threading.Event()  # this replica's leadership holds the ledger's term
         self._leaderships = 0  # how many times this replica became leader: a term taker's own
         self._leaderships_lock = threading.Lock()
+        self._term_wanted_since: float | None = None  # monotonic: this leadership began without a term
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
@@ -111,7 +112,7 @@ class Runtime:
         identity = f"{pod}_{uuid.uuid4().hex[:8]}"
         self.leadership = Leadership(
             LeaderLease(api, settings.operator_namespace, request_timeout=timing.election_request_timeout),
-            identity, timing, on_started=self._lead)
+            identity, timing, on_started=self._lead, may_keep=self._may_keep_lease)
         self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
         for loop in self._writers:
             loop.may_write = self.may_write
@@ -145,6 +146,7 @@ class Runtime:
             self._term_taken.clear()
             self._leaderships += 1
             leadership = self._leaderships
+            self._term_wanted_since = time.monotonic()
         self.leases.grant_grace()
         self.mirror.resync_next_round()
         threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
@@ -190,11 +192,26 @@ class Runtime:
                 if leadership != self._leaderships:
                     return  # a later leadership's own taker takes a newer term
                 self._term_taken.set()
+                self._term_wanted_since = None
             event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
                   identity=self.leadership.identity)
             for loop in self._writers:
                 loop.wake.set()
             return
+
+    def _waiting_for_term(self) -> float | None:
+        """How long this leadership has gone without the ledger's term (None: it holds it, or this
+        replica does not lead)."""
+        since = self._term_wanted_since
+        if since is None or self._term_taken.is_set() or not self.leadership.leading():
+            return None
+        return time.monotonic() - since
+
+    def _may_keep_lease(self) -> bool:
+        """The election asks before each renewal: a leader that went a lease duration without the
+        ledger's term (Postgres away from it, an old leader's long transaction holding the term's
+        row) gives the Lease up, so a standby that can take the term leads (retex.operator.health)."""
+        return not term_overdue(self._waiting_for_term(), lease_duration=self.leadership.timing.lease_duration)
 
     def listen(self) -> None:
         """Ledger changes mark the task for the status mirror and wake the relay: a worker that
@@ -228,7 +245,9 @@ class Runtime:
             postgres_error = f"{type(exc).__name__}: {exc}"
         return readiness(postgres_error=postgres_error, dead_threads=self._dead_threads(),
                          endpoint_serving=self._endpoint_server.serving_thread.is_alive(),
-                         leading=self.leadership.leading(), loops=self._loop_states(), now=time.monotonic())
+                         leading=self.leadership.leading(), loops=self._loop_states(), now=time.monotonic(),
+                         waiting_for_term=self._waiting_for_term(),
+                         lease_duration=self.leadership.timing.lease_duration)
 
     def live(self) -> Verdict:
         """The liveness probe's answer: Postgres is not asked (retex.operator.health)."""

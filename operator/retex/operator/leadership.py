@@ -8,8 +8,10 @@ deadline stops writing when it resumes, before this thread has run again. Becomi
 term taken before any writer starts: retex.operator.handlers.Runtime) under the lock `leading()`
 takes, so no writer hears that it leads before that is done (`on_started` asking `leading()`
 itself hears False: the lock is reentrant). When `on_started` raises or returns past the renew
-deadline, this replica does not lead and gives the Lease up (`Leadership`). Losing it only logs
-and flips `retex_leader`: the writers stopped already by asking.
+deadline, this replica does not lead and gives the Lease up (`Leadership`); so does a leader
+that `may_keep` says no to (it could not take the ledger's term), and it then rests a lease
+duration. `restart` stops leading until the next Lease write succeeds, which starts a new
+leadership. Losing it only logs and flips `retex_leader`: the writers stopped already by asking.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ class Leadership:
     The lock is reentrant: `on_started` asking `leading()` hears False (not yet), not a deadlock."""
 
     def __init__(self, lease: LeaderLease, identity: str, timing: ElectionTiming, *,
-                 on_started: Callable[[], None], clock: Callable[[], float] = time.monotonic):
+                 on_started: Callable[[], None], may_keep: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.monotonic):
         self._lease, self.timing, self._clock = lease, timing, clock
         self._election = Election(identity, timing)
         self._on_started = on_started
+        self._may_keep = may_keep  # asked before each renewal: False gives the Lease up (`_step_down`)
+        self._resting_until = float("-inf")  # our clock: no Lease taken before (after `_step_down`)
         # Reentrant: `on_started` runs under it, and may ask leading() (it hears False: not yet).
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -57,6 +62,13 @@ class Leadership:
 
     def try_acquire_or_renew(self) -> None:
         started = self._clock()
+        if started < self._resting_until:
+            self._notice()
+            return
+        if self.leading() and not self._may_keep():
+            self._step_down(started)
+            self._notice()
+            return
         try:
             record = self._lease.read()
             with self._lock:
@@ -101,6 +113,24 @@ class Leadership:
         on while its clock said it led (retex.operator.handlers.Runtime._term_lost)."""
         with self._lock:
             self._election.stop_leading()
+
+    def _step_down(self, now: float) -> None:
+        """A leader that may not keep the Lease (it went a lease duration without the ledger's
+        term: retex.operator.handlers.Runtime): stop leading now, write the released record so a
+        standby takes over at its next retry, and take no Lease for a lease duration (else this
+        replica's next round would take the free Lease straight back)."""
+        event(log, logging.ERROR, "leader election: this leader cannot take the ledger's term; giving the lease up",
+              identity=self._election.identity, rest_seconds=self.timing.lease_duration)
+        with self._lock:
+            self._election.stop_leading()
+            released = self._election.released_record(datetime.now(UTC))
+        self._resting_until = now + self.timing.lease_duration
+        try:
+            self._lease.write(released)
+            with self._lock:
+                self._election.released(released, self._clock())
+        except Exception as exc:  # it expires after its duration instead
+            event(log, logging.WARNING, "leader election: releasing the lease failed", error=f"{type(exc).__name__}: {exc}")
 
     def _start(self, started: float) -> str | None:
         """`on_started`, for the Lease write that began at `started`: None if it returned in time
