@@ -154,11 +154,11 @@ class Runtime:
     def _term_lost(self, refused: NotLeader) -> None:
         """A writer's write was refused NotLeader for the term this replica holds: the ledger's term
         moved on. (A refusal of an earlier term — a writer under way when the leadership restarted
-        — changes nothing.) Its writers stop, and its leadership restarts (Leadership.restart): a new term is
-        taken only after a Lease write proved this replica still holds the Lease, never on its own
-        clock alone, which a host suspend can stop, and which two installs sharing one database
-        would each trust. (restart outside this lock: `_lead` runs under the election's lock and
-        takes this one.)"""
+        — changes nothing.) Its writers stop, and its leadership restarts (Leadership.restart): a
+        new term is taken only after a Lease write proved this replica still holds the Lease,
+        never on its own clock alone, which a host suspend can stop, and which two installs
+        sharing one database would each trust. (restart outside this lock: `_lead` runs under the
+        election's lock and takes this one.)"""
         with self._leaderships_lock:
             if not self._term_taken.is_set() or refused.term != self.ledger.term:
                 return  # not taken yet, an earlier term's refusal, or another writer's is being handled
