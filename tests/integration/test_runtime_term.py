@@ -10,6 +10,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 
 from retex.ledger import Ledger, NotLeader
@@ -22,8 +23,12 @@ LIMITS = SessionLimits(idle_in_transaction_seconds=1.0, lock_timeout_seconds=1.0
 class FakeLeadership:
     def __init__(self, leading: Callable[[], bool]):
         self._leading = leading
-        self.timing = types.SimpleNamespace(retry_period=0.1)
+        self.timing = types.SimpleNamespace(retry_period=0.1, lease_duration=1.0)
         self.identity = "x"
+        self.restarts = 0
+
+    def restart(self) -> None:
+        self.restarts += 1
 
     def leading(self) -> bool:
         return self._leading()
@@ -34,7 +39,15 @@ def runtime(ledger: Ledger, leading: Callable[[], bool]) -> Any:
     rt.ledger, rt.leadership = ledger, FakeLeadership(leading)
     rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
     rt._leaderships_lock = threading.Lock()
+    rt._term_wanted_since = None
     return rt
+
+
+def ledger_term(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT term FROM retex.leadership").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def test_a_replica_deposed_after_its_leading_check_does_not_depose_its_successor(dsn, ledger):
@@ -77,19 +90,72 @@ def test_a_taker_left_over_from_an_earlier_leadership_marks_nothing(dsn, ledger)
         la.promote_due()
 
 
-def test_a_leader_whose_term_moved_on_takes_it_again(dsn, ledger):
-    """Should the ledger's term ever move past a replica that still leads, a refused write makes it
-    take the term again rather than abandon every round for ever."""
+def test_a_leader_whose_term_moved_on_restarts_its_leadership_rather_than_take_the_term_itself(dsn, ledger):
+    """Should the ledger's term move past a replica that still leads by its own clock (a host
+    suspend stopped that clock; two installs share the database), a refused write stops its
+    writing and restarts its leadership: the next term is taken only after a Lease write proved
+    it still holds the Lease (Leadership.restart), never on that clock alone."""
     with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
           Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as other):
         a = runtime(la, lambda: True)
         a._take_term(1)
-        other.take_term(lock_timeout_seconds=0.3)  # the term moves past A, which still leads
-        with pytest.raises(NotLeader):
+        moved_on = other.take_term(lock_timeout_seconds=0.3)  # the term moves past A, which still leads
+        with pytest.raises(NotLeader) as refused:
             la.promote_due()
-        a._term_lost()
-        deadline = time.monotonic() + 5
-        while not a.may_write() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        a._term_lost(refused.value)
+        time.sleep(1.0)  # a term taker started here would have taken the term by now
+        assert not a.may_write()
+        assert ledger_term(dsn) == moved_on, "A took the term on its own clock"
+        assert a.leadership.restarts == 1
+        other.promote_due()  # the other still writes
+
+
+def test_a_refusal_of_an_earlier_term_does_not_restart_the_leadership_again(dsn, ledger):
+    """Two writers refused for the same lost term: the first restarts the leadership; the
+    second's refusal, handled after the new term was taken, is of a term this replica no longer
+    writes with, and restarts nothing."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as other):
+        a = runtime(la, lambda: True)
+        a._take_term(1)
+        other.take_term(lock_timeout_seconds=0.3)
+        refusals = []
+        for _ in range(2):  # two writers, each refused for A's first term
+            with pytest.raises(NotLeader) as refused:
+                la.promote_due()
+            refusals.append(refused.value)
+        a._term_lost(refusals[0])
+        assert a.leadership.restarts == 1 and not a.may_write()
+        a._leaderships = 2  # the restarted leadership's taker takes a new term
+        a._take_term(2)
         assert a.may_write()
+        a._term_lost(refusals[1])
+        assert a.may_write(), "a refusal of the term before restarted the leadership again"
+        assert a.leadership.restarts == 1
         la.promote_due()
+
+
+def test_a_leader_that_cannot_take_the_term_for_a_lease_duration_may_not_keep_the_lease(dsn, ledger):
+    """An old leader's long transaction holds the term's row: the new leader's taker keeps
+    failing, and after a lease duration (1 s here) the election hears that it may not keep the
+    Lease (Leadership gives it up then: tests/unit/test_leadership.py)."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          psycopg.connect(dsn) as old_leader):
+        old_leader.execute("SELECT term FROM retex.leadership FOR SHARE")  # its transaction stays open
+        a_leads = [True]
+        a = runtime(la, lambda: a_leads[0])
+        a._term_wanted_since = time.monotonic()  # what Runtime._lead sets as the leadership begins
+        taker = threading.Thread(target=a._take_term, args=(1,), daemon=True)
+        taker.start()
+        time.sleep(0.3)
+        assert not a.may_write() and a._may_keep_lease()
+        time.sleep(1.0)
+        assert not a.may_write()
+        waited = a._waiting_for_term()
+        assert waited is not None and waited >= 1.0
+        assert not a._may_keep_lease()
+        a_leads[0] = False  # it gave the Lease up: the taker stops
+        taker.join(3)
+        assert not taker.is_alive()
+        assert a._waiting_for_term() is None
+        old_leader.rollback()

@@ -8,7 +8,16 @@ import urllib.request
 import pytest
 
 from e2e.postgres import free_port
-from retex.operator.health import MIN_STALE_SECONDS, OK, LoopState, Verdict, liveness, readiness, serve_health
+from retex.operator.health import (
+    MIN_STALE_SECONDS,
+    OK,
+    LoopState,
+    Verdict,
+    liveness,
+    readiness,
+    serve_health,
+    term_overdue,
+)
 
 NOW = 10_000.0
 FLOOR = 180.0
@@ -20,7 +29,7 @@ def loop(name="relay", period=2.0, started=None, passed=NOW - 1.0) -> LoopState:
 
 def ready(**overrides) -> Verdict:
     args = {"postgres_error": None, "dead_threads": [], "endpoint_serving": True, "leading": True,
-            "loops": [loop()], "now": NOW}
+            "loops": [loop()], "now": NOW, "waiting_for_term": None, "lease_duration": 15.0}
     return readiness(**{**args, **overrides})
 
 
@@ -133,3 +142,14 @@ def test_healthz_is_an_alias_of_livez(endpoint):
 def test_any_other_path_is_not_found(endpoint):
     base, _ = endpoint
     assert get(f"{base}/metrics")[0] == 404
+
+
+def test_a_leader_waiting_a_lease_duration_for_the_ledgers_term_is_unready_and_gives_the_lease_up():
+    """Postgres away from this replica only, or an old leader's long transaction holding the
+    term's row: its writer loops idle as a standby's, so only this says it does not lead."""
+    assert ready(waiting_for_term=5.0) == OK
+    verdict = ready(waiting_for_term=15.0)
+    assert not verdict.ok and "without the ledger's leadership term for 15s" in verdict.reason
+    assert ready(waiting_for_term=None, leading=False) == OK  # a standby waits for no term
+    assert not term_overdue(5.0, lease_duration=15.0) and not term_overdue(None, lease_duration=15.0)
+    assert term_overdue(15.0, lease_duration=15.0)

@@ -20,3 +20,21 @@ def test_the_task_list_has_a_longer_timeout_than_writes(monkeypatch):
     calls = KubeCalls(client.ApiClient(client.Configuration()), instance="x", request_timeout=5.0)
     assert calls.list_tasks() == []
     assert seen["_request_timeout"] == LIST_TIMEOUT_SECONDS > 5.0
+
+
+def test_the_lease_watchs_relist_has_the_task_lists_timeout(monkeypatch):
+    """A silent API server cannot hang the lease watch's relist for ever while its thread lives."""
+    from retex.kube.leasewatch import LeaseObserver
+
+    seen: dict[str, Any] = {}
+    observer: LeaseObserver
+
+    def list_lease_for_all_namespaces(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        observer.stop()
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(client.CoordinationV1Api, "list_lease_for_all_namespaces", list_lease_for_all_namespaces)
+    observer = LeaseObserver(client.ApiClient(client.Configuration()))
+    observer.run()
+    assert seen.get("_request_timeout") == LIST_TIMEOUT_SECONDS

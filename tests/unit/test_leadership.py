@@ -156,3 +156,83 @@ def test_a_leader_that_takes_the_lease_again_after_a_pause_starts_a_new_leadersh
     now[0] = 62.0
     a.try_acquire_or_renew()  # a renewal is no new leadership
     assert started == [0.0, 60.0]
+
+
+def test_a_restarted_leader_stops_leading_at_once_and_starts_a_new_leadership_on_its_next_renewal():
+    """`restart` (the ledger refused a write of this leader's term): no writer hears "leading"
+    until a Lease write has proved this replica still holds the Lease, and that write starts a
+    new leadership (on_started: a new ledger term) rather than continue the old one."""
+    now, started = [0.0], []
+    lease = FreeLease()
+    a = Leadership(lease, "a", TIMING, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    assert a.leading() and started == [0.0]
+    now[0] = 2.0
+    a.restart()
+    assert not a.leading()
+    a.try_acquire_or_renew()  # still its Lease: a renewal, proved by the write, and a new leadership
+    assert a.leading() and started == [0.0, 2.0]
+    assert lease.record is not None and lease.record.holder == "a"
+
+
+def test_a_restart_during_a_renewal_under_way_still_starts_a_new_leadership():
+    now, started = [0.0], []
+    a: Leadership
+
+    class RestartedWhileWriting(FreeLease):
+        def write(self, record: LeaderRecord) -> None:
+            if started:  # the renewal after the first takeover: the ledger refuses a write meanwhile
+                a.restart()
+            super().write(record)
+
+    a = Leadership(RestartedWhileWriting(), "a", TIMING, on_started=lambda: started.append(now[0]),
+                   clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    now[0] = 2.0
+    a.try_acquire_or_renew()
+    assert a.leading() and started == [0.0, 2.0]
+
+
+def test_a_takeover_whose_read_stalled_while_it_still_led_is_a_new_leadership():
+    """A's round starts while it leads (t=8, renewed at 0); its read stalls until t=16, meanwhile B
+    took the Lease (at D) and released it. A takes the free Lease: a new leadership (on_started,
+    a new ledger term), though A was leading when the round started."""
+    now, started = [0.0], []
+    b_released = LeaderRecord(holder=None, duration_seconds=15, transitions=2)
+
+    class StallingRead(FreeLease):
+        stall = False
+
+        def read(self) -> LeaderRecord | None:
+            if self.stall:
+                now[0] = 16.0
+                self.record = b_released
+            return self.record
+
+    lease = StallingRead()
+    a = Leadership(lease, "a", TIMING, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    now[0], lease.stall = 8.0, True
+    a.try_acquire_or_renew()
+    assert started == [0.0, 16.0], "a takeover counted as continuing the leadership before it"
+
+
+def test_a_leader_that_may_not_keep_the_lease_gives_it_up_and_rests_a_lease_duration():
+    """A leader that could not take the ledger's term for a lease duration (`may_keep` says no)
+    releases the Lease so a standby that can takes over, and does not take it back before D."""
+    lease, now, keep = SharedLease(), [100.0], [True]
+    a = Leadership(lease, "replica-a", TIMING, on_started=lambda: None, clock=lambda: now[0],
+                   may_keep=lambda: keep[0])
+    a.try_acquire_or_renew()
+    assert a.leading()
+    keep[0] = False
+    now[0] += TIMING.retry_period
+    a.try_acquire_or_renew()
+    assert not a.leading() and lease.record.holder is None
+    keep[0] = True
+    now[0] += TIMING.retry_period
+    a.try_acquire_or_renew()  # resting: the free Lease is left to a standby
+    assert not a.leading() and lease.record.holder is None
+    b = Leadership(lease, "replica-b", TIMING, on_started=lambda: None, clock=lambda: now[0])
+    b.try_acquire_or_renew()
+    assert b.leading() and lease.record.holder == "replica-b"

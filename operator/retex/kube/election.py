@@ -138,6 +138,11 @@ class Election:
         self.observed, self._observed_at = record, now
         self._renewed_at = None
 
+    def stop_leading(self) -> None:
+        """Not leading from now on, though the Lease may still be ours: the next write of it, if
+        it succeeds, is a new leadership (`leading` at its start said no)."""
+        self._renewed_at = None
+
     def leading(self, now: float) -> bool:
         """Whether this replica may still write: its last successful write began less than the
         renew deadline ago. False from the deadline on, whether or not anyone else took over."""

@@ -30,6 +30,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from retex.failpoints import failpoint
+from retex.kube.calls import LIST_TIMEOUT_SECONDS
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
 from retex.logs import event
@@ -168,7 +169,9 @@ class LeaseObserver:
             failpoint("in-lease-watch")  # =raise: outside the try, so the thread dies (the probes' test)
             try:
                 if version is None:
-                    listed = self._coordination.list_lease_for_all_namespaces(label_selector=LABEL_TASK_UID)
+                    # A read's timeout (the Task LIST's): a silent API server must not hang this thread for ever.
+                    listed = self._coordination.list_lease_for_all_namespaces(
+                        label_selector=LABEL_TASK_UID, _request_timeout=LIST_TIMEOUT_SECONDS)
                     plain = self._coordination.api_client.sanitize_for_serialization(listed)
                     self.relisted(plain.get("items") or [])
                     version = plain["metadata"]["resourceVersion"]

@@ -51,10 +51,12 @@ class NotLeader(LedgerError):
     """A leader's write refused, nothing of it written: its term is no longer the ledger's (a
     successor took a newer one, or the server ended the transaction after it sat idle past the
     session's limit, as a frozen leader's does) or it never took one. The caller stops writing as
-    the leader; it is nobody's task failure."""
+    the leader; it is nobody's task failure. `term`: the term the refused writer wrote with (None:
+    it had taken none), so a replica that has taken a newer one since can tell an old refusal."""
 
-    def __init__(self, why: str):
+    def __init__(self, why: str, *, term: int | None = None):
         super().__init__(f"not the leader: {why}")
+        self.term = term
 
 
 class LedgerUnavailable(LedgerError):

@@ -111,10 +111,11 @@ class Ledger:
         A leader's session the server ended for sitting idle in its transaction (the process
         froze) is refused too: its transaction did not commit, and a successor may lead."""
         fenced = leader and self._leader_fenced
+        term = self._term
         try:
             with transactions.transaction(self._pool) as cur:
                 if fenced:
-                    transactions.check_term(cur, self._term)
+                    transactions.check_term(cur, term)
                 yield cur
         except psycopg.errors.IdleInTransactionSessionTimeout as cut:
             if not fenced:
@@ -128,8 +129,8 @@ class Ledger:
                     current = transactions.current_term(cur)
             except psycopg.Error as exc:
                 raise LedgerUnavailable(f"{why}; the leadership term could not be read: {exc}") from cut
-            if current != self._term:
-                raise NotLeader(f"{why}; the ledger's leadership term is now {current}") from cut
+            if current != term:
+                raise NotLeader(f"{why}; the ledger's leadership term is now {current}", term=term) from cut
             raise LedgerUnavailable(f"{why}; the leadership term is still this replica's") from cut
 
     def _tx_once(self, fn: Callable[[Cursor], T], *, uid: str, op: str) -> TaskRecord | T:
@@ -160,6 +161,11 @@ class Ledger:
         with self._term_lock:
             self._term = max(term, self._term or 0)
         return term
+
+    @property
+    def term(self) -> int | None:
+        """The highest leadership term this Ledger took (None: none yet)."""
+        return self._term
 
     # What an operation of a test's own writes into history (tests/integration/test_ledger_lifecycle.py).
     _history = staticmethod(record_history)

@@ -117,7 +117,7 @@ def check_term(cur: Cursor, term: int | None) -> None:
     current = one(cur.execute("SELECT term FROM retex.leadership FOR SHARE"))["term"]
     if term != current:
         raise NotLeader(f"the ledger's leadership term is {current}, this writer's is {term}" if term is not None
-                        else f"this writer has taken no leadership term (the ledger's is {current})")
+                        else f"this writer has taken no leadership term (the ledger's is {current})", term=term)
 
 
 def current_term(cur: Cursor) -> int:

@@ -53,7 +53,7 @@ from retex.operator.admission import (
     not_onboarded_message,
 )
 from retex.operator.dispatch import Promoter, Relay
-from retex.operator.health import LoopState, Verdict, liveness, readiness
+from retex.operator.health import LoopState, Verdict, liveness, readiness, term_overdue
 from retex.operator.leadership import Leadership
 from retex.operator.loop import STOPPED_LEADING
 from retex.operator.metrics import metrics_ledger
@@ -81,6 +81,7 @@ class Runtime:
         self._term_taken = threading.Event()  # this replica's leadership holds the ledger's term
         self._leaderships = 0  # how many times this replica became leader: a term taker's own
         self._leaderships_lock = threading.Lock()
+        self._term_wanted_since: float | None = None  # monotonic: this leadership began without a term
         self.ledger.set_run_limits(max_running=settings.max_running,
                                    max_running_per_namespace=settings.max_running_per_namespace)
         api = api_client()
@@ -111,7 +112,7 @@ class Runtime:
         identity = f"{pod}_{uuid.uuid4().hex[:8]}"
         self.leadership = Leadership(
             LeaderLease(api, settings.operator_namespace, request_timeout=timing.election_request_timeout),
-            identity, timing, on_started=self._lead)
+            identity, timing, on_started=self._lead, may_keep=self._may_keep_lease)
         self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
         for loop in self._writers:
             loop.may_write = self.may_write
@@ -145,25 +146,26 @@ class Runtime:
             self._term_taken.clear()
             self._leaderships += 1
             leadership = self._leaderships
+            self._term_wanted_since = time.monotonic()
         self.leases.grant_grace()
         self.mirror.resync_next_round()
         threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
-    def _term_lost(self) -> None:
-        """A writer's write was refused NotLeader: if this replica still leads with a term taken,
-        the ledger's term moved past it (this should not happen: `_take_term`); rather than
-        abandon every round for ever, take the term again. (leading() before the lock: `_lead`
-        runs under the election's lock and takes this one.)"""
-        if not self.leadership.leading():
-            return
+    def _term_lost(self, refused: NotLeader) -> None:
+        """A writer's write was refused NotLeader for the term this replica holds: the ledger's term
+        moved on. (A refusal of an earlier term — a writer under way when the leadership restarted
+        — changes nothing.) Its writers stop, and its leadership restarts (Leadership.restart): a
+        new term is taken only after a Lease write proved this replica still holds the Lease,
+        never on its own clock alone, which a host suspend can stop, and which two installs
+        sharing one database would each trust. (restart outside this lock: `_lead` runs under the
+        election's lock and takes this one.)"""
         with self._leaderships_lock:
-            if not self._term_taken.is_set():
-                return  # not taken yet, or another writer's refusal is being handled
+            if not self._term_taken.is_set() or refused.term != self.ledger.term:
+                return  # not taken yet, an earlier term's refusal, or another writer's is being handled
             self._term_taken.clear()
-            self._leaderships += 1
-            leadership = self._leaderships
-        event(log, logging.WARNING, "ledger term lost while leading: taking it again", identity=self.leadership.identity)
-        threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
+        event(log, logging.ERROR, "ledger term lost while leading: restarting the leadership",
+              identity=self.leadership.identity, term=refused.term, why=str(refused))
+        self.leadership.restart()
 
     def _take_term(self, leadership: int) -> None:
         """Take the ledger's term for this replica's `leadership`-th leadership. Whether it still
@@ -186,14 +188,30 @@ class Runtime:
                       error=f"{type(exc).__name__}: {exc}")
                 time.sleep(self.leadership.timing.retry_period)
                 continue
-            if leadership != self._leaderships:
-                return  # a later leadership's own taker takes a newer term
+            with self._leaderships_lock:  # checked and marked at once: `_lead` clears it under this lock
+                if leadership != self._leaderships:
+                    return  # a later leadership's own taker takes a newer term
+                self._term_taken.set()
+                self._term_wanted_since = None
             event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
                   identity=self.leadership.identity)
-            self._term_taken.set()
             for loop in self._writers:
                 loop.wake.set()
             return
+
+    def _waiting_for_term(self) -> float | None:
+        """How long this leadership has gone without the ledger's term (None: it holds it, or this
+        replica does not lead)."""
+        since = self._term_wanted_since
+        if since is None or self._term_taken.is_set() or not self.leadership.leading():
+            return None
+        return time.monotonic() - since
+
+    def _may_keep_lease(self) -> bool:
+        """The election asks before each renewal: a leader that went a lease duration without the
+        ledger's term (Postgres away from it, an old leader's long transaction holding the term's
+        row) gives the Lease up, so a standby that can take the term leads (retex.operator.health)."""
+        return not term_overdue(self._waiting_for_term(), lease_duration=self.leadership.timing.lease_duration)
 
     def listen(self) -> None:
         """Ledger changes mark the task for the status mirror and wake the relay: a worker that
@@ -227,7 +245,9 @@ class Runtime:
             postgres_error = f"{type(exc).__name__}: {exc}"
         return readiness(postgres_error=postgres_error, dead_threads=self._dead_threads(),
                          endpoint_serving=self._endpoint_server.serving_thread.is_alive(),
-                         leading=self.leadership.leading(), loops=self._loop_states(), now=time.monotonic())
+                         leading=self.leadership.leading(), loops=self._loop_states(), now=time.monotonic(),
+                         waiting_for_term=self._waiting_for_term(),
+                         lease_duration=self.leadership.timing.lease_duration)
 
     def live(self) -> Verdict:
         """The liveness probe's answer: Postgres is not asked (retex.operator.health)."""

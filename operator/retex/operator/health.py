@@ -3,8 +3,9 @@ every replica, leader or standby (kopf runs only on the leader, so kopf's own pr
 
     /readyz  200 while this replica should get the workers' ledger calls (the retex-ledger Service
              sends them to ready replicas only): Postgres answers, every background thread lives,
-             the ledger endpoint serves, and, on the leader, every writer loop completed a round
-             within three of its periods. A standby's writer loops are idle by design.
+             the ledger endpoint serves, and, on the leader, it has not waited a lease duration
+             for the ledger's leadership term and every writer loop completed a round within
+             three of its periods. A standby's writer loops are idle by design.
     /livez   200 unless a restart is the cure: a thread died, or a round of a loop has run far
              longer than anything it waits on can take (10 periods + the wedge floor, which
              exceeds the ledger's retry window). Postgres is not asked: an outage must not
@@ -59,14 +60,27 @@ def liveness(*, dead_threads: list[str], loops: list[LoopState], now: float, wed
     return OK
 
 
+def term_overdue(waiting_for_term: float | None, *, lease_duration: float) -> bool:
+    """Whether a leader has waited too long for the ledger's leadership term (Postgres away from
+    it, or an old leader's long transaction holding the term's row): a lease duration. Its writer
+    loops idle meanwhile, as a standby's do, so it is not ready and gives the Lease up
+    (retex.operator.leadership), for a standby that can take the term to lead.
+    `waiting_for_term`: seconds it has led without the term (None: it holds it, or does not lead)."""
+    return waiting_for_term is not None and waiting_for_term >= lease_duration
+
+
 def readiness(*, postgres_error: str | None, dead_threads: list[str], endpoint_serving: bool,
-              leading: bool, loops: list[LoopState], now: float) -> Verdict:
+              leading: bool, loops: list[LoopState], now: float, waiting_for_term: float | None,
+              lease_duration: float) -> Verdict:
     if postgres_error is not None:
         return Verdict(False, f"postgres unreachable: {postgres_error}")
     if dead_threads:
         return Verdict(False, f"thread(s) dead: {', '.join(dead_threads)}")
     if not endpoint_serving:
         return Verdict(False, "the ledger endpoint's server thread is dead")
+    if leading and waiting_for_term is not None and term_overdue(waiting_for_term, lease_duration=lease_duration):
+        return Verdict(False, f"leading without the ledger's leadership term for {waiting_for_term:.0f}s "
+                              f"(limit {lease_duration:g}s)")
     if leading:
         for loop in loops:
             stale_after = max(STALE_AFTER_PERIODS * loop.period, MIN_STALE_SECONDS)

@@ -8,8 +8,10 @@ deadline stops writing when it resumes, before this thread has run again. Becomi
 term taken before any writer starts: retex.operator.handlers.Runtime) under the lock `leading()`
 takes, so no writer hears that it leads before that is done (`on_started` asking `leading()`
 itself hears False: the lock is reentrant). When `on_started` raises or returns past the renew
-deadline, this replica does not lead and gives the Lease up (`Leadership`). Losing it only logs
-and flips `retex_leader`: the writers stopped already by asking.
+deadline, this replica does not lead and gives the Lease up (`Leadership`); so does a leader
+that `may_keep` says no to (it could not take the ledger's term), and it then rests a lease
+duration. `restart` stops leading until the next Lease write succeeds, which starts a new
+leadership. Losing it only logs and flips `retex_leader`: the writers stopped already by asking.
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ class Leadership:
     The lock is reentrant: `on_started` asking `leading()` hears False (not yet), not a deadlock."""
 
     def __init__(self, lease: LeaderLease, identity: str, timing: ElectionTiming, *,
-                 on_started: Callable[[], None], clock: Callable[[], float] = time.monotonic):
+                 on_started: Callable[[], None], may_keep: Callable[[], bool] = lambda: True,
+                 clock: Callable[[], float] = time.monotonic):
         self._lease, self.timing, self._clock = lease, timing, clock
         self._election = Election(identity, timing)
         self._on_started = on_started
+        self._may_keep = may_keep  # asked before each renewal: False gives the Lease up (`_step_down`)
+        self._resting_until = float("-inf")  # our clock: no Lease taken before (after `_step_down`)
         # Reentrant: `on_started` runs under it, and may ask leading() (it hears False: not yet).
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -57,19 +62,30 @@ class Leadership:
 
     def try_acquire_or_renew(self) -> None:
         started = self._clock()
+        if started < self._resting_until:
+            self._notice()
+            return
+        if self.leading() and not self._may_keep():
+            self._step_down(started)
+            self._notice()
+            return
         try:
             record = self._lease.read()
             with self._lock:
                 self._election.observe(record, started)
                 decision = self._election.decide(started)
-                # A new leadership unless this replica was leading at `started`, by its own clock:
-                # not `_was_leading`, which a replica paused past the lease duration still holds
-                # when its first round after resuming takes the Lease again.
-                continuing = self._election.leading(started)
+                # A new leadership unless this round renews a Lease this replica was leading on at
+                # `started`, by its own clock: not `_was_leading`, which a replica paused past the
+                # lease duration still holds when its first round after resuming takes the Lease
+                # again; and never a TAKE or CREATE (a read that stalled while a successor took the
+                # Lease and released it).
+                continuing = decision is Decision.RENEW and self._election.leading(started)
             if decision is not Decision.WAIT:
                 written = self._election.record(decision, datetime.now(UTC))
                 self._lease.write(written)
                 with self._lock:
+                    # Asked again: a `restart` while the write was under way makes it a new leadership.
+                    continuing = continuing and self._election.leading(started)
                     # Under the lock, before `won`: a writer asking leading() waits until the
                     # term has started (the fresh grace granted), so no round runs before it.
                     failed = None if continuing else self._start(started)
@@ -89,6 +105,32 @@ class Leadership:
         except Exception as exc:  # the API server unreachable or slow: the renew deadline decides
             event(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
+
+    def restart(self) -> None:
+        """Stop leading now, and lead again only as a new leadership (`on_started` again) once
+        the next round's Lease write succeeded: that write's resourceVersion check, not this
+        replica's clock, proves it still holds the Lease. For a leader whose ledger term moved
+        on while its clock said it led (retex.operator.handlers.Runtime._term_lost)."""
+        with self._lock:
+            self._election.stop_leading()
+
+    def _step_down(self, now: float) -> None:
+        """A leader that may not keep the Lease (it went a lease duration without the ledger's
+        term: retex.operator.handlers.Runtime): stop leading now, write the released record so a
+        standby takes over at its next retry, and take no Lease for a lease duration (else this
+        replica's next round would take the free Lease straight back)."""
+        event(log, logging.ERROR, "leader election: this leader cannot take the ledger's term; giving the lease up",
+              identity=self._election.identity, rest_seconds=self.timing.lease_duration)
+        with self._lock:
+            self._election.stop_leading()
+            released = self._election.released_record(datetime.now(UTC))
+        self._resting_until = now + self.timing.lease_duration
+        try:
+            self._lease.write(released)
+            with self._lock:
+                self._election.released(released, self._clock())
+        except Exception as exc:  # it expires after its duration instead
+            event(log, logging.WARNING, "leader election: releasing the lease failed", error=f"{type(exc).__name__}: {exc}")
 
     def _start(self, started: float) -> str | None:
         """`on_started`, for the Lease write that began at `started`: None if it returned in time

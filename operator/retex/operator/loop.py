@@ -37,7 +37,7 @@ class Loop:
         self._stop = threading.Event()
         self.may_write: Callable[[], bool] = lambda: True  # the Runtime sets the election's answer
         # The Runtime's: a write refused NotLeader while this replica may still think it leads.
-        self.on_not_leader: Callable[[], None] = lambda: None
+        self.on_not_leader: Callable[[NotLeader], None] = lambda refused: None
         self.round_started_at: float | None = None  # monotonic; None between rounds
         self.last_pass_at = time.monotonic()  # a round completed, or a standby found it may not write
 
@@ -64,7 +64,7 @@ class Loop:
             except STOPPED_LEADING as exc:
                 event(log, logging.WARNING, "not the leader: round abandoned", loop=self.name, why=str(exc))
                 if isinstance(exc, NotLeader):
-                    self.on_not_leader()
+                    self.on_not_leader(exc)
                 delay = FOLLOWER_RECHECK_SECONDS
             except LedgerError as exc:
                 count_failure(self.name, exc)
