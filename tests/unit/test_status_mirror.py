@@ -5,17 +5,19 @@ that lag, keeps the dead-letter label in step, posts a task's final Event whatev
 says, shows a refusal once per generation, shows how long its oldest unwritten change has
 waited (growing while every write is refused), and lets go of a mark whose task was purged."""
 
+import logging
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import EventNotPosted, StatusNotWritten
+from retex.kube.calls import EventNotPosted, StatusNotWritten, api_message
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
 from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
+from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
 
@@ -145,6 +147,23 @@ def test_a_task_whose_status_write_keeps_failing_holds_up_no_other_tasks_write(e
     kube.patch_error = None
     m.round()
     assert [uid for uid, _, _ in kube.written][3:] == ["u2"] and pending_seconds() == 0
+
+
+@pytest.mark.parametrize("error, level", [
+    (invalid(("FieldValueTooLong", "Too long: may not be more than 4096 bytes", "status.lastError")), logging.ERROR),
+    (ApiException(status=403, reason="Forbidden"), logging.ERROR),
+    (ApiException(status=500, reason="etcdserver: request timed out"), logging.WARNING),
+], ids=["422-schema", "403", "500"])
+def test_a_failed_status_write_is_logged_with_the_api_servers_words_as_an_error_unless_it_may_clear_by_itself(
+        error, level, caplog):
+    """A refusal that lasts until someone acts (a status the CRD refuses, a RoleBinding removed) is
+    an error; a server error or a dropped connection may clear by itself."""
+    kube = FakeKube(task_object("u", shown_version=6), patch_error=("u", error))
+    with caplog.at_level(logging.INFO, logger="retex.operator.status"):
+        mirror(FakeLedger(rec("u", version=7)), kube).round()
+    [line] = [r for r in caplog.records if r.getMessage() == "status write failed; retrying"]
+    assert line.levelno == level
+    assert line.fields["http_status"] == error.status and line.fields["message"] == api_message(error)
 
 
 def pending_seconds() -> float | None:

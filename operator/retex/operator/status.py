@@ -16,9 +16,19 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from retex.api import REFUSED, ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
-from retex.kube.calls import EventNotPosted, KubeCalls, NotLeading, StatusNotWritten
+from retex.kube.calls import (
+    EventNotPosted,
+    KubeCalls,
+    NotLeading,
+    StatusNotWritten,
+    api_message,
+    refusal,
+    transient,
+)
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
 from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
@@ -268,8 +278,14 @@ class StatusMirror(Loop):
             raise
         except Exception as exc:
             count_failure(self.name, exc)
-            event(log, logging.WARNING, "status write failed; retrying", uid=uid, error=type(exc).__name__,
-                  http_status=getattr(exc, "status", None), retry_seconds=delay)
+            answered = exc if isinstance(exc, ApiException) else None
+            # A refusal (a status the CRD refuses, a 403) lasts until someone acts; a server error or a
+            # dropped connection may clear by itself; anything else is a bug (its traceback logged).
+            lasts = answered is not None and refusal(answered) is not None
+            event(log, logging.WARNING if transient(exc) and not lasts else logging.ERROR,
+                  "status write failed; retrying", exc_info=not transient(exc), uid=uid, error=type(exc).__name__,
+                  http_status=answered.status if answered else None,
+                  message=api_message(answered) if answered else str(exc), retry_seconds=delay)
             with self._lock:
                 self._retry[uid] = (now + delay, min(delay * 2, WRITE_RETRY_MAX_SECONDS))
             self.mark(uid)
