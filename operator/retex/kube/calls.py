@@ -127,7 +127,7 @@ def custom_object(answer: object) -> dict[str, Any]:
 def _newer_status_shown(exc: ApiException) -> bool:
     """A 422 whose every cause is the CRD's ledgerVersion rule. Any other cause (the schema, another
     rule) says the status itself is wrong: that is no reason to let it go, and it lasts until fixed.
-    The cause reads `Invalid value: <rule's message>` (`Invalid value: "object": ...` before 1.32)."""
+    The cause reads `Invalid value: <rule's message>` (older API servers: `Invalid value: "object": ...`)."""
     causes = (_status_of(exc).get("details") or {}).get("causes") or ()
     return exc.status == 422 and bool(causes) and all(
         isinstance(c, dict) and str(c.get("message", "")).endswith(MSG_LEDGER_VERSION_MONOTONIC) for c in causes)
