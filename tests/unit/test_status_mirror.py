@@ -5,17 +5,19 @@ that lag, keeps the dead-letter label in step, posts a task's final Event whatev
 says, shows a refusal once per generation, shows how long its oldest unwritten change has
 waited (growing while every write is refused), and lets go of a mark whose task was purged."""
 
+import logging
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import EventNotPosted, StatusNotWritten
-from retex.ledger import TaskNotFound
+from retex.kube.calls import EventNotPosted, StatusNotWritten, api_message
+from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
 from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
+from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
 
@@ -104,19 +106,64 @@ def test_a_write_refused_as_gone_replaced_or_older_than_shown_is_let_go(code):
     assert kube.events == []
 
 
-def test_a_failed_round_keeps_the_marks_it_did_not_write_and_the_next_round_writes_them():
+def test_a_round_the_ledger_fails_keeps_the_marks_it_did_not_write_and_the_next_round_writes_them():
     ledger = FakeLedger(rec("u1"), rec("u2"), rec("u3"))
-    kube = FakeKube(*(task_object(u, shown_version=7) for u in ("u1", "u2", "u3")),
-                    patch_error=("u2", ApiException(status=500, reason="etcdserver: request timed out")))
+    kube = FakeKube(*(task_object(u, shown_version=7) for u in ("u1", "u2", "u3")))
     m = mirror(ledger, kube)
     for uid in ("u1", "u2", "u3"):  # the ledger moved on: each is now ahead of what is shown
         ledger.records[uid] = replace(ledger.records[uid], version=8)
         m.mark(uid)
-    with pytest.raises(ApiException):
+    get = ledger.get
+    ledger.get = lambda uid: (_ for _ in ()).throw(LedgerUnavailable("postgres down")) if uid == "u2" else get(uid)
+    with pytest.raises(LedgerUnavailable):  # the ledger fails every task alike: the round fails
         m.round()
-    kube.patch_error = None
+    ledger.get = get
     m.round()
     assert sorted(uid for uid, _, _ in kube.written) == ["u1", "u2", "u3"], "each written once, none lost"
+
+
+@pytest.mark.parametrize("error", [ApiException(status=403, reason="Forbidden"),
+                                   ApiException(status=500, reason="etcdserver: request timed out"),
+                                   ApiException(status=400, reason="Bad Request")], ids=["403", "500", "400"])
+def test_a_task_whose_status_write_keeps_failing_holds_up_no_other_tasks_write(error):
+    now = [1000.0]
+    ledger = FakeLedger(rec("u1"), rec("u2"), rec("u3"))
+    kube = FakeKube(*(task_object(u, shown_version=6) for u in ("u1", "u2", "u3")), patch_error=("u2", error))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    errors_before = REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "status-mirror"}) or 0
+    for uid in ("u1", "u2", "u3"):
+        m.mark(uid)
+    m.round()  # does not raise: u2's failure is u2's
+    assert sorted(uid for uid, _, _ in kube.written) == ["u1", "u3"]
+    assert REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "status-mirror"}) == errors_before + 1
+    ledger.records["u1"] = replace(ledger.records["u1"], version=8)
+    m.mark("u1")
+    m.round()  # u2 waits out its backoff: not tried again at once
+    assert [uid for uid, _, _ in kube.written][2:] == ["u1"]
+    assert REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "status-mirror"}) == errors_before + 1
+    assert pending_seconds() == 0, "u2 marked at the same clock reading"
+    now[0] += 30
+    assert pending_seconds() == 30, "the refused task's change shows as pending"
+    kube.patch_error = None
+    m.round()
+    assert [uid for uid, _, _ in kube.written][3:] == ["u2"] and pending_seconds() == 0
+
+
+@pytest.mark.parametrize("error, level", [
+    (invalid(("FieldValueTooLong", "Too long: may not be more than 4096 bytes", "status.lastError")), logging.ERROR),
+    (ApiException(status=403, reason="Forbidden"), logging.ERROR),
+    (ApiException(status=500, reason="etcdserver: request timed out"), logging.WARNING),
+], ids=["422-schema", "403", "500"])
+def test_a_failed_status_write_is_logged_with_the_api_servers_words_as_an_error_unless_it_may_clear_by_itself(
+        error, level, caplog):
+    """A refusal that lasts until someone acts (a status the CRD refuses, a RoleBinding removed) is
+    an error; a server error or a dropped connection may clear by itself."""
+    kube = FakeKube(task_object("u", shown_version=6), patch_error=("u", error))
+    with caplog.at_level(logging.INFO, logger="retex.operator.status"):
+        mirror(FakeLedger(rec("u", version=7)), kube).round()
+    [line] = [r for r in caplog.records if r.getMessage() == "status write failed; retrying"]
+    assert line.levelno == level
+    assert line.fields["http_status"] == error.status and line.fields["message"] == api_message(error)
 
 
 def pending_seconds() -> float | None:
@@ -132,14 +179,14 @@ def test_a_mirror_whose_patches_the_api_server_refuses_shows_its_oldest_pending_
     m.mark("u")
     for waited in (30.0, 60.0, 90.0):
         now[0] += 30
-        with pytest.raises(ApiException):  # the fault fired: every round's patch is refused
-            m.round()
+        m.round()  # every round's patch is refused
         assert pending_seconds() == waited  # a stalled mirror writes nothing, yet shows it waits
     assert kube.written == []
     m.may_write = lambda: False
     assert pending_seconds() == 0, "a standby writes nothing by design: nothing waits on it"
     m.may_write = lambda: True
     kube.patch_error = None
+    now[0] += 60  # past its backoff
     m.round()
     assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
 
@@ -168,8 +215,7 @@ def test_marks_a_leader_kept_when_it_stopped_leading_wait_from_its_next_takeover
                     patch_error=("u", ApiException(status=500, reason="etcdserver: request timed out")))
     m = StatusMirror(FakeLedger(rec("u", version=7)), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
     m.mark("u")
-    with pytest.raises(ApiException):
-        m.round()
+    m.round()  # refused: "u" stays marked
     m.may_write = lambda: False  # lost the election with "u" unwritten
     now[0] += 3600
     m.may_write = lambda: True
@@ -226,13 +272,14 @@ def test_a_dead_letter_label_patch_that_failed_is_patched_at_the_next_round_thou
     dead = rec("u", phase=TaskPhase.FAILED, dead_lettered=True, reason="RetriesExhausted", last_error="exit 1")
     kube = FakeKube(task_object("u", shown_version=6),
                     label_error=ApiException(status=500, reason="etcdserver: request timed out"))
-    m = mirror(FakeLedger(dead), kube)
+    now = [1000.0]
+    m = StatusMirror(FakeLedger(dead), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
     m.mark("u")
-    with pytest.raises(ApiException):  # the fault fired: the status landed, the label did not
-        m.round()
-    assert kube.written == [("u", 7, "Failed")] and kube.labels == []
+    m.round()
+    assert kube.written == [("u", 7, "Failed")] and kube.labels == [], "the fault fired: the status landed, the label did not"
     events_before_the_label = list(kube.events)
     kube.label_error = None
+    now[0] += 60  # past its backoff
     m.round()  # the round's kept mark: the status is current now, the label still wrong
     assert kube.labels == [("u", {DEAD_LETTER_LABEL: "true"})]
     assert kube.written == [("u", 7, "Failed")] and kube.events.count("Failed") == 1

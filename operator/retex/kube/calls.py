@@ -21,6 +21,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from retex.api import GROUP, PLURAL, VERSION
+from retex.api.models import MSG_LEDGER_VERSION_MONOTONIC
 
 MERGE_PATCH = "application/merge-patch+json"
 # Statuses of a create that repeating cannot fix: bad request, forbidden (admission policy, a
@@ -64,8 +65,8 @@ class NotLeading(Exception):
 
 class StatusNotWritten(Exception):
     """A status patch not to retry: the Task is gone (404), another Task now has its name (409: the
-    uid precondition), or it already shows a newer status (422: the CRD's rule that ledgerVersion
-    never goes backwards)."""
+    uid precondition), or it already shows a newer status (422 of the CRD's rule that ledgerVersion
+    never goes backwards, and of no other: `_newer_status_shown`)."""
 
     def __init__(self, http_status: int):
         super().__init__(f"status not written (HTTP {http_status})")
@@ -121,6 +122,15 @@ def custom_object(answer: object) -> dict[str, Any]:
     if not isinstance(answer, dict):
         raise TypeError(f"the API server answered {type(answer).__name__}, not a JSON object")
     return answer
+
+
+def _newer_status_shown(exc: ApiException) -> bool:
+    """A 422 whose every cause is the CRD's ledgerVersion rule. Any other cause (the schema, another
+    rule) says the status itself is wrong: that is no reason to let it go, and it lasts until fixed.
+    The cause reads `Invalid value: <rule's message>` (older API servers: `Invalid value: "object": ...`)."""
+    causes = (_status_of(exc).get("details") or {}).get("causes") or ()
+    return exc.status == 422 and bool(causes) and all(
+        isinstance(c, dict) and str(c.get("message", "")).endswith(MSG_LEDGER_VERSION_MONOTONIC) for c in causes)
 
 
 def _status_of(exc: ApiException) -> dict[str, Any]:
@@ -247,7 +257,7 @@ class KubeCalls:
                 GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH,
                 _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status in (404, 409, 422):
+            if exc.status in (404, 409) or _newer_status_shown(exc):
                 raise StatusNotWritten(exc.status) from exc
             raise
 

@@ -16,12 +16,22 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from retex.api import REFUSED, ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
-from retex.kube.calls import EventNotPosted, KubeCalls, StatusNotWritten
+from retex.kube.calls import (
+    EventNotPosted,
+    KubeCalls,
+    NotLeading,
+    StatusNotWritten,
+    api_message,
+    refusal,
+    transient,
+)
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
-from retex.ledger import Ledger, TaskNotFound, TaskRecord
+from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import event
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
@@ -34,6 +44,10 @@ DEAD_LETTER_LABEL = "retex.dev/dead-letter"
 # The NOTIFY listener, after a failure, listens again after this, doubling up to the max.
 LISTEN_RETRY_FIRST_SECONDS = 0.5
 LISTEN_RETRY_MAX_SECONDS = 30.0
+# A task whose status write failed (not as stale: a 403, a 422 of another rule, a 500) is tried
+# again after this, doubling up to the max; the other tasks' writes do not wait for it.
+WRITE_RETRY_FIRST_SECONDS = 1.0
+WRITE_RETRY_MAX_SECONDS = 60.0
 
 # (phase) -> (Event reason, warning?) posted when a task enters the phase.
 _PHASE_EVENTS = {
@@ -173,6 +187,7 @@ class StatusMirror(Loop):
         self._next_resync = 0.0
         self._dirty: set[str] = set()
         self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
+        self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay) after a failed write
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
         MIRROR_PENDING.set_function(self.oldest_pending_seconds)
@@ -187,6 +202,7 @@ class StatusMirror(Loop):
     def _settled(self, uid: str) -> float | None:
         """The mark of `uid` needs no more writing: when it was made."""
         with self._lock:
+            self._retry.pop(uid, None)
             return self._marked_at.pop(uid, None)
 
     def mark(self, uid: str) -> None:
@@ -238,12 +254,41 @@ class StatusMirror(Loop):
             pending, self._dirty = list(self._dirty), set()
         try:
             while pending:
-                self.mirror(pending[0])
+                self._mirror_on_its_own(pending[0])
                 pending.pop(0)
         finally:
             for uid in pending:  # a failed round loses no mark: the next one retries them
                 self.mark(uid)
         return self.COALESCE_SECONDS
+
+    def _mirror_on_its_own(self, uid: str) -> None:
+        """Mirror one task, settled or kept on its own, as the relay settles each record: a write
+        that keeps failing for this task (a 403 in a namespace whose RoleBinding was removed, a 422
+        of another rule) is retried with backoff and holds up no other task. What fails for every
+        task (the ledger, the leadership) fails the round."""
+        now = self._clock()
+        with self._lock:
+            not_before, delay = self._retry.get(uid, (now, WRITE_RETRY_FIRST_SECONDS))
+        if now < not_before:
+            self.mark(uid)  # waits out its backoff; its first mark's time stays (the pending gauge)
+            return
+        try:
+            self.mirror(uid)
+        except (NotLeading, LedgerError):  # NotLeader is a LedgerError
+            raise
+        except Exception as exc:
+            count_failure(self.name, exc)
+            answered = exc if isinstance(exc, ApiException) else None
+            # A refusal (a status the CRD refuses, a 403) lasts until someone acts; a server error or a
+            # dropped connection may clear by itself; anything else is a bug (its traceback logged).
+            lasts = answered is not None and refusal(answered) is not None
+            event(log, logging.WARNING if transient(exc) and not lasts else logging.ERROR,
+                  "status write failed; retrying", exc_info=not transient(exc), uid=uid, error=type(exc).__name__,
+                  http_status=answered.status if answered else None,
+                  message=api_message(answered) if answered else str(exc), retry_seconds=delay)
+            with self._lock:
+                self._retry[uid] = (now + delay, min(delay * 2, WRITE_RETRY_MAX_SECONDS))
+            self.mark(uid)
 
     def refuse(self, task: dict[str, Any], reason: str, message: str) -> None:
         """A Task the operator does not admit (an invalid spec, a Job the API server would refuse,
