@@ -22,6 +22,8 @@ lint: $(STAMP)
 	@$(VENV)/bin/lint-imports --no-cache
 	@echo "==> ruff (pyflakes, pycodestyle, bugbear, import order; pyproject.toml [tool.ruff])"
 	@$(VENV)/bin/ruff check --no-cache operator e2e tests examples
+	@echo "==> mypy --strict on the retex package (pyproject.toml [tool.mypy])"
+	@$(VENV)/bin/mypy -p retex
 
 # The Task CRD is generated from the pydantic models; a unit test fails when the committed file is stale.
 # The Helm chart ships a copy in its crds/ (tests/unit/test_chart.py compares them).

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import kopf
 import pydantic
@@ -55,7 +55,7 @@ from retex.operator.admission import (
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness, term_overdue
 from retex.operator.leadership import Leadership
-from retex.operator.loop import STOPPED_LEADING
+from retex.operator.loop import STOPPED_LEADING, Loop
 from retex.operator.metrics import metrics_ledger
 from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
@@ -117,7 +117,7 @@ class Runtime:
         for loop in self._writers:
             loop.may_write = self.may_write
             loop.on_not_leader = self._term_lost
-        self._loops = [self.leases, *self._writers]
+        self._loops: list[LeaseObserver | Loop] = [self.leases, *self._writers]
         self._threads = [
             threading.Thread(target=fn, name=name, daemon=True)
             for name, fn in [("lease-watch", self.leases.run), ("relay", self.relay.run),
@@ -285,7 +285,7 @@ class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         kept = {key: annotations[key] for key in (REQUEUE_ANNOTATION, RESOLVE_ANNOTATION) if key in annotations}
         if kept:
             reduced["metadata"] = {"annotations": kept}
-        return reduced
+        return cast(kopf.BodyEssence, reduced)
 
 
 def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
@@ -388,7 +388,7 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
             raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
         verdict = runtime.ledger.admit(admission)
         failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
-    who = {"uid": uid, "namespace": namespace, "name": name}
+    who: dict[str, Any] = {"uid": uid, "namespace": namespace, "name": name}
     if verdict.refusal is not None:
         runtime.mirror.refuse(body, verdict.refusal.reason, verdict.refusal.message)
         return False

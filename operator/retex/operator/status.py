@@ -18,7 +18,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from retex.api import REFUSED, ConditionType, LeaseStatus, StepStatus, TaskStatus, find_condition, set_condition
+from retex.api import REFUSED, ConditionType, LeaseStatus, ShownPhase, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
 from retex.kube.calls import (
     EventNotPosted,
@@ -51,19 +51,19 @@ WRITE_RETRY_MAX_SECONDS = 60.0
 
 # (phase) -> (Event reason, warning?) posted when a task enters the phase.
 _PHASE_EVENTS = {
-    TaskPhase.SCHEDULED: ("Scheduled", False),
-    TaskPhase.QUEUED: ("Queued", False),
-    TaskPhase.RETRYING: ("Retrying", True),
-    TaskPhase.SUCCEEDED: ("Succeeded", False),
-    TaskPhase.FAILED: ("Failed", True),
-    TaskPhase.CANCELLED: ("Cancelled", False),
-    TaskPhase.NEEDS_ATTENTION: ("NeedsAttention", True),
+    ShownPhase.SCHEDULED: ("Scheduled", False),
+    ShownPhase.QUEUED: ("Queued", False),
+    ShownPhase.RETRYING: ("Retrying", True),
+    ShownPhase.SUCCEEDED: ("Succeeded", False),
+    ShownPhase.FAILED: ("Failed", True),
+    ShownPhase.CANCELLED: ("Cancelled", False),
+    ShownPhase.NEEDS_ATTENTION: ("NeedsAttention", True),
 }
 # Posted whatever the Event limiter says: the Event of a task's end, or of its wait for a human,
 # must not be crowded out by the AttemptStarted catch-up before it. A task enters these phases a
 # bounded number of times (once more only after a human action), so they cannot flood anything.
 _FINAL_EVENTS = frozenset(_PHASE_EVENTS[phase][0] for phase in (
-    TaskPhase.SUCCEEDED, TaskPhase.FAILED, TaskPhase.CANCELLED, TaskPhase.NEEDS_ATTENTION))
+    ShownPhase.SUCCEEDED, ShownPhase.FAILED, ShownPhase.CANCELLED, ShownPhase.NEEDS_ATTENTION))
 
 
 def _summary(value: Any) -> str | None:
@@ -108,7 +108,7 @@ def compute_status(record: TaskRecord, *, lease: LeaseObservation | None, genera
                                    renewed_at=datetime.fromtimestamp(lease.changed_wall, UTC),
                                    duration_seconds=lease.duration_seconds)
     return TaskStatus(
-        phase=phase,
+        phase=ShownPhase.of(phase),
         attempt=record.epoch,
         completed_steps=record.completed_steps,
         total_steps=len(record.steps),
@@ -299,18 +299,19 @@ class StatusMirror(Loop):
         generation = meta.get("generation")
         shown = TaskStatus.model_validate(task["status"]) if task.get("status") else None
         accepted = find_condition(shown.conditions if shown else None, ConditionType.ACCEPTED)
-        announced = (accepted is not None and accepted.status == "False" and accepted.reason == reason
-                     and accepted.observed_generation == generation and shown.phase == REFUSED)
+        announced = (shown is not None and accepted is not None and accepted.status == "False"
+                     and accepted.reason == reason and accepted.observed_generation == generation
+                     and shown.phase == ShownPhase.REFUSED)
         # A refused task never runs: it has ended, and `kubectl wait --for=condition=Completed`
         # must return for it. One refused by an operator that did not write Completed gets it now.
-        if announced and find_condition(shown.conditions, ConditionType.COMPLETED) is not None:
+        if announced and shown is not None and find_condition(shown.conditions, ConditionType.COMPLETED) is not None:
             return
         now = datetime.now(UTC)
         conditions = set_condition(None, ConditionType.ACCEPTED, "False", reason, message,
                                    observed_generation=generation, now=now)
         conditions = set_condition(conditions, ConditionType.COMPLETED, "True", REFUSED, f"{reason}: {message}",
                                    observed_generation=generation, now=now)
-        status = TaskStatus(phase=REFUSED, conditions=conditions, observed_generation=generation)
+        status = TaskStatus(phase=ShownPhase.REFUSED, conditions=conditions, observed_generation=generation)
         self._kube.patch_task_status(meta["namespace"], meta["name"], meta["uid"], as_merge_patch(status))
         if not announced:
             self.warn(task, reason, message)
