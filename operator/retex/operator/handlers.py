@@ -295,11 +295,17 @@ def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
 
     async def when_leading(**kwargs: Any) -> Any:
         runtime = kwargs["memo"].runtime
-        await runtime.until_writing()
-        try:
-            return await asyncio.to_thread(functools.partial(handler, **kwargs))
-        except STOPPED_LEADING as exc:  # it stopped leading meanwhile: the next leader's kopf resumes the Task
-            raise kopf.TemporaryError(str(exc), delay=runtime.leadership.timing.retry_period) from exc
+        while True:
+            await runtime.until_writing()
+            try:
+                return await asyncio.to_thread(functools.partial(handler, **kwargs))
+            except STOPPED_LEADING as exc:
+                # It stopped leading meanwhile. Raising (even kopf.TemporaryError) would have kopf
+                # patch its progress onto the Task as a deposed leader: wait instead. kopf, stopped
+                # meanwhile, cancels this (nothing written); the next leader's kopf resumes the Task.
+                event(log, logging.INFO, "handler waits: this replica stopped leading", handler=handler.__name__,
+                      error=str(exc))
+                await asyncio.sleep(runtime.leadership.timing.retry_period)
 
     when_leading.__name__, when_leading.__qualname__ = handler.__name__, handler.__qualname__
     when_leading.__module__, when_leading.__doc__ = handler.__module__, handler.__doc__
