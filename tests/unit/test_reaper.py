@@ -251,3 +251,28 @@ def test_a_lease_renewed_on_time_costs_no_pod_list():
     ledger = FakeLedger([attempt("u1")])
     reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock).round()
     assert (listed, ledger.calls) == ([], [])
+
+
+def test_a_terminated_pod_that_is_not_the_holder_is_no_verdict():
+    """Two pods for one attempt (crash-matrix R10): the duplicate exited, the holder runs on."""
+    duplicate = {**KILLED, "metadata": {"name": "pod-b"}}
+    clock, kube = late_renewal("u1", [duplicate, RUNNING])
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    r.round()
+    assert (ledger.calls, kube.deleted) == ([], [])
+
+
+@pytest.mark.parametrize("now_shown", ["renewed since", "another pod of the attempt holds it"])
+def test_a_dead_holder_is_no_verdict_when_the_lease_get_shows_a_change_since(now_shown):
+    """The pod found terminated was the holder the watch showed; the GET shows a renewal the watch
+    missed, or the attempt's other pod holding the lease now: that one may be inside a step."""
+    clock, kube = late_renewal("u1", [KILLED])
+    kube.leases[name_of("u1")] = lease("u1", R2, "pod-a:1") if now_shown == "renewed since" else \
+        lease("u1", R1, "pod-b:1")
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    r.round()
+    assert (ledger.calls, kube.deleted) == ([], [])

@@ -124,7 +124,8 @@ class Reaper(Loop):
     def _judge_current(self, attempt: WatchedAttempt) -> None:
         hold = self._observed(attempt)
         if hold is Hold.HELD:
-            if self._holder_died(attempt) and self._confirmed(attempt, hold):
+            dead = self._dead_holder(attempt)
+            if dead is not None and self._confirmed(attempt, hold) and self._seen(attempt) == dead:
                 event(log, logging.INFO, "lease holder's pod terminated: not waiting for the lease to expire",
                       uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
                 self._replace(attempt, "disruption")
@@ -168,22 +169,28 @@ class Reaper(Loop):
         self._on_replaced()
 
     def _observed(self, attempt: WatchedAttempt) -> Hold:
-        return hold_of(self._leases.get(attempt.namespace, _lease(attempt), attempt.uid), attempt.epoch, time.monotonic())
+        return hold_of(self._seen(attempt), attempt.epoch, time.monotonic())
 
-    def _holder_died(self, attempt: WatchedAttempt) -> bool:
-        """The holder's renewals are late and its pod's containers terminated: no process of it
-        is left to run a step, so the next attempt need not wait for the lease to expire."""
-        seen = self._leases.get(attempt.namespace, _lease(attempt), attempt.uid)
+    def _dead_holder(self, attempt: WatchedAttempt) -> LeaseObservation | None:
+        """The observation of a holder whose renewals are late and whose pod's containers have
+        terminated: no process of it is left to run a step, so the next attempt need not wait for
+        the lease to expire. The caller's GET must then show that same observation: a renewal the
+        watch missed, or the attempt's other pod holding the lease now (R10), is a live holder."""
+        seen = self._seen(attempt)
         now = time.monotonic()
         if seen is None or seen.holder_pod is None or \
                 now - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
-            return False
+            return None
         key = (attempt.uid, attempt.epoch)
         if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
-            return False
+            return None
         self._job_checked[key] = now
         pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
-        return any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
+        died = any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
+        return seen if died else None
+
+    def _seen(self, attempt: WatchedAttempt) -> LeaseObservation | None:
+        return self._leases.get(attempt.namespace, _lease(attempt), attempt.uid)
 
     def _confirmed(self, attempt: WatchedAttempt, hold: Hold) -> bool:
         """Before acting on what the watch showed, read the Lease itself: True if it still says
