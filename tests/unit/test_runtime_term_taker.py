@@ -21,8 +21,8 @@ class TermLedger:
 def test_a_new_leadership_begun_as_an_earlier_taker_marks_its_term_is_not_marked_as_holding_it(monkeypatch):
     rt: Any = object.__new__(Runtime)
     rt.ledger = TermLedger()
-    rt.leadership = types.SimpleNamespace(timing=types.SimpleNamespace(retry_period=0.1), identity="x",
-                                          leading=lambda: True)
+    rt.leadership = types.SimpleNamespace(timing=types.SimpleNamespace(retry_period=0.1, lease_duration=15),
+                                          identity="x", leading=lambda: True)
     rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
     rt._leaderships_lock = threading.Lock()
 
@@ -45,3 +45,39 @@ def test_a_new_leadership_begun_as_an_earlier_taker_marks_its_term_is_not_marked
     while rt._leaderships != 2:  # the new leadership waited for taker 1 to finish marking
         threading.Event().wait(0.01)
     assert not rt._term_taken.is_set(), "taker 1 marked leadership 2 as holding the term"
+
+
+def test_a_taker_whose_leadership_lapses_for_a_moment_still_takes_the_term_when_it_goes_on():
+    """A renewal sent before the renew deadline and answered after it continues the leadership
+    (the election judges a RENEW by when it began), though `leading()` said no meanwhile: the
+    taker must not have quit, or this leadership would go on without a term."""
+    answers = iter([False, False])  # leading(): no for a moment, then yes for good
+
+    class CountingLedger(TermLedger):
+        taken = 0
+
+        def take_term(self, **kwargs: Any) -> int:
+            assert kwargs["still_leading"](), "asked to take the term while not leading"
+            self.taken += 1
+            return self.term
+
+    rt: Any = object.__new__(Runtime)
+    rt.ledger = CountingLedger()
+    rt.leadership = types.SimpleNamespace(timing=types.SimpleNamespace(retry_period=0.01, lease_duration=15),
+                                          identity="x", leading=lambda: next(answers, True))
+    rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
+    rt._leaderships_lock = threading.Lock()
+    rt._term_wanted_since = 0.0
+    rt._take_term(1)
+    assert rt._term_taken.is_set() and rt.ledger.taken == 1
+
+
+def test_a_taker_whose_leadership_does_not_lead_for_a_lease_duration_quits_without_a_term():
+    rt: Any = object.__new__(Runtime)
+    rt.ledger = TermLedger()
+    rt.leadership = types.SimpleNamespace(timing=types.SimpleNamespace(retry_period=0.01, lease_duration=0.05),
+                                          identity="x", leading=lambda: False)
+    rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
+    rt._leaderships_lock = threading.Lock()
+    rt._take_term(1)  # returns: a deposed replica's taker does not wait for ever
+    assert not rt._term_taken.is_set()

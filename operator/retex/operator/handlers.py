@@ -171,18 +171,31 @@ class Runtime:
         """Take the ledger's term for this replica's `leadership`-th leadership. Whether it still
         leads is asked again under the term's row lock (Ledger.take_term), so a replica deposed
         meanwhile takes none after its successor's; a taker left over from an earlier leadership
-        of this replica's stops, and never marks the term taken for a later one."""
+        of this replica's stops, and never marks the term taken for a later one. While this
+        leadership does not lead the taker waits, up to a lease duration, rather than quit: a
+        renewal sent before the renew deadline and answered after it continues the leadership
+        (the election judges a RENEW by when it began), and that leadership must not go on
+        without a term."""
 
         def current() -> bool:
             return leadership == self._leaderships and self.leadership.leading()
 
-        while current():
+        lapsed_since: float | None = None
+        while leadership == self._leaderships:
+            if not self.leadership.leading():
+                lapsed_since = time.monotonic() if lapsed_since is None else lapsed_since
+                if time.monotonic() - lapsed_since > self.leadership.timing.lease_duration:
+                    event(log, logging.WARNING, "ledger term not taken: this leadership ended")
+                    return
+                time.sleep(self.leadership.timing.retry_period)
+                continue
+            lapsed_since = None
             try:
                 term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period,
                                              still_leading=current)
             except NotLeader as exc:
-                event(log, logging.WARNING, "ledger term not taken: this leadership ended", error=str(exc))
-                return
+                event(log, logging.WARNING, "ledger term not taken: not leading at the moment", error=str(exc))
+                continue
             except Exception as exc:  # the predecessor's transaction still holds the term, or Postgres is away
                 event(log, logging.WARNING, "ledger term not taken yet: trying again",
                       error=f"{type(exc).__name__}: {exc}")
