@@ -27,6 +27,10 @@ class Runtime:
     def __init__(self, writing):
         self.writing = writing  # the answers of may_write(), in turn
         self.leadership = type("L", (), {"timing": type("T", (), {"retry_period": 0.01})()})()
+        self.terms_lost = []
+
+    def _term_lost(self, refused):
+        self.terms_lost.append(refused.term)
 
     async def until_writing(self):
         while not (self.writing.pop(0) if self.writing else False):  # then not leading for good
@@ -64,3 +68,19 @@ def test_a_handler_waiting_for_leadership_is_cancelled_when_kopf_stops_and_raise
             await waiting
 
     asyncio.run(run())
+
+
+def test_a_handler_refused_by_the_ledgers_term_reports_the_lost_term_as_a_writer_loop_does():
+    """May_write() may still say yes (a host suspend, two installs on one database): the refusal
+    must restart the leadership, or the handler would run again and again against a lost term."""
+    calls = []
+
+    def handler(**_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise NotLeader("the term is 3", term=2)
+        return "done"
+
+    runtime = Runtime([True, True])
+    assert asyncio.run(handlers.leader_only(handler)(memo=SimpleNamespace(runtime=runtime))) == "done"
+    assert runtime.terms_lost == [2]

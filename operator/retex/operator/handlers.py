@@ -318,6 +318,8 @@ def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
                 # meanwhile, cancels this (nothing written); the next leader's kopf resumes the Task.
                 event(log, logging.INFO, "handler waits: this replica stopped leading", handler=handler.__name__,
                       error=str(exc))
+                if isinstance(exc, NotLeader):  # as a writer loop's refusal does (Loop.on_not_leader)
+                    await asyncio.to_thread(runtime._term_lost, exc)
                 await asyncio.sleep(runtime.leadership.timing.retry_period)
 
     when_leading.__name__, when_leading.__qualname__ = handler.__name__, handler.__qualname__
