@@ -158,6 +158,7 @@ def test_dead_letters_reader_of_the_ledger(ledger):
     assert [t.uid for t in ledger.dead_letters("shop")] == [dead]
     assert [t.uid for t in ledger.dead_letters()] == [dead]
     assert ledger.dead_letters("other") == []
+    assert ledger.dead_lettered_uids() == {dead}  # what the status mirror's resync checks labels against
 
 
 def test_errors_are_one_clear_line_with_their_exit_code(ledger, dsn):

@@ -45,6 +45,9 @@ class FakeLedger:
     def versions(self):
         return {uid: r.version for uid, r in self.records.items()}
 
+    def dead_lettered_uids(self):
+        return {uid for uid, r in self.records.items() if r.dead_lettered}
+
 
 class FakeKube:
     def __init__(self, *tasks, patch_error=None, event_error=None, label_error=None):
@@ -252,6 +255,18 @@ def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():
     mirror(ledger, kube).round()
     assert ledger.read == ["behind"], "only the lagging Task is marked"
     assert [uid for uid, _, _ in kube.written] == ["behind"]
+
+
+def test_the_resync_marks_a_task_whose_dead_letter_label_disagrees_though_its_status_is_current():
+    """A label patch lost as the leader stopped leading (its mark dropped): the next leader's
+    resync must find it, or `kubectl get tasks -l retex.dev/dead-letter=true` misses it for good."""
+    dead = rec("dead", phase=TaskPhase.FAILED, dead_lettered=True, version=7)
+    requeued = rec("requeued", phase=TaskPhase.RUNNING, dead_lettered=False, version=7)
+    kube = FakeKube(task_object("dead", shown_version=7),
+                    task_object("requeued", shown_version=7, labels={DEAD_LETTER_LABEL: "true"}))
+    mirror(FakeLedger(dead, requeued), kube).round()
+    assert sorted(kube.labels) == [("dead", {DEAD_LETTER_LABEL: "true"}), ("requeued", {DEAD_LETTER_LABEL: None})]
+    assert kube.written == [], "the statuses were current"
 
 
 @pytest.mark.parametrize("dead_lettered, label, patched", [

@@ -60,6 +60,11 @@ def versions(cur: Cursor) -> dict[str, int]:
     return {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")}
 
 
+def dead_lettered_uids(cur: Cursor) -> set[str]:
+    """uids of the dead-lettered tasks: what a status resync checks the dead-letter label against."""
+    return {r["uid"] for r in cur.execute("SELECT uid FROM retex.tasks WHERE dead_lettered")}
+
+
 def attempts(cur: Cursor, uid: str) -> list[AttemptRecord]:
     rows = cur.execute("SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)).fetchall()
     return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]

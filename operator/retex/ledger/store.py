@@ -303,6 +303,9 @@ class Ledger:
     def versions(self) -> dict[str, int]:
         return self._run(readers.versions)
 
+    def dead_lettered_uids(self) -> set[str]:
+        return self._run(readers.dead_lettered_uids)
+
     def attempts(self, uid: str) -> list[AttemptRecord]:
         return self._run(readers.attempts, uid)
 

@@ -327,11 +327,16 @@ class StatusMirror(Loop):
                       http_status=exc.http_status)
 
     def _mark_behind(self) -> None:
-        """One LIST: every Task whose shown ledgerVersion lags the ledger is marked for a write."""
-        ledger_versions = self._ledger.versions()
+        """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
+        label disagrees with it (a label patch lost with a leadership), is marked for a write."""
+        ledger_versions, dead = self._ledger.versions(), self._ledger.dead_lettered_uids()
         for task in self._kube.list_tasks():
             uid = task["metadata"]["uid"]
-            if uid in ledger_versions and (task.get("status") or {}).get("ledgerVersion", -1) < ledger_versions[uid]:
+            if uid not in ledger_versions:
+                continue
+            behind = (task.get("status") or {}).get("ledgerVersion", -1) < ledger_versions[uid]
+            labelled = ((task["metadata"].get("labels") or {}).get(DEAD_LETTER_LABEL) == "true")
+            if behind or labelled != (uid in dead):
                 self.mark(uid)
 
     def mirror(self, uid: str) -> None:
