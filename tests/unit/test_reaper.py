@@ -14,6 +14,7 @@ from retex.kube.calls import NotLeading
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import lease_name
 from retex.ledger import NotLeader, WatchedAttempt
+from retex.operator.reaper import POD_LOOKS_PER_ROUND as REAPER_POD_LOOKS
 from retex.operator.reaper import Reaper
 
 DURATION = 15
@@ -276,3 +277,20 @@ def test_a_dead_holder_is_no_verdict_when_the_lease_get_shows_a_change_since(now
     clock.ago = 0.0
     r.round()
     assert (ledger.calls, kube.deleted) == ([], [])
+
+
+def test_a_round_looks_at_no_more_than_a_bounded_number_of_late_holders_pods():
+    """An API brownout makes every renewal late: one pod LIST per running attempt in one round
+    would stretch the round past the liveness probe's wedge floor. The rest wait for later rounds."""
+    uids = [f"u{i}" for i in range(REAPER_POD_LOOKS + 5)]
+    clock, kube = late_renewal(uids[0], [RUNNING])
+    kube.leases = {name_of(u): lease(u, R1, "pod-a:1") for u in uids}
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or [RUNNING]
+    ledger = FakeLedger([attempt(u, job=f"job-{u}") for u in uids])
+    r = reaper(ledger, kube, [lease(u, R1, "pod-a:1") for u in uids], clock)
+    clock.ago = 0.0
+    r.round()
+    assert len(listed) == REAPER_POD_LOOKS
+    r.round()  # within JOB_CHECK_SECONDS: those looked at wait their turn
+    assert sorted(listed) == sorted(f"job-{u}" for u in uids), "the next round looks at the ones left"

@@ -49,6 +49,9 @@ JOB_CHECK_SECONDS = 3.0
 # A worker renews every fifth of its renew deadline or sooner: a lease unrenewed for a quarter of
 # its duration has missed a renewal, and its holder's pod is worth a look.
 LATE_RENEWAL_FRACTION = 0.25
+# Pod LISTs for late holders in one round, at most: in an API brownout every renewal is late, and a
+# LIST per running attempt would stretch the round past the liveness probe's wedge floor.
+POD_LOOKS_PER_ROUND = 10
 
 
 class Hold(enum.Enum):
@@ -96,11 +99,13 @@ class Reaper(Loop):
         self._start_deadline = start_deadline_seconds
         self._job_checked: dict[tuple[str, int], float] = {}
         self._slow: set[tuple[str, int]] = set()  # past the start deadline, only slow: logged once
+        self._pod_looks_left = POD_LOOKS_PER_ROUND
 
     def round(self) -> float:
         if not self._leases.synced.is_set():
             return self._interval  # blind while the watch is down: judging now would condemn live workers
         watched = self._ledger.watched()
+        self._pod_looks_left = POD_LOOKS_PER_ROUND
         keys = {(a.uid, a.epoch) for a in watched}
         self._job_checked = {k: v for k, v in self._job_checked.items() if k in keys}
         self._slow &= keys
@@ -182,9 +187,10 @@ class Reaper(Loop):
                 now - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
             return None
         key = (attempt.uid, attempt.epoch)
-        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
+        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS or self._pod_looks_left <= 0:
             return None
         self._job_checked[key] = now
+        self._pod_looks_left -= 1
         pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
         died = any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
         return seen if died else None
