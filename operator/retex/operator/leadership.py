@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from retex.kube.election import Decision, Election, ElectionTiming, LeaderLease
+from retex.kube.election import Decision, Election, ElectionTiming, LeaderLease, LeaderRecord
 from retex.kube.leases import LeaseConflict
 from retex.logs import event
 from retex.operator.metrics import LEADER
@@ -125,12 +125,19 @@ class Leadership:
             self._election.stop_leading()
             released = self._election.released_record(datetime.now(UTC))
         self._resting_until = now + self.timing.lease_duration
+        self._release(released)
+
+    def _release(self, released: LeaderRecord) -> bool:
+        """Write the released record so a standby takes over at its next retry: False if the
+        write failed (the Lease then expires after its duration instead)."""
         try:
             self._lease.write(released)
-            with self._lock:
-                self._election.released(released, self._clock())
-        except Exception as exc:  # it expires after its duration instead
+        except Exception as exc:
             event(log, logging.WARNING, "leader election: releasing the lease failed", error=f"{type(exc).__name__}: {exc}")
+            return False
+        with self._lock:
+            self._election.released(released, self._clock())
+        return True
 
     def _start(self, started: float) -> str | None:
         """`on_started`, for the Lease write that began at `started`: None if it returned in time
@@ -164,11 +171,6 @@ class Leadership:
             if not self._election.leading(self._clock()):
                 return
             released = self._election.released_record(datetime.now(UTC))
-        try:
-            self._lease.write(released)
-            with self._lock:
-                self._election.released(released, self._clock())
+        if self._release(released):
             LEADER.set(0)
             event(log, logging.INFO, "leader election: released the lease", identity=self._election.identity)
-        except Exception as exc:  # it expires after its duration instead
-            event(log, logging.WARNING, "leader election: releasing the lease failed", error=str(exc))
