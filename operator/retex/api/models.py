@@ -681,10 +681,6 @@ class ShownPhase(enum.StrEnum):
     NEEDS_ATTENTION = TaskPhase.NEEDS_ATTENTION.value
     REFUSED = REFUSED
 
-    @classmethod
-    def of(cls, phase: TaskPhase) -> ShownPhase:
-        return cls(phase.value)
-
 
 class StatusModel(ApiModel):
     # Status is written by the operator; a reader of an older version must not choke on new fields.

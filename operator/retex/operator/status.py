@@ -108,7 +108,7 @@ def compute_status(record: TaskRecord, *, lease: LeaseObservation | None, genera
                                    renewed_at=datetime.fromtimestamp(lease.changed_wall, UTC),
                                    duration_seconds=lease.duration_seconds)
     return TaskStatus(
-        phase=ShownPhase.of(phase),
+        phase=ShownPhase(phase),
         attempt=record.epoch,
         completed_steps=record.completed_steps,
         total_steps=len(record.steps),
@@ -170,6 +170,10 @@ def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tu
             reason, warning = _PHASE_EVENTS[current.phase]
             events.append((reason, current.last_error or f"task {current.phase}", warning))
     return events
+
+
+def _labelled_dead(task: dict[str, Any]) -> bool:
+    return (task["metadata"].get("labels") or {}).get(DEAD_LETTER_LABEL) == "true"
 
 
 class StatusMirror(Loop):
@@ -298,13 +302,14 @@ class StatusMirror(Loop):
         meta = task["metadata"]
         generation = meta.get("generation")
         shown = TaskStatus.model_validate(task["status"]) if task.get("status") else None
-        accepted = find_condition(shown.conditions if shown else None, ConditionType.ACCEPTED)
+        shown_conditions = shown.conditions if shown else None
+        accepted = find_condition(shown_conditions, ConditionType.ACCEPTED)
         announced = (shown is not None and accepted is not None and accepted.status == "False"
                      and accepted.reason == reason and accepted.observed_generation == generation
                      and shown.phase == ShownPhase.REFUSED)
         # A refused task never runs: it has ended, and `kubectl wait --for=condition=Completed`
         # must return for it. One refused by an operator that did not write Completed gets it now.
-        if announced and shown is not None and find_condition(shown.conditions, ConditionType.COMPLETED) is not None:
+        if announced and find_condition(shown_conditions, ConditionType.COMPLETED) is not None:
             return
         now = datetime.now(UTC)
         conditions = set_condition(None, ConditionType.ACCEPTED, "False", reason, message,
@@ -335,8 +340,7 @@ class StatusMirror(Loop):
             if uid not in ledger_versions:
                 continue
             behind = (task.get("status") or {}).get("ledgerVersion", -1) < ledger_versions[uid]
-            labelled = ((task["metadata"].get("labels") or {}).get(DEAD_LETTER_LABEL) == "true")
-            if behind or labelled != (uid in dead):
+            if behind or _labelled_dead(task) != (uid in dead):
                 self.mark(uid)
 
     def mirror(self, uid: str) -> None:
@@ -385,7 +389,6 @@ class StatusMirror(Loop):
     def _label_dead_letter(self, task: dict[str, Any], record: TaskRecord) -> None:
         """The dead-letter label as the ledger says (`kubectl get tasks -l retex.dev/dead-letter=true`).
         A failed patch raises: the round keeps the task's mark and the next round checks again."""
-        labels = task["metadata"].get("labels") or {}
-        if (labels.get(DEAD_LETTER_LABEL) == "true") != record.dead_lettered:
+        if _labelled_dead(task) != record.dead_lettered:
             self._kube.patch_task_labels(record.namespace, record.name, record.uid,
                                          {DEAD_LETTER_LABEL: "true" if record.dead_lettered else None})
