@@ -146,11 +146,8 @@ class Reaper(Loop):
             return
         if attempt.job_name is None:
             return  # not relayed yet
-        now = time.monotonic()
-        key = (attempt.uid, attempt.epoch)
-        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
+        if not self._due_for_a_look(attempt):
             return
-        self._job_checked[key] = now
         if _job_failed(self._kube.get_job(attempt.namespace, attempt.job_name)):
             if self._confirmed(attempt, hold):
                 self._replace(attempt, "disruption")
@@ -182,18 +179,24 @@ class Reaper(Loop):
         the lease to expire. The caller's GET must then show that same observation: a renewal the
         watch missed, or the attempt's other pod holding the lease now (R10), is a live holder."""
         seen = self._seen(attempt)
-        now = time.monotonic()
         if seen is None or seen.holder_pod is None or \
-                now - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
+                time.monotonic() - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
             return None
-        key = (attempt.uid, attempt.epoch)
-        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS or self._pod_looks_left <= 0:
+        if self._pod_looks_left <= 0 or not self._due_for_a_look(attempt):
             return None
-        self._job_checked[key] = now
         self._pod_looks_left -= 1
         pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
         died = any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
         return seen if died else None
+
+    def _due_for_a_look(self, attempt: WatchedAttempt) -> bool:
+        """Whether the attempt's Job or pods may be asked about now (at most every
+        JOB_CHECK_SECONDS); if so, the look is counted from now."""
+        now, key = time.monotonic(), (attempt.uid, attempt.epoch)
+        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
+            return False
+        self._job_checked[key] = now
+        return True
 
     def _seen(self, attempt: WatchedAttempt) -> LeaseObservation | None:
         return self._leases.get(attempt.namespace, _lease(attempt), attempt.uid)
