@@ -32,7 +32,7 @@ def _kopf_object(record: logging.LogRecord) -> dict[str, Any]:
     return {key: ref[key] for key in ("uid", "namespace", "name") if ref.get(key)}
 
 
-def event(logger: logging.Logger | logging.LoggerAdapter[Any], level: int, msg: str, *, exc_info: bool = False,
-          **fields: Any) -> None:
+def log_line(logger: logging.Logger | logging.LoggerAdapter[Any], level: int, msg: str, *, exc_info: bool = False,
+             **fields: Any) -> None:
     """Log `msg` with extra structured fields (and the exception being handled, with exc_info)."""
     logger.log(level, msg, exc_info=exc_info, extra={"fields": fields})

@@ -7,7 +7,7 @@ import logging
 import kopf
 from kopf._core.actions.loggers import ObjectLogger
 
-from retex.logs import JsonLines, event
+from retex.logs import JsonLines, log_line
 
 BODY = {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
         "metadata": {"name": "order-1042", "namespace": "shop", "uid": "u-1"}}
@@ -42,7 +42,7 @@ def test_an_operator_event_keeps_its_fields_and_carries_the_exception_when_asked
         try:
             raise RuntimeError("API server unreachable")
         except RuntimeError:
-            event(log, logging.ERROR, "round failed; retrying", loop="relay", exc_info=True)
+            log_line(log, logging.ERROR, "round failed; retrying", loop="relay", exc_info=True)
 
     line = formatted(fail_and_log)
     assert line["msg"] == "round failed; retrying" and line["loop"] == "relay"

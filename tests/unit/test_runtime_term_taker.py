@@ -39,16 +39,16 @@ def test_a_new_leadership_begun_as_an_earlier_taker_marks_its_term_is_not_marked
             rt._term_taken.clear()
             rt._leaderships += 1
 
-    real_event = handlers.event
+    real_log_line = handlers.log_line
 
-    def event(logger: Any, level: int, message: str, **fields: Any) -> None:
+    def log_line(logger: Any, level: int, message: str, **fields: Any) -> None:
         if message.startswith("ledger term taken"):  # between taker 1's check and its mark
             other = threading.Thread(target=new_leadership)
             other.start()
             other.join(timeout=0.5)
-        real_event(logger, level, message, **fields)
+        real_log_line(logger, level, message, **fields)
 
-    monkeypatch.setattr(handlers, "event", event)
+    monkeypatch.setattr(handlers, "log_line", log_line)
     rt._take_term(1)
     while rt._leaderships != 2:  # the new leadership waited for taker 1 to finish marking
         threading.Event().wait(0.01)

@@ -5,7 +5,7 @@ import io
 import json
 import logging
 
-from retex.logs import event
+from retex.logs import log_line
 from retex.worker import logs
 
 
@@ -19,7 +19,7 @@ def test_worker_events_and_library_lines_carry_task_epoch_and_step():
     stream = io.StringIO()
     tagger = capture(stream)
     try:
-        event(logging.getLogger("retex.worker.attempt"), logging.INFO, "step running", idempotency_key="k-1")
+        log_line(logging.getLogger("retex.worker.attempt"), logging.INFO, "step running", idempotency_key="k-1")
         tagger.step = "charge"
         logging.getLogger("psycopg.pool").warning("connection lost")
         tagger.step = None

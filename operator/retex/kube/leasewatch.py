@@ -33,7 +33,7 @@ from retex.failpoints import failpoint
 from retex.kube.calls import LIST_TIMEOUT_SECONDS
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
-from retex.logs import event
+from retex.logs import log_line
 
 log = logging.getLogger(__name__)
 
@@ -192,10 +192,10 @@ class LeaseObserver:
                 version = None
                 self.went_blind()
                 if exc.status != 410:
-                    event(log, logging.WARNING, "lease watch failed; relisting", http_status=exc.status)
+                    log_line(log, logging.WARNING, "lease watch failed; relisting", http_status=exc.status)
                     self._stop.wait(1.0)
             except Exception as exc:  # connection refused while the API server restarts, etc.
                 version = None
                 self.went_blind()
-                event(log, logging.WARNING, "lease watch interrupted; relisting", error=str(exc))
+                log_line(log, logging.WARNING, "lease watch interrupted; relisting", error=str(exc))
                 self._stop.wait(1.0)

@@ -14,7 +14,7 @@ from retex.failpoints import failpoint
 from retex.kube.calls import KubeCalls, NamespaceTerminating, NotPermitted, Refused, transient
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease, job_name
 from retex.ledger import Dispatch, DispatchOutcomes, Ledger, LedgerError, spec_hash
-from retex.logs import event
+from retex.logs import log_line
 from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, not_onboarded_message
 from retex.operator.loop import STOPPED_LEADING, Loop
 from retex.operator.metrics import count_failure
@@ -103,7 +103,7 @@ class Relay(Loop):
             outcomes.rejected(dispatch, result.error, reason=result.reason, job_name=left)
         fields = {**who, **({"why": result.error[:300]} if result.error else {}),
                   **({"job_deleted": left} if left else {})}
-        event(log, logging.INFO if result.error is None else logging.WARNING, result.why, **fields)
+        log_line(log, logging.INFO if result.error is None else logging.WARNING, result.why, **fields)
 
     def _send_unless_ended(self, dispatch: Dispatch) -> str | _Unsent:
         """Send the record (its Job's name), or say why it ends unsent."""
@@ -156,8 +156,8 @@ class Relay(Loop):
         """429, 5xx, a dropped connection: this record alone waits."""
         why = f"{type(exc).__name__}: {exc}"
         delay = outcomes.deferred(dispatch, why)
-        event(log, logging.WARNING, "dispatch deferred after a transient error", **who, retry_in_seconds=delay,
-              why=why[:300])
+        log_line(log, logging.WARNING, "dispatch deferred after a transient error", **who, retry_in_seconds=delay,
+                 why=why[:300])
 
     def _send(self, dispatch: Dispatch, task: dict[str, Any], spec: TaskSpec) -> str:
         failpoint_armed = None
@@ -175,8 +175,8 @@ class Relay(Loop):
         self._kube.create_job(job)
         # crash-matrix R3: Job exists, outbox not yet marked sent
         failpoint("after-job-create", task=dispatch.name, uid=dispatch.task_uid)
-        event(log, logging.INFO, "attempt dispatched", uid=dispatch.task_uid, namespace=dispatch.namespace,
-              name=dispatch.name, epoch=dispatch.epoch, job=job["metadata"]["name"])
+        log_line(log, logging.INFO, "attempt dispatched", uid=dispatch.task_uid, namespace=dispatch.namespace,
+                 name=dispatch.name, epoch=dispatch.epoch, job=job["metadata"]["name"])
         name: str = job["metadata"]["name"]
         return name
 
@@ -207,7 +207,7 @@ class Promoter(Loop):
         if self._retention_seconds and time.monotonic() >= self._next_purge:
             purged = self._ledger.purge_finished(older_than_seconds=self._retention_seconds)
             if purged:
-                event(log, logging.INFO, "finished tasks purged past the history retention", count=purged)
+                log_line(log, logging.INFO, "finished tasks purged past the history retention", count=purged)
             self._next_purge = time.monotonic() + 3600
         due = self._ledger.next_due_at()
         if due is None:

@@ -42,7 +42,7 @@ from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotLeader, Refusal, TaskNotFound
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import IllegalTransition
 from retex.operator import ledger_endpoint
 from retex.operator.admission import (
@@ -163,8 +163,8 @@ class Runtime:
             if not self._term_taken.is_set() or refused.term != self.ledger.term:
                 return  # not taken yet, an earlier term's refusal, or another writer's is being handled
             self._term_taken.clear()
-        event(log, logging.ERROR, "ledger term lost while leading: restarting the leadership",
-              identity=self.leadership.identity, term=refused.term, why=str(refused))
+        log_line(log, logging.ERROR, "ledger term lost while leading: restarting the leadership",
+                 identity=self.leadership.identity, term=refused.term, why=str(refused))
         self.leadership.restart()
 
     def _take_term(self, leadership: int) -> None:
@@ -185,7 +185,7 @@ class Runtime:
             if not self.leadership.leading():
                 lapsed_since = time.monotonic() if lapsed_since is None else lapsed_since
                 if time.monotonic() - lapsed_since > self.leadership.timing.lease_duration:
-                    event(log, logging.WARNING, "ledger term not taken: this leadership ended")
+                    log_line(log, logging.WARNING, "ledger term not taken: this leadership ended")
                     return
                 time.sleep(self.leadership.timing.retry_period)
                 continue
@@ -194,11 +194,11 @@ class Runtime:
                 term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period,
                                              still_leading=current)
             except NotLeader as exc:
-                event(log, logging.WARNING, "ledger term not taken: not leading at the moment", error=str(exc))
+                log_line(log, logging.WARNING, "ledger term not taken: not leading at the moment", error=str(exc))
                 continue
             except Exception as exc:  # the predecessor's transaction still holds the term, or Postgres is away
-                event(log, logging.WARNING, "ledger term not taken yet: trying again",
-                      error=f"{type(exc).__name__}: {exc}")
+                log_line(log, logging.WARNING, "ledger term not taken yet: trying again",
+                         error=f"{type(exc).__name__}: {exc}")
                 time.sleep(self.leadership.timing.retry_period)
                 continue
             with self._leaderships_lock:  # checked and marked at once: `_lead` clears it under this lock
@@ -206,8 +206,8 @@ class Runtime:
                     return  # a later leadership's own taker takes a newer term
                 self._term_taken.set()
                 self._term_wanted_since = None
-            event(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
-                  identity=self.leadership.identity)
+            log_line(log, logging.INFO, "ledger term taken: this replica writes as the leader", term=term,
+                     identity=self.leadership.identity)
             for loop in self._writers:
                 loop.wake.set()
             return
@@ -316,8 +316,8 @@ def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
                 # It stopped leading meanwhile. Raising (even kopf.TemporaryError) would have kopf
                 # patch its progress onto the Task as a deposed leader: wait instead. kopf, stopped
                 # meanwhile, cancels this (nothing written); the next leader's kopf resumes the Task.
-                event(log, logging.INFO, "handler waits: this replica stopped leading", handler=handler.__name__,
-                      error=str(exc))
+                log_line(log, logging.INFO, "handler waits: this replica stopped leading", handler=handler.__name__,
+                         error=str(exc))
                 if isinstance(exc, NotLeader):  # as a writer loop's refusal does (Loop.on_not_leader)
                     await asyncio.to_thread(runtime._term_lost, exc)
                 await asyncio.sleep(runtime.leadership.timing.retry_period)
@@ -414,11 +414,11 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
         runtime.mirror.refuse(body, verdict.refusal.reason, verdict.refusal.message)
         return False
     if verdict.purged:  # it ran to its end long ago and its history was purged: never again
-        event(log, logging.INFO, "purged by history retention: not admitted again", **who)
+        log_line(log, logging.INFO, "purged by history retention: not admitted again", **who)
         return False
     if verdict.duplicate_of is not None:
         first = verdict.duplicate_of
-        event(log, logging.INFO, "duplicate by idempotencyKey: not run", **who, duplicate_of=first.uid)
+        log_line(log, logging.INFO, "duplicate by idempotencyKey: not run", **who, duplicate_of=first.uid)
         return refuse("DuplicateIdempotencyKey",
                       f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
                       f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
@@ -454,14 +454,14 @@ def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
         try:
             runtime.ledger.requeue(uid, actor=_actor(body, new))
         except IllegalTransition as refused:  # not Failed or NeedsAttention, or a step awaits a human
-            event(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
+            log_line(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
             runtime.mirror.warn(dict(body), "RequeueRefused", f"requeue refused: {refused}")
             return
         except TaskNotFound:  # not in the ledger: retrying (kopf's default) would loop for ever
             refusal = runtime.ledger.refusal(uid)
             why = (f"the Task was refused at admission ({refusal.reason}), it never runs" if refusal else
                    "the Task's history was purged (history retention), it never runs again")
-            event(log, logging.WARNING, "requeue ignored", uid=uid, why=why)
+            log_line(log, logging.WARNING, "requeue ignored", uid=uid, why=why)
             runtime.mirror.warn(dict(body), "RequeueIgnored", f"requeue ignored: {why}; create a new Task")
             return
         runtime.relay.wake.set()
@@ -490,7 +490,7 @@ def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
     except (LedgerUnavailable, NotLeader):
         raise  # kopf retries the handler
     except (IllegalTransition, LedgerError) as refused:  # a step not awaiting a decision, a result too large
-        event(log, logging.WARNING, "resolve refused", uid=uid, why=str(refused))
+        log_line(log, logging.WARNING, "resolve refused", uid=uid, why=str(refused))
         runtime.mirror.warn(dict(body), "ResolveRefused", f"resolve of step {step!r} refused: {refused}")
         return
     runtime.relay.wake.set()

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 
 from retex.kube.election import Decision, Election, ElectionTiming, LeaderLease, LeaderRecord
 from retex.kube.leases import LeaseConflict
-from retex.logs import event
+from retex.logs import log_line
 from retex.operator.metrics import LEADER
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,15 @@ class Leadership:
                         self._election.observe(written, self._clock())
                         released = self._election.released_record(datetime.now(UTC))
                 if failed is not None:
-                    event(log, logging.ERROR, "leader election: on_started failed; releasing the lease",
-                          identity=self._election.identity, error=failed)
+                    log_line(log, logging.ERROR, "leader election: on_started failed; releasing the lease",
+                             identity=self._election.identity, error=failed)
                     self._lease.write(released)  # if this fails, the next retry renews and starts again
                     with self._lock:
                         self._election.released(released, self._clock())
         except LeaseConflict:
             pass  # another replica wrote first: read again at the next retry
         except Exception as exc:  # the API server unreachable or slow: the renew deadline decides
-            event(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
+            log_line(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
 
     def restart(self) -> None:
@@ -119,8 +119,8 @@ class Leadership:
         term: retex.operator.handlers.Runtime): stop leading now, write the released record so a
         standby takes over at its next retry, and take no Lease for a lease duration (else this
         replica's next round would take the free Lease straight back)."""
-        event(log, logging.ERROR, "leader election: this leader cannot take the ledger's term; giving the lease up",
-              identity=self._election.identity, rest_seconds=self.timing.lease_duration)
+        log_line(log, logging.ERROR, "leader election: this leader cannot take the ledger's term; giving the lease up",
+                 identity=self._election.identity, rest_seconds=self.timing.lease_duration)
         with self._lock:
             self._election.stop_leading()
             released = self._election.released_record(datetime.now(UTC))
@@ -133,7 +133,7 @@ class Leadership:
         try:
             self._lease.write(released)
         except Exception as exc:
-            event(log, logging.WARNING, "leader election: releasing the lease failed", error=f"{type(exc).__name__}: {exc}")
+            log_line(log, logging.WARNING, "leader election: releasing the lease failed", error=f"{type(exc).__name__}: {exc}")
             return False
         with self._lock:
             self._election.released(released, self._clock())
@@ -154,13 +154,13 @@ class Leadership:
     def _notice(self) -> None:
         leading = self.leading()
         if leading and not self._was_leading:
-            event(log, logging.INFO, "leader election: this replica leads", identity=self._election.identity)
+            log_line(log, logging.INFO, "leader election: this replica leads", identity=self._election.identity)
             LEADER.set(1)
             self._was_leading = True
         elif not leading and self._was_leading:
             holder = self._election.observed.holder if self._election.observed else None
-            event(log, logging.WARNING, "leader election: this replica stopped leading", identity=self._election.identity,
-                  holder=holder)
+            log_line(log, logging.WARNING, "leader election: this replica stopped leading", identity=self._election.identity,
+                     holder=holder)
             LEADER.set(0)
             self._was_leading = False
 
@@ -173,4 +173,4 @@ class Leadership:
             released = self._election.released_record(datetime.now(UTC))
         if self._release(released):
             LEADER.set(0)
-            event(log, logging.INFO, "leader election: released the lease", identity=self._election.identity)
+            log_line(log, logging.INFO, "leader election: released the lease", identity=self._election.identity)

@@ -30,7 +30,7 @@ from retex.kube.identity import IdentityUnavailable, NotAWorker, WorkerIdentitie
 from retex.kube.objects import job_name
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskRecord
 from retex.ledger.wire import OPERATIONS, PATH_PREFIX, UNFENCED, error_to_json, time_from_json, to_json
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import IllegalTransition
 
 log = logging.getLogger(__name__)
@@ -248,8 +248,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, {"result": self.endpoint.call(operation, token, body)})
         except Refusal as exc:
             if exc.status in (401, 403):
-                event(log, logging.WARNING, "ledger endpoint refused a caller", operation=operation,
-                      status=exc.status, why=str(exc))
+                log_line(log, logging.WARNING, "ledger endpoint refused a caller", operation=operation,
+                         status=exc.status, why=str(exc))
             self._refuse(exc.status, str(exc))
         except LedgerUnavailable as exc:
             self._reply(503, error_to_json(exc))

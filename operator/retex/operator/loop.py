@@ -17,7 +17,7 @@ from collections.abc import Callable
 from retex.failpoints import failpoint
 from retex.kube.calls import NotLeading
 from retex.ledger import LedgerError, NotLeader
-from retex.logs import event
+from retex.logs import log_line
 from retex.operator.metrics import LOOP_ROUNDS, count_failure
 
 log = logging.getLogger(__name__)
@@ -62,17 +62,17 @@ class Loop:
                 LOOP_ROUNDS.labels(self.name).inc()
                 self.last_pass_at = time.monotonic()
             except STOPPED_LEADING as exc:
-                event(log, logging.WARNING, "not the leader: round abandoned", loop=self.name, why=str(exc))
+                log_line(log, logging.WARNING, "not the leader: round abandoned", loop=self.name, why=str(exc))
                 if isinstance(exc, NotLeader):
                     self.on_not_leader(exc)
                 delay = FOLLOWER_RECHECK_SECONDS
             except LedgerError as exc:
                 count_failure(self.name, exc)
-                event(log, logging.WARNING, "ledger unavailable", loop=self.name, error=str(exc))
+                log_line(log, logging.WARNING, "ledger unavailable", loop=self.name, error=str(exc))
                 delay = RETRY_AFTER_FAILURE_SECONDS
             except Exception as exc:  # the API server down or refusing, or a bug: try again soon
                 count_failure(self.name, exc)
-                event(log, logging.ERROR, "round failed; retrying", loop=self.name, exc_info=True)
+                log_line(log, logging.ERROR, "round failed; retrying", loop=self.name, exc_info=True)
                 delay = RETRY_AFTER_FAILURE_SECONDS
             finally:
                 self.round_started_at = None

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import kopf
 
-from retex.logs import JsonLines, event
+from retex.logs import JsonLines, log_line
 from retex.operator.health import serve_health
 from retex.operator.settings import OperatorSettings
 
@@ -83,7 +83,7 @@ async def _operate(runtime: Runtime, *, namespaces: list[str]) -> None:
         await term
         on_signals()
         if not stopping.is_set():
-            event(log, logging.INFO, "leader election: kopf stopped (this replica no longer leads)")
+            log_line(log, logging.INFO, "leader election: kopf stopped (this replica no longer leads)")
 
 
 async def _sleep_unless(event: asyncio.Event, seconds: float) -> None:

@@ -29,7 +29,7 @@ from prometheus_client.metrics_core import Metric
 from retex.ledger import DURATION_BUCKETS as BUCKETS
 from retex.ledger import Histogram as LedgerHistogram
 from retex.ledger import Ledger, LedgerError, LedgerFigures, LedgerUnavailable
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import TaskPhase
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,8 @@ class LedgerCollector:
                 read = self._reading = _Read()
                 threading.Thread(target=self._read_into, args=(read,), name="metrics-ledger-read", daemon=True).start()
         if not read.done.wait(self._wait_seconds):
-            event(log, logging.WARNING, "metrics: the ledger read is still under way; answered without it",
-                  waited_seconds=self._wait_seconds)
+            log_line(log, logging.WARNING, "metrics: the ledger read is still under way; answered without it",
+                     waited_seconds=self._wait_seconds)
             return None
         if read.bug is not None:
             raise read.bug
@@ -159,7 +159,7 @@ class LedgerCollector:
             self._ledger.ping(timeout=PING_SECONDS)  # refused or silent: no pool wait, no retry
             return self._ledger.figures()
         except LEDGER_DOWN as exc:
-            event(log, logging.WARNING, "metrics: the ledger could not be read", error=f"{type(exc).__name__}: {exc}")
+            log_line(log, logging.WARNING, "metrics: the ledger could not be read", error=f"{type(exc).__name__}: {exc}")
             return None
 
     def collect(self) -> Iterator[Metric]:

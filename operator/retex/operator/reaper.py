@@ -35,7 +35,7 @@ from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
 from retex.ledger import Ledger, LedgerError, WatchedAttempt
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.operator.loop import STOPPED_LEADING, Loop
 from retex.operator.metrics import count_failure
@@ -119,9 +119,9 @@ class Reaper(Loop):
                 raise  # Postgres is down for everyone, or this replica no longer leads: the loop decides
             except Exception as exc:  # an API call refused or failed: this attempt waits for the next round
                 count_failure(self.name, exc)
-                event(log, logging.WARNING, "reaper: judging an attempt failed; judged again next round",
-                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch,
-                      error=f"{type(exc).__name__}: {exc}")
+                log_line(log, logging.WARNING, "reaper: judging an attempt failed; judged again next round",
+                         uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch,
+                         error=f"{type(exc).__name__}: {exc}")
         return self._interval
 
     # -- verdicts --------------------------------------------------------------------------
@@ -131,8 +131,8 @@ class Reaper(Loop):
         if hold is Hold.HELD:
             dead = self._dead_holder(attempt)
             if dead is not None and self._confirmed(attempt, hold) and self._seen(attempt) == dead:
-                event(log, logging.INFO, "lease holder's pod terminated: not waiting for the lease to expire",
-                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
+                log_line(log, logging.INFO, "lease holder's pod terminated: not waiting for the lease to expire",
+                         uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
                 self._replace(attempt, "disruption")
             return
         if hold is not Hold.NEVER:
@@ -165,8 +165,8 @@ class Reaper(Loop):
             pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
             if any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed") for p in pods):
                 return
-        event(log, logging.INFO, "ended attempt is known dead: its slot and key are free", uid=attempt.uid,
-              namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, hold=hold.value)
+        log_line(log, logging.INFO, "ended attempt is known dead: its slot and key are free", uid=attempt.uid,
+                 namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, hold=hold.value)
         self._ledger.settle_attempt(attempt.uid, attempt.epoch)
         self._on_replaced()
 
@@ -212,8 +212,8 @@ class Reaper(Loop):
     # -- actions ---------------------------------------------------------------------------
 
     def _replace(self, attempt: WatchedAttempt, cause: str) -> None:
-        event(log, logging.INFO, "attempt gone: starting the next", uid=attempt.uid, namespace=attempt.namespace,
-              name=attempt.name, epoch=attempt.epoch, cause=cause)
+        log_line(log, logging.INFO, "attempt gone: starting the next", uid=attempt.uid, namespace=attempt.namespace,
+                 name=attempt.name, epoch=attempt.epoch, cause=cause)
         self._ledger.replace_attempt(attempt.uid, attempt.epoch, cause=cause)
         self._kube.delete_job(attempt.namespace, self._job(attempt))
         self._on_replaced()
@@ -226,21 +226,21 @@ class Reaper(Loop):
         if not verdict.stuck:
             if (attempt.uid, attempt.epoch) not in self._slow:
                 self._slow.add((attempt.uid, attempt.epoch))
-                event(log, logging.INFO, "worker not started by the deadline, but only slow: waiting",
-                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
+                log_line(log, logging.INFO, "worker not started by the deadline, but only slow: waiting",
+                         uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
             return
         message = f"worker of attempt {attempt.epoch} did not start within {self._start_deadline:.0f}s: {why}"
         record = self._ledger.fail_unstarted(attempt.uid, attempt.epoch, message)
         if record.epoch == attempt.epoch and record.phase == TaskPhase.RUNNING:
             return  # its worker claimed the attempt after the Lease was read: it runs, keep its Job
-        event(log, logging.WARNING, "worker never started: a failed attempt", uid=attempt.uid,
-              namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
+        log_line(log, logging.WARNING, "worker never started: a failed attempt", uid=attempt.uid,
+                 namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
         self._kube.delete_job(attempt.namespace, job)
         self._on_replaced()
 
     def _cancel(self, attempt: WatchedAttempt) -> None:
-        event(log, logging.INFO, "cancel requested and no worker holds the lease: cancelled now", uid=attempt.uid,
-              namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
+        log_line(log, logging.INFO, "cancel requested and no worker holds the lease: cancelled now", uid=attempt.uid,
+                 namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch)
         self._ledger.cancel_unheld(attempt.uid, attempt.epoch)
         self._kube.delete_job(attempt.namespace, self._job(attempt))
         self._on_replaced()

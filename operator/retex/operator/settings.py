@@ -12,7 +12,7 @@ from retex.kube.election import ElectionTiming
 from retex.kube.objects import WorkerDefaults
 from retex.ledger import SessionLimits
 from retex.ledger.tls import unverified_tls_refusal
-from retex.logs import event
+from retex.logs import log_line
 from retex.operator.ledger_endpoint import LedgerTls
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class LiveWorkerDefaults:
         try:
             pem = self._tls.ca_pem()
         except OSError as exc:
-            event(log, logging.WARNING, "ledger CA not read again, the last one stays", error=str(exc))
+            log_line(log, logging.WARNING, "ledger CA not read again, the last one stays", error=str(exc))
             return self._current
         if pem.strip() and pem != self._current.ledger_ca:
             self._current = replace(self._current, ledger_ca=pem)

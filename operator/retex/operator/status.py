@@ -32,7 +32,7 @@ from retex.kube.calls import (
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
 from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
 from retex.operator.metrics import MIRROR_LAG, MIRROR_PENDING, count_failure
@@ -286,10 +286,10 @@ class StatusMirror(Loop):
             # A refusal (a status the CRD refuses, a 403) lasts until someone acts; a server error or a
             # dropped connection may clear by itself; anything else is a bug (its traceback logged).
             lasts = answered is not None and refusal(answered) is not None
-            event(log, logging.WARNING if transient(exc) and not lasts else logging.ERROR,
-                  "status write failed; retrying", exc_info=not transient(exc), uid=uid, error=type(exc).__name__,
-                  http_status=answered.status if answered else None,
-                  message=api_message(answered) if answered else str(exc), retry_seconds=delay)
+            log_line(log, logging.WARNING if transient(exc) and not lasts else logging.ERROR,
+                     "status write failed; retrying", exc_info=not transient(exc), uid=uid, error=type(exc).__name__,
+                     http_status=answered.status if answered else None,
+                     message=api_message(answered) if answered else str(exc), retry_seconds=delay)
             with self._lock:
                 self._retry[uid] = (now + delay, min(delay * 2, WRITE_RETRY_MAX_SECONDS))
             self.mark(uid)
@@ -328,8 +328,8 @@ class StatusMirror(Loop):
             try:
                 self._kube.post_event(task, reason=reason, message=message, warning=True)
             except EventNotPosted as exc:  # 403 in a namespace not onboarded: the status says it all
-                event(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
-                      http_status=exc.http_status)
+                log_line(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
+                         http_status=exc.http_status)
 
     def _mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
@@ -369,8 +369,8 @@ class StatusMirror(Loop):
         try:
             self._kube.patch_task_status(record.namespace, record.name, uid, as_merge_patch(status))
         except StatusNotWritten as exc:  # gone, replaced, or a newer status already landed
-            event(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
-                  name=record.name, epoch=record.epoch, http_status=exc.http_status)
+            log_line(log, logging.INFO, "status not written", uid=uid, namespace=record.namespace,
+                     name=record.name, epoch=record.epoch, http_status=exc.http_status)
             self._settled(uid)
             return
         marked_at = self._settled(uid)
@@ -383,7 +383,7 @@ class StatusMirror(Loop):
                 try:
                     self._kube.post_event(task, reason=reason, message=message, warning=warning)
                 except EventNotPosted as exc:
-                    event(log, logging.WARNING, "event not posted", uid=uid, reason=reason, http_status=exc.http_status)
+                    log_line(log, logging.WARNING, "event not posted", uid=uid, reason=reason, http_status=exc.http_status)
         self._label_dead_letter(task, record)
 
     def _label_dead_letter(self, task: dict[str, Any], record: TaskRecord) -> None:

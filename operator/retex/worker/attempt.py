@@ -32,7 +32,7 @@ from retex.ledger import (
     TaskRecord,
     UnstorableValue,
 )
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import StepState
 from retex.worker.calls import StepCall, Supervision
 from retex.worker.ledger_client import LedgerClient
@@ -105,10 +105,10 @@ class Attempt:
         try:
             return self._run()
         except FenceRejected as exc:
-            event(log, logging.WARNING, "fenced: stopping at once", current_epoch=exc.current_epoch, phase=exc.phase)
+            log_line(log, logging.WARNING, "fenced: stopping at once", current_epoch=exc.current_epoch, phase=exc.phase)
             return AttemptEnd(ExitCode.STALE, str(exc))
         except LedgerUnavailable as exc:
-            event(log, logging.ERROR, "ledger unavailable", error=str(exc))
+            log_line(log, logging.ERROR, "ledger unavailable", error=str(exc))
             return AttemptEnd(ExitCode.DISRUPTED, str(exc))
 
     def _run(self) -> AttemptEnd:
@@ -133,7 +133,7 @@ class Attempt:
                 prior = self._ledger.begin_step(uid, self._epoch, idx, actor=self._actor)
             except CancelRequested:
                 self._ledger.finish_cancelled(uid, self._epoch, actor=self._actor)
-                event(log, logging.INFO, "cancelled at a step boundary")
+                log_line(log, logging.INFO, "cancelled at a step boundary")
                 return AttemptEnd(ExitCode.OVER, "cancelled")
             failpoint("after-begin", step.name, task=self._record.name, uid=uid)
             call = StepCall(task_uid=uid, step=step.name, idempotency_key=prior.idempotency_key,
@@ -149,7 +149,7 @@ class Attempt:
                 call = dataclasses.replace(call, begun=time.monotonic())
                 self._ledger.start_run(uid, self._epoch, idx, actor=self._actor)
             if ended is _RUN_IT:
-                event(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
+                log_line(log, logging.INFO, "step running", idempotency_key=call.idempotency_key)
                 outcome = self._run_step(step, call)
                 failpoint("after-effect", step.name, task=self._record.name, uid=uid)
                 ended = self._record_outcome(idx, step, call, outcome)
@@ -160,7 +160,7 @@ class Attempt:
         self._tag(None)
         failpoint("before-complete", task=self._record.name, uid=uid)
         self._ledger.complete_task(uid, self._epoch, actor=self._actor)
-        event(log, logging.INFO, "task succeeded")
+        log_line(log, logging.INFO, "task succeeded")
         return AttemptEnd(ExitCode.OVER, "succeeded")
 
     def _refuse_spec(self, exc: ValidationError) -> AttemptEnd:
@@ -171,7 +171,7 @@ class Attempt:
         problems = "; ".join(f"{'.'.join(str(part) for part in error['loc'])}: {error['msg']}"
                              for error in exc.errors()[:5])
         why = f"the task's spec is refused by this worker (admitted before a rule that now refuses it): {problems}"
-        event(log, logging.ERROR, "spec refused", error=why)
+        log_line(log, logging.ERROR, "spec refused", error=why)
         idx = self._record.completed_steps
         if idx == len(self._record.steps):  # every effect is done and recorded: nothing to refuse
             self._ledger.complete_task(self._record.uid, self._epoch, actor=self._actor)
@@ -197,14 +197,14 @@ class Attempt:
             case Unknown(why):
                 return self._settle_unknown(idx, step, call, why)
             case Abandoned(why):
-                event(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
+                log_line(log, logging.WARNING, "step abandoned; nothing recorded", why=why)
                 return AttemptEnd(ExitCode.DISRUPTED, f"step abandoned, nothing recorded: {why}")
         raise AssertionError(outcome)
 
     def _resolve_interrupted(self, idx: int, step: Step, call: StepCall, prior: StepRecord) -> _Committed | AttemptEnd | None:
         """R6: begun by attempt `prior.attempt`, never recorded. Did its effect happen?"""
-        event(log, logging.WARNING, "step was begun and never recorded", begun_by_attempt=prior.attempt,
-              has_verify=step.verify is not None, idempotent=step.idempotent)
+        log_line(log, logging.WARNING, "step was begun and never recorded", begun_by_attempt=prior.attempt,
+                 has_verify=step.verify is not None, idempotent=step.idempotent)
         if step.verify is not None:
             if (end := self._await_step_deadline(idx, step, begun_at=prior.started_at)) is not None:
                 return end
@@ -212,21 +212,21 @@ class Attempt:
                 case Found(result):
                     return self._commit(idx, result, "verify found the effect: committed without running")
                 case NotFound():
-                    event(log, logging.INFO, "verify found no effect: running the step")
+                    log_line(log, logging.INFO, "verify found no effect: running the step")
                     return _RUN_IT
                 case VerifyFailed(error):
                     return self._flag(idx, f"step was interrupted and its verify could not tell: {error}")
                 case Abandoned(why):
                     return AttemptEnd(ExitCode.DISRUPTED, f"verify abandoned: {why}")
         if step.idempotent:
-            event(log, logging.INFO, "idempotent: running it again with the same key")
+            log_line(log, logging.INFO, "idempotent: running it again with the same key")
             return _RUN_IT
         return self._flag(idx, f"step was begun by attempt {prior.attempt} and never recorded; it has no verify "
                                "and is not idempotent, so whether its effect happened is unknown")
 
     def _settle_unknown(self, idx: int, step: Step, call: StepCall, why: str) -> _Committed | AttemptEnd:
         """The run gave no answer: the same question as R6, asked now."""
-        event(log, logging.WARNING, "step outcome unknown", why=why)
+        log_line(log, logging.WARNING, "step outcome unknown", why=why)
         if step.verify is not None:
             # The step stays `started` until its deadline: a server may still be processing it.
             if (end := self._await_step_deadline(idx, step, run_started=call.begun)) is not None:
@@ -265,7 +265,7 @@ class Attempt:
         announced = False
         while (left := seconds_left()) > 0:
             if not announced:
-                event(log, logging.INFO, "waiting for the step's deadline before verifying", seconds=round(left, 1))
+                log_line(log, logging.INFO, "waiting for the step's deadline before verifying", seconds=round(left, 1))
                 announced = True
             if self._sup.drain.requested.wait(min(left, _DEADLINE_POLL_SECONDS)):
                 return AttemptEnd(ExitCode.DISRUPTED, "drained while waiting for the step's deadline; nothing recorded")
@@ -292,7 +292,7 @@ class Attempt:
             except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
                 log.exception("verify runner failed")
                 outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")
-            event(log, logging.INFO, "verify ran", outcome=type(outcome).__name__, try_number=attempt)
+            log_line(log, logging.INFO, "verify ran", outcome=type(outcome).__name__, try_number=attempt)
             if not isinstance(outcome, VerifyFailed) or self._sup.drain.requested.is_set():
                 return outcome
             if attempt < self._verify_tries:
@@ -309,20 +309,20 @@ class Attempt:
             # The effect happened: a result the ledger will not take must not make the step run again.
             result = {"sanitized": True, "refused": stored_text(str(exc))[:1024]}
             self._ledger.commit_step(self._record.uid, self._epoch, idx, result, actor=self._actor)
-        event(log, logging.INFO, message)
+        log_line(log, logging.INFO, message)
         return _Committed(result)
 
     def _fail(self, idx: int, error: str, *, retryable: bool) -> AttemptEnd:
         error = stored_text(error)
         record = self._ledger.fail_step(self._record.uid, self._epoch, idx, error, retryable=retryable,
                                         actor=self._actor)
-        event(log, logging.WARNING, "step failed", error=error, retryable=retryable, phase=str(record.phase))
+        log_line(log, logging.WARNING, "step failed", error=error, retryable=retryable, phase=str(record.phase))
         return AttemptEnd(ExitCode.OVER, f"step failed ({'retryable' if retryable else 'permanent'}): task {record.phase}")
 
     def _flag(self, idx: int, why: str) -> AttemptEnd:
         why = stored_text(why)
         self._ledger.flag_step(self._record.uid, self._epoch, idx, why, actor=self._actor)
-        event(log, logging.ERROR, "needs attention", why=why)
+        log_line(log, logging.ERROR, "needs attention", why=why)
         return AttemptEnd(ExitCode.OVER, f"needs attention: {why}")
 
     def _tag(self, step: str | None) -> None:

@@ -34,7 +34,7 @@ from retex.kube.leases import (
     renewed,
     replace_lease,
 )
-from retex.logs import event
+from retex.logs import log_line
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,8 @@ class AttemptLease:
                     sent = self._clock()
                     self._body = self._replace(acquired(body, self.me, int(self.duration), datetime.now(UTC)))
                     self._last_renewal = sent
-                    event(log, logging.INFO, "lease acquired", lease=self._name, holder=self.me.identity,
-                          previous_holder=view.holder_identity)
+                    log_line(log, logging.INFO, "lease acquired", lease=self._name, holder=self.me.identity,
+                             previous_holder=view.holder_identity)
                     return
                 unreachable_since = None
             except LeaseConflict:
@@ -108,7 +108,7 @@ class AttemptLease:
                 unreachable_since = unreachable_since or self._clock()
                 if self._clock() - unreachable_since > self.duration:
                     raise LeaseUnavailable(f"API server unreachable for {self.duration}s: {exc}") from exc
-                event(log, logging.WARNING, "lease read/write failed, retrying", error=str(exc))
+                log_line(log, logging.WARNING, "lease read/write failed, retrying", error=str(exc))
                 time.sleep(poll)
                 continue
             if verdict is Verdict.REFUSE:
@@ -132,9 +132,9 @@ class AttemptLease:
             if self._clock() - self._last_renewal < self.timing.renew_deadline:
                 return True
             self._given_up = True
-        event(log, logging.WARNING, "lease lost: renew deadline passed",
-              renew_deadline_seconds=round(self.timing.renew_deadline, 2),
-              seconds_since_renewal=round(self._clock() - self._last_renewal, 2))
+        log_line(log, logging.WARNING, "lease lost: renew deadline passed",
+                 renew_deadline_seconds=round(self.timing.renew_deadline, 2),
+                 seconds_since_renewal=round(self._clock() - self._last_renewal, 2))
         return False
 
     def _renewed(self, sent: float) -> None:
@@ -155,8 +155,8 @@ class AttemptLease:
             except Exception as exc:  # noqa: BLE001 - the renewer must outlive any one failure
                 # Even a non-transient error (RBAC revoked) only stops renewals landing: still_held()
                 # turns false at the renew deadline and the worker kills its step and stops.
-                event(log, logging.WARNING if is_transient(exc) else logging.ERROR, "lease renewal failed",
-                      error=str(exc), seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
+                log_line(log, logging.WARNING if is_transient(exc) else logging.ERROR, "lease renewal failed",
+                         error=str(exc), seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
 
     def _renew_once(self) -> None:
         for _ in range(2):  # a conflict while we still hold it (someone touched metadata): once more
@@ -183,7 +183,7 @@ class AttemptLease:
 
     def _lost(self, why: str) -> None:
         self._taken_from_us = True
-        event(log, logging.WARNING, "lease lost", why=why)
+        log_line(log, logging.WARNING, "lease lost", why=why)
 
     # -- releasing ---------------------------------------------------------------------------
 
@@ -199,13 +199,13 @@ class AttemptLease:
             for _ in range(2):
                 try:
                     self._replace(released(self._body, datetime.now(UTC)))
-                    event(log, logging.INFO, "lease released", lease=self._name)
+                    log_line(log, logging.INFO, "lease released", lease=self._name)
                     return
                 except LeaseConflict:
                     if not self._refresh_if_ours():
                         return
         except Exception as exc:  # noqa: BLE001 - the Lease expires on its own
-            event(log, logging.WARNING, "lease release failed; it will expire", error=str(exc))
+            log_line(log, logging.WARNING, "lease release failed; it will expire", error=str(exc))
 
     # -- calls -------------------------------------------------------------------------------
 

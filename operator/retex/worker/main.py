@@ -19,7 +19,7 @@ from retex.kube.client import api_client
 from retex.kube.leases import Holder, LeaseTiming, single_attempt_client
 from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound, spec_hash
 from retex.ledger.wire import RequestRefused
-from retex.logs import event
+from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.worker import logs
 from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
@@ -58,10 +58,10 @@ def main() -> int:
     except RequestRefused as exc:
         # The endpoint does not take this pod for a worker of this attempt: a set-up fault (token
         # audience, RBAC) or a forged pod. Nothing was written; the Lease is left to expire.
-        event(log, logging.ERROR, "the ledger endpoint refused this worker", why=str(exc))
+        log_line(log, logging.ERROR, "the ledger endpoint refused this worker", why=str(exc))
         return BAD_ENVIRONMENT
     except SpecNotTheTasks as exc:
-        event(log, logging.ERROR, "spec refused: not the Task's", why=str(exc))
+        log_line(log, logging.ERROR, "spec refused: not the Task's", why=str(exc))
         return BAD_ENVIRONMENT
     except Exception:
         # A bug or an impossible state: a crash, counted as a failure by the operator. The Lease
@@ -70,7 +70,7 @@ def main() -> int:
         return CRASHED
     finally:
         ledger.close()
-    event(log, logging.INFO, "worker exiting", exit_code=int(end.code), why=end.why)
+    log_line(log, logging.INFO, "worker exiting", exit_code=int(end.code), why=end.why)
     return int(end.code)
 
 
@@ -130,7 +130,7 @@ def _renew_deadline(spec: dict[str, Any]) -> float | None:
 
 def _begin_drain(drain: Drain) -> None:
     drain.begin()
-    event(log, logging.INFO, "SIGTERM: draining", drain_seconds=drain.seconds)
+    log_line(log, logging.INFO, "SIGTERM: draining", drain_seconds=drain.seconds)
 
 
 if __name__ == "__main__":
