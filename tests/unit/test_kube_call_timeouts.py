@@ -11,8 +11,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import LIST_TIMEOUT_SECONDS, KubeCalls, NotLeading
 from retex.kube.election import ElectionTiming, LeaderLease, LeaderRecord
+from retex.kube.operator_calls import LIST_TIMEOUT_SECONDS, KubeCalls, NotLeading
 
 TASK = {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
         "metadata": {"name": "order-1", "namespace": "shop", "uid": "u-1"}}

@@ -6,7 +6,7 @@ from typing import Any
 
 from kubernetes import client
 
-from retex.kube.calls import LIST_TIMEOUT_SECONDS, KubeCalls
+from retex.kube.operator_calls import LIST_TIMEOUT_SECONDS, KubeCalls
 
 
 def test_the_task_list_has_a_longer_timeout_than_writes(monkeypatch):

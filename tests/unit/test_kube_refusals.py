@@ -4,7 +4,7 @@ import json
 
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import NamespaceTerminating, Refused, refusal
+from retex.kube.operator_calls import NamespaceTerminating, Refused, refusal
 
 
 def answer(status: int, message: str, causes: list[dict] | None = None) -> ApiException:

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import EventNotPosted, KubeCalls, StatusNotWritten
+from retex.kube.operator_calls import EventNotPosted, KubeCalls, StatusNotWritten
 
 TASK = {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
         "metadata": {"name": "order-1", "namespace": "shop", "uid": "u-1"}}

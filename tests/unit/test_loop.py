@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from retex.kube.calls import NotLeading
+from retex.kube.operator_calls import NotLeading
 from retex.ledger import LedgerUnavailable, NotLeader
 from retex.operator import loop as loop_module
 from retex.operator.loop import Loop

@@ -8,7 +8,7 @@ import kopf
 import pytest
 
 import retex.operator.handlers as handlers  # registers the handlers with kopf
-from retex.kube.calls import NotLeading
+from retex.kube.operator_calls import NotLeading
 from retex.ledger import NotLeader
 
 

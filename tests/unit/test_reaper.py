@@ -10,9 +10,9 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import NotLeading
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import lease_name
+from retex.kube.operator_calls import NotLeading
 from retex.ledger import NotLeader, WatchedAttempt
 from retex.operator.reaper import POD_LOOKS_PER_ROUND as REAPER_POD_LOOKS
 from retex.operator.reaper import Reaper

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.calls import EventNotPosted, StatusNotWritten, api_message
+from retex.kube.operator_calls import EventNotPosted, StatusNotWritten, api_message
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY

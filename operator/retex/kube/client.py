@@ -3,7 +3,7 @@ own, made from a TokenRequest), otherwise the in-cluster service account.
 
 Every call is one attempt (`retries = False`): urllib3's default three retries, each with a fresh
 timeout, would stretch a call to a silent API server to 4× its request timeout, and could send a
-write long after the operator's may_write check before it (the D−R bound, retex.kube.calls).
+write long after the operator's may_write check before it (the D−R bound, retex.kube.operator_calls).
 The caller's loop retries on its own schedule."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from retex.api import GROUP, PLURAL, VERSION
-from retex.kube.calls import MERGE_PATCH, NotPermitted, api_message, custom_object, refusal
+from retex.kube.operator_calls import MERGE_PATCH, NotPermitted, api_message, custom_object, refusal
 
 T = TypeVar("T")
 

@@ -30,9 +30,9 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from retex.failpoints import failpoint
-from retex.kube.calls import LIST_TIMEOUT_SECONDS
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
+from retex.kube.operator_calls import LIST_TIMEOUT_SECONDS
 from retex.logs import log_line
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from retex.failpoints import failpoint
-from retex.kube.calls import NotLeading
+from retex.kube.operator_calls import NotLeading
 from retex.ledger import LedgerError, NotLeader
 from retex.logs import log_line
 from retex.operator.metrics import LOOP_ROUNDS, count_failure

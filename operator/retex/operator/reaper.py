@@ -31,9 +31,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from retex.kube.calls import KubeCalls
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
+from retex.kube.operator_calls import KubeCalls
 from retex.ledger import Ledger, LedgerError, WatchedAttempt
 from retex.logs import log_line
 from retex.machine import TaskPhase

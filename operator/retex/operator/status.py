@@ -20,7 +20,9 @@ from kubernetes.client.exceptions import ApiException
 
 from retex.api import REFUSED, ConditionType, LeaseStatus, ShownPhase, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
-from retex.kube.calls import (
+from retex.kube.leasewatch import LeaseObservation, LeaseObserver
+from retex.kube.objects import lease_name
+from retex.kube.operator_calls import (
     EventNotPosted,
     KubeCalls,
     NotLeading,
@@ -29,8 +31,6 @@ from retex.kube.calls import (
     refusal,
     transient,
 )
-from retex.kube.leasewatch import LeaseObservation, LeaseObserver
-from retex.kube.objects import lease_name
 from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import log_line
 from retex.machine import TaskPhase
