@@ -97,7 +97,7 @@ def test_worker_image_has_no_pip_and_no_compiler():
 RUN_STEP = textwrap.dedent("""
     import dataclasses, json, sys
     from retex.api.models import Step
-    from retex.worker.calls import StepCall, Supervision, step_environment
+    from retex.worker.supervision import StepCall, Supervision, step_environment
     from retex.worker.drain import Drain
     from retex.worker.steps import run_step
     step = Step.model_validate(json.loads(sys.argv[1]))

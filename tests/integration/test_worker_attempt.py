@@ -20,8 +20,8 @@ import pytest
 from retex.ledger import FenceRejected, Ledger, TaskAdmission
 from retex.machine import Backoff, StepState, TaskPhase
 from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
-from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
+from retex.worker.supervision import Supervision
 
 PY = sys.executable
 # The counting stub: one line per real execution, naming the idempotency key it ran with.

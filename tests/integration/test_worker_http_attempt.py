@@ -11,8 +11,8 @@ import pytest
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import Backoff, StepState, TaskPhase
 from retex.worker.attempt import Attempt, ExitCode
-from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
+from retex.worker.supervision import Supervision
 from tests.unit.worker_steps_helpers import HttpStub
 
 

@@ -20,8 +20,8 @@ from e2e.stub import serve
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import Backoff, StepState, TaskPhase
 from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
-from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
+from retex.worker.supervision import Supervision
 
 
 class Lease:

@@ -5,8 +5,8 @@ import time
 from pathlib import Path
 
 from retex.worker import python_step
-from retex.worker.calls import step_environment
 from retex.worker.outcomes import Abandoned, Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
+from retex.worker.supervision import step_environment
 from tests.unit.worker_steps_helpers import call, drain_after, step, supervision
 
 REPO = str(Path(__file__).resolve().parents[2])

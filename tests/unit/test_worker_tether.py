@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from retex.worker.attempt import DEADLINE_MARGIN_SECONDS
-from retex.worker.calls import Supervision
 from retex.worker.drain import Drain
 from retex.worker.processes import Tether, own_deadline
+from retex.worker.supervision import Supervision
 from tests.unit.worker_steps_helpers import call, step
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -24,7 +24,7 @@ WORKER = """
 import os, sys
 from tests.unit.worker_steps_helpers import call, step
 from retex.worker import exec_step, python_step
-from retex.worker.calls import Supervision
+from retex.worker.supervision import Supervision
 from retex.worker.drain import Drain
 kind, arg, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 300
 begun = {"begun": float(sys.argv[4])} if len(sys.argv) > 4 else {}

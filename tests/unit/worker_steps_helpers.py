@@ -6,8 +6,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from retex.api.models import Step
-from retex.worker.calls import StepCall, Supervision, step_environment
 from retex.worker.drain import Drain
+from retex.worker.supervision import StepCall, Supervision, step_environment
 
 
 def step(**fields) -> Step:

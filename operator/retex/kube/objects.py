@@ -130,7 +130,7 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
         env.append({"name": "RETEX_FAILPOINT", "value": failpoint})
     # Secret values the steps name reach the worker as env from secretKeyRef: the kubelet resolves
     # them, so they sit in neither the Task, the Job, nor the ledger; the worker hands each step
-    # only its own (retex.worker.calls).
+    # only its own (retex.worker.supervision).
     env += [{"name": ref.env_name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
             for ref in spec.secret_refs()]
     container: dict[str, Any] = {

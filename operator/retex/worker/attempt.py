@@ -34,7 +34,6 @@ from retex.ledger import (
 )
 from retex.logs import log_line
 from retex.machine import StepState
-from retex.worker.calls import StepCall, Supervision
 from retex.worker.ledger_client import LedgerClient
 from retex.worker.logs import TaskFields
 from retex.worker.outcomes import (
@@ -51,6 +50,7 @@ from retex.worker.outcomes import (
     stored_text,
 )
 from retex.worker.steps import in_flight_seconds, run_step, run_verify
+from retex.worker.supervision import StepCall, Supervision
 
 if TYPE_CHECKING:
     from retex.ledger import Ledger  # the store: a type only, the worker never imports psycopg

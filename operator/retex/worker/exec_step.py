@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from retex.api.models import ExecAction, Step
-from retex.worker.calls import SecretMissing, StepCall, Supervision, secret_value
 from retex.worker.outcomes import (
     Abandoned,
     Failed,
@@ -36,6 +35,7 @@ from retex.worker.outcomes import (
     tail_text,
 )
 from retex.worker.processes import LEASE_LOST, ProcessEnd, Tether, own_deadline, supervise
+from retex.worker.supervision import SecretMissing, StepCall, Supervision, secret_value
 
 STDOUT_TAIL_BYTES = 32 * 1024
 STDERR_TAIL_BYTES = 8 * 1024

@@ -35,7 +35,6 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from retex.api.models import HttpAction, Step
-from retex.worker.calls import SecretMissing, StepCall, Supervision, secret_value
 from retex.worker.outcomes import (
     Abandoned,
     Failed,
@@ -49,6 +48,7 @@ from retex.worker.outcomes import (
     head_text,
 )
 from retex.worker.processes import LEASE_LOST
+from retex.worker.supervision import SecretMissing, StepCall, Supervision, secret_value
 
 BODY_LIMIT_BYTES = 32 * 1024
 ERROR_BODY_BYTES = 512

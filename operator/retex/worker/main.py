@@ -23,12 +23,12 @@ from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.worker import logs
 from retex.worker.attempt import Attempt, AttemptEnd, ExitCode
-from retex.worker.calls import Supervision
 from retex.worker.config import LEDGER_RETRY_SECONDS, ConfigError, WorkerConfig
 from retex.worker.drain import Drain
 from retex.worker.hardening import refuse_same_user_inspection
 from retex.worker.lease import AttemptLease, LeaseRefused, LeaseUnavailable
 from retex.worker.ledger_client import LedgerClient
+from retex.worker.supervision import Supervision
 
 log = logging.getLogger("retex.worker")
 CRASHED = 1

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import NoReturn, Protocol
 
 from retex.api.models import Step
-from retex.worker.calls import StepCall, Supervision
 from retex.worker.drain import Drain
+from retex.worker.supervision import StepCall, Supervision
 from retex.worker.tether import Answer, StartRequest
 
 _POLL_SECONDS = 0.05

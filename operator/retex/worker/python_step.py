@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from retex.api.models import PythonAction, Step
-from retex.worker.calls import StepCall, Supervision
 from retex.worker.outcomes import (
     Abandoned,
     Failed,
@@ -35,6 +34,7 @@ from retex.worker.outcomes import (
     VerifyOutcome,
 )
 from retex.worker.processes import LEASE_LOST, ProcessEnd, own_deadline, supervise
+from retex.worker.supervision import StepCall, Supervision
 
 
 def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) -> tuple[ProcessEnd, dict[str, Any] | None]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from retex.api.models import Action, Step
 from retex.worker import exec_step, http_step, python_step
-from retex.worker.calls import StepCall, Supervision
 from retex.worker.outcomes import StepOutcome, VerifyOutcome
+from retex.worker.supervision import StepCall, Supervision
 
 
 def in_flight_seconds(step: Step) -> float:
