@@ -93,13 +93,13 @@ def test_worker_image_has_no_pip_and_no_compiler():
     assert result.stdout.strip() == "None []"
 
 
-# The worker's own step runners, called as retex.worker.steps does for one attempt's step.
+# The worker's own step runners, called as retex.worker.steps.by_kind does for one attempt's step.
 RUN_STEP = textwrap.dedent("""
     import dataclasses, json, sys
     from retex.api.models import Step
     from retex.worker.supervision import StepCall, Supervision, step_environment
     from retex.worker.drain import Drain
-    from retex.worker.steps import run_step
+    from retex.worker.steps.by_kind import run_step
     step = Step.model_validate(json.loads(sys.argv[1]))
     call = StepCall(task_uid="uid-1", step=step.name, idempotency_key="uid-1:charge:abcd1234", attempt=1,
                     payload={"amount": 42}, results={})

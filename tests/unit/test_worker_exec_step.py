@@ -11,9 +11,9 @@ import time
 import pytest
 
 from retex.api.models import SecretKeySelector
-from retex.worker import exec_step
 from retex.worker.outcomes import Abandoned, Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
 from retex.worker.processes import TetherLost
+from retex.worker.steps import exec_step
 from retex.worker.supervision import step_environment
 from tests.unit.worker_steps_helpers import call, drain_after, step, supervision
 

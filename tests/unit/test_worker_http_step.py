@@ -12,8 +12,8 @@ import time
 import pytest
 
 from retex.api.models import SecretKeySelector
-from retex.worker import http_step
 from retex.worker.outcomes import Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
+from retex.worker.steps import http_step
 from tests.unit.worker_steps_helpers import HttpStub, call, step, supervision
 
 

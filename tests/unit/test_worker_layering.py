@@ -32,3 +32,11 @@ def test_the_worker_reaches_the_ledger_without_importing_psycopg():
 def test_the_ledger_store_still_comes_with_the_ledger_package_on_first_use():
     loaded = modules_after("from retex.ledger import Ledger, NOTIFY_CHANNEL, spec_hash")
     assert "psycopg" in loaded and "retex.ledger.store" in loaded
+
+
+def test_a_python_steps_child_interpreter_loads_no_other_step_runner():
+    # `python -m retex.worker.steps.pycall` imports the package first: it must stay empty.
+    loaded = modules_after("import retex.worker.steps.pycall")
+    runners = {"retex.worker.steps.by_kind", "retex.worker.steps.exec_step", "retex.worker.steps.http_step",
+               "retex.worker.steps.python_step"}
+    assert not runners & loaded

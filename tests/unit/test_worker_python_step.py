@@ -4,8 +4,8 @@ cancellation and the verify convention."""
 import time
 from pathlib import Path
 
-from retex.worker import python_step
 from retex.worker.outcomes import Abandoned, Failed, Found, NotFound, Succeeded, Unknown, VerifyFailed
+from retex.worker.steps import python_step
 from retex.worker.supervision import step_environment
 from tests.unit.worker_steps_helpers import call, drain_after, step, supervision
 

@@ -23,7 +23,7 @@ REPO = str(Path(__file__).resolve().parents[2])
 WORKER = """
 import os, sys
 from tests.unit.worker_steps_helpers import call, step
-from retex.worker import exec_step, python_step
+from retex.worker.steps import exec_step, python_step
 from retex.worker.supervision import Supervision
 from retex.worker.drain import Drain
 kind, arg, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 300
@@ -123,7 +123,7 @@ def test_a_steps_own_kill_lands_inside_the_margin_the_next_attempt_waits_out():
 THREAD_THEN_MAIN = """
 import threading
 from tests.unit.worker_steps_helpers import call, step, supervision
-from retex.worker import exec_step
+from retex.worker.steps import exec_step
 s = step(exec={"command": ["sh", "-c", "grep PPid /proc/$$/status"]})
 parents = []
 starter = threading.Thread(target=lambda: parents.append(exec_step.run(s.exec, s, call(), supervision())))
@@ -205,8 +205,8 @@ def test_a_step_whose_pidfd_cannot_be_opened_is_killed_and_its_end_unknown_and_t
 
 
 def test_a_step_whose_pidfd_cannot_be_opened_is_an_unknown_outcome_never_a_success(tmp_path, monkeypatch):
-    from retex.worker import exec_step
     from retex.worker.outcomes import Unknown, VerifyFailed
+    from retex.worker.steps import exec_step
     from tests.unit.worker_steps_helpers import supervision
     monkeypatch.setattr(exec_step, "TETHER", _WrappedTether(NO_PIDFD.format(file=TETHER_FILE), "no"))
     s = step(exec={"command": ["true"]})

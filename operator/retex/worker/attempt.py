@@ -49,7 +49,7 @@ from retex.worker.outcomes import (
     stored_result,
     stored_text,
 )
-from retex.worker.steps import in_flight_seconds, run_step, run_verify
+from retex.worker.steps.by_kind import in_flight_seconds, run_step, run_verify
 from retex.worker.supervision import StepCall, Supervision
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long past a step's begin + its in-flight time (steps.in_flight_seconds) a verify waits while
+# How long past a step's begin + its in-flight time (by_kind.in_flight_seconds) a verify waits while
 # the step may still be in flight: covers the step's own kill (its group leader's SIGKILL at
 # begin + timeout + grace + 1 s, processes.own_deadline), a late timer on a loaded host and clock
 # rate differences. The begin is read before the write that stores started_at (StepCall.begun).

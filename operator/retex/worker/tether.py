@@ -30,7 +30,7 @@ needs pidfd_open (Linux >= 5.3): it checks it at start and exits, having started
 it. Whatever ends it, it SIGKILLs every group it started first.
 
 `tie_to` and `kill_group_at` also serve a python step's child, which leads its own group
-(`retex.worker.pycall`).
+(`retex.worker.steps.pycall`).
 """
 
 from __future__ import annotations

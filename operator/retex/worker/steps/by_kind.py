@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from retex.api.models import Action, Step
-from retex.worker import exec_step, http_step, python_step
 from retex.worker.outcomes import StepOutcome, VerifyOutcome
+from retex.worker.steps import exec_step, http_step, python_step
 from retex.worker.supervision import StepCall, Supervision
 
 

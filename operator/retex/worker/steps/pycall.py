@@ -1,4 +1,4 @@
-"""The child interpreter of a python step: `python -m retex.worker.pycall REQUEST RESPONSE`.
+"""The child interpreter of a python step: `python -m retex.worker.steps.pycall REQUEST RESPONSE`.
 
 A child process, not a thread, so that a timeout or the drain can really stop the call (a thread
 cannot be killed, and one still running could perform its effect after the worker moved on).

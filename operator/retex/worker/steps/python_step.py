@@ -47,7 +47,7 @@ def _call(action: PythonAction, step: Step, call: StepCall, sup: Supervision) ->
             "results": call.results, "workerPid": os.getpid(), "deadline": own_deadline(step, call, sup),
         }))
         # -P and cwd /: nothing an earlier step wrote where the worker runs can shadow a module.
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "retex.worker.pycall", str(request), str(response)],
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "retex.worker.steps.pycall", str(request), str(response)],
                                 env=dict(sup.env), stdin=subprocess.DEVNULL, start_new_session=True, cwd="/")
         end = supervise(proc, deadline=call.begun + step.timeout_seconds, drain=sup.drain, kill_grace=sup.kill_grace_seconds,
                         held=sup.held)
