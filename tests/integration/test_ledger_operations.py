@@ -8,6 +8,7 @@ import pytest
 from retex.ledger import (
     CancelRequested,
     ResultTooLarge,
+    StepNotFound,
     StepOutOfOrder,
     TaskRef,
 )
@@ -224,6 +225,17 @@ def test_a_flagged_step_must_be_resolved_before_requeue_and_resolving_resumes_th
     resumed = ledger.resolve_step(uid, "charge", mark_done=True, result={"found": "ch_1"}, actor="cli:bob")
     assert (resumed.phase, resumed.epoch, resumed.steps[0].state) == (TaskPhase.RUNNING, 2, StepState.DONE)
     assert resumed.steps[0].result == {"found": "ch_1"}
+
+
+def test_a_step_the_task_does_not_have_is_refused_as_step_not_found_and_nothing_moves(ledger):
+    uid = admitted(ledger)
+    with pytest.raises(StepNotFound) as unknown:
+        ledger.resolve_step(uid, "refund", mark_done=True, result=None, actor="cli:bob")
+    assert (unknown.value.uid, unknown.value.step) == (uid, "refund")
+    with pytest.raises(StepNotFound) as beyond:
+        ledger.begin_step(uid, 1, 3, actor="worker")
+    assert beyond.value.step == 3
+    assert [s.state for s in ledger.get(uid).steps] == [StepState.PENDING] * 3
 
 
 def test_resolving_by_rerun_puts_the_step_back_to_pending(ledger):

@@ -15,6 +15,7 @@ from retex.ledger import (
     Ledger,
     LedgerUnavailable,
     ResultTooLarge,
+    StepNotFound,
     StepOutOfOrder,
     StepRecord,
     TaskNotFound,
@@ -59,6 +60,15 @@ def test_every_error_a_worker_branches_on_comes_back_as_its_own_type_and_message
     assert type(back) is type(error) and str(back) == str(error)
     if isinstance(error, FenceRejected):
         assert (back.uid, back.epoch, back.current_epoch, back.phase) == ("u", 1, 2, "Running")
+
+
+def test_a_missing_step_crosses_the_wire_as_the_illegal_transition_workers_already_know():
+    # Workers of an older release know no StepNotFound; to them it was always an IllegalTransition.
+    missing = StepNotFound("u", 3, "begin")
+    sent = error_to_json(missing)
+    assert sent["error"] == "IllegalTransition"
+    back = error_from_json(json.loads(json.dumps(sent)))
+    assert type(back) is IllegalTransition and str(back) == str(missing) == "illegal step transition: 'begin of step 3' from 'missing'"
 
 
 def test_the_endpoint_offers_exactly_the_operations_the_worker_client_has_with_the_ledgers_arguments():

@@ -28,7 +28,7 @@ import psycopg
 
 from retex.cli import render
 from retex.kube import humans
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskNotFound, TaskRecord
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable, StepNotFound, TaskNotFound, TaskRecord
 from retex.ledger.tls import unverified_tls_refusal
 from retex.machine import IllegalTransition
 
@@ -240,7 +240,7 @@ def _why(task: TaskRecord, exc: IllegalTransition) -> str:
                 f"`retex resolve {task.name} -n {task.namespace} --step <step> --mark-done | --rerun`")
     if exc.event == "requeue":
         return f"it is {exc.state}; only Failed and NeedsAttention tasks can be requeued"
-    if exc.event.startswith("resolve of unknown step"):
+    if isinstance(exc, StepNotFound):
         return f"no such step (steps: {', '.join(s.name for s in task.steps)})"
     if exc.event.startswith("resolve-"):
         return f"the step is {exc.state}; only a step that needs attention can be resolved"

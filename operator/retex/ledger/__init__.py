@@ -18,6 +18,7 @@ from retex.ledger.errors import (
     LedgerUnavailable,
     NotLeader,
     ResultTooLarge,
+    StepNotFound,
     StepOutOfOrder,
     TaskNotFound,
     UnstorableValue,
@@ -45,8 +46,8 @@ __all__ = [
     "DispatchOutcomes",
     "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError",
     "LedgerUnavailable", "NotLeader", "Refusal", "ResultTooLarge",
-    "SessionLimits", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord", "TaskRef", "UnstorableValue",
-    "WatchedAttempt",
+    "SessionLimits", "StepNotFound", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord",
+    "TaskRef", "UnstorableValue", "WatchedAttempt",
     "spec_hash", "step_idempotency_key",
 ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from retex.machine import IllegalTransition
+
 
 class LedgerError(Exception):
     """Base of every error the ledger raises on purpose."""
@@ -32,6 +34,15 @@ class CancelRequested(LedgerError):
     def __init__(self, uid: str):
         super().__init__(f"task {uid} is being cancelled")
         self.uid = uid
+
+
+class StepNotFound(IllegalTransition):
+    """The task has no step of that index or name. An IllegalTransition (from the state "missing"),
+    and so named on the worker's wire (retex.ledger.wire), as it was before it had a type of its own."""
+
+    def __init__(self, uid: str, step: int | str, event: str):
+        super().__init__("step", "missing", f"{event} of step {step!r}")
+        self.uid, self.step = uid, step
 
 
 class StepOutOfOrder(LedgerError):

@@ -12,9 +12,9 @@ import psycopg
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from retex.ledger.errors import FenceRejected, ResultTooLarge, TaskNotFound
+from retex.ledger.errors import FenceRejected, ResultTooLarge, StepNotFound, TaskNotFound
 from retex.ledger.records import RESULT_LIMIT_BYTES
-from retex.machine import IllegalTransition, StepEvent, TaskPhase, step_transition
+from retex.machine import StepEvent, TaskPhase, step_transition
 
 # The cursors of every operation: the pool hands out connections whose rows are dicts.
 Cursor = psycopg.Cursor[DictRow]
@@ -76,7 +76,7 @@ def lock_step(cur: Cursor, uid: str, idx: int, event: StepEvent) -> dict[str, An
         "SELECT state, name FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
     ).fetchone()
     if step is None:
-        raise IllegalTransition("step", "missing", f"{event} of step {idx}")
+        raise StepNotFound(uid, idx, event)
     return step
 
 

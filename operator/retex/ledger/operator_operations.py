@@ -13,6 +13,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from retex.ledger import readers
+from retex.ledger.errors import StepNotFound
 from retex.ledger.hashing import spec_hash, step_idempotency_key
 from retex.ledger.moves import (
     NOW,
@@ -290,7 +291,7 @@ def resolve_step(cur: Cursor, uid: str, step_name: str, *, mark_done: bool, resu
     step = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
                        (uid, step_name)).fetchone()
     if step is None:
-        raise IllegalTransition("step", "missing", f"resolve of unknown step {step_name!r}")
+        raise StepNotFound(uid, step_name, "resolve")
     if mark_done:
         check_result_size(result)
         move_step(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,

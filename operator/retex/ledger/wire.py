@@ -114,7 +114,8 @@ _ERRORS: dict[str, tuple[type[Exception], tuple[str, ...]]] = {
 
 
 def error_to_json(exc: Exception) -> dict[str, Any]:
-    name = type(exc).__name__ if type(exc).__name__ in _ERRORS else "LedgerError"
+    """Named by its nearest type the worker knows (a StepNotFound is an IllegalTransition to it)."""
+    name = next((cls.__name__ for cls in type(exc).__mro__ if cls.__name__ in _ERRORS), "LedgerError")
     cls, attrs = _ERRORS[name]
     return {"error": name, "message": str(exc), "args": {a: getattr(exc, a) for a in attrs}}
 

@@ -20,7 +20,7 @@ from psycopg.types.json import Jsonb
 
 from retex.failpoints import failpoint
 from retex.ledger import readers
-from retex.ledger.errors import CancelRequested, StepOutOfOrder, TaskNotFound, UnstorableValue
+from retex.ledger.errors import CancelRequested, StepNotFound, StepOutOfOrder, TaskNotFound, UnstorableValue
 from retex.ledger.moves import (
     NOW,
     WRITE_TIME,
@@ -80,7 +80,7 @@ def begin_step(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str,
            FROM retex.steps s WHERE s.task_uid = %s AND s.idx = %s FOR UPDATE OF s""",
         (uid, idx)).fetchone()
     if row is None:
-        raise IllegalTransition("step", "missing", f"{StepEvent.BEGIN} of step {idx}")
+        raise StepNotFound(uid, idx, StepEvent.BEGIN)
     prior = readers.step_record(row)
     if prior.state == StepState.STARTED and prior.attempt == epoch:
         if request is not None and row["begin_request"] == request:  # the same call again
