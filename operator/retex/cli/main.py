@@ -30,6 +30,7 @@ from retex.cli import render
 from retex.kube import humans
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, StepNotFound, TaskNotFound, TaskRecord
 from retex.ledger.tls import unverified_tls_refusal
+from retex.logs import JsonLines
 from retex.machine import IllegalTransition
 
 if TYPE_CHECKING:
@@ -55,8 +56,10 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger().addHandler(logging.NullHandler())  # no stray warnings from retries
     args = _parser().parse_args(argv)
-    if args.verbose:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:  # the retries' lines as the operator and the worker write them, fields and all
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonLines())
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         code: int = args.command(args)
         return code

@@ -26,6 +26,7 @@ from retex.ledger import readers
 from retex.ledger.errors import LedgerUnavailable, NotLeader
 from retex.ledger.moves import Cursor, lock_task, one
 from retex.ledger.records import TaskRecord
+from retex.logs import log_line
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,7 +164,8 @@ def retrying(fn: Callable[[], T], *, op: str, retry_for: float) -> T:
         except TRANSIENT as exc:
             if time.monotonic() + delay > deadline:
                 raise LedgerUnavailable(f"{op}: Postgres unavailable for {retry_for:.0f}s: {exc}") from exc
-            log.warning("ledger %s: transient error, retrying in %.2fs: %s", op, delay, exc)
+            log_line(log, logging.WARNING, "ledger: transient error, retrying", operation=op, retry_in_seconds=round(delay, 2),
+                     error=str(exc))
             time.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, 2.0)
 

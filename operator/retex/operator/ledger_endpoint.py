@@ -183,14 +183,14 @@ class _Server(ThreadingHTTPServer):
         try:
             self.serving.refresh()
         except (OSError, ssl.SSLError) as exc:  # a rotation half written: keep the loaded pair
-            log.warning("ledger endpoint: certificate not reloaded: %s", exc)
+            log_line(log, logging.WARNING, "ledger endpoint: certificate not reloaded", error=str(exc))
         # The handshake happens in the request's own thread (_Handler.setup), under its socket
         # timeout: a client that never completes one ties up nothing but that thread.
         return self.serving.context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False), address
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A failed handshake or a dropped client: the client's problem, one line, no traceback.
-        log.info("ledger endpoint: connection from %s dropped", client_address[0])
+        log_line(log, logging.INFO, "ledger endpoint: connection dropped", client=client_address[0])
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -256,7 +256,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (LedgerError, IllegalTransition) as exc:
             self._reply(409, error_to_json(exc))
         except Exception as exc:  # noqa: BLE001 - a bug here must not kill the server thread silently
-            log.exception("ledger endpoint: %s failed", operation)
+            log_line(log, logging.ERROR, "ledger endpoint: operation failed", operation=operation, exc_info=True)
             self._reply(500, {"message": f"{type(exc).__name__}: {exc}"})
 
     def _refuse(self, status: int, message: str) -> None:

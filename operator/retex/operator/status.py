@@ -236,7 +236,8 @@ class StatusMirror(Loop):
                         on_change()
             except Exception as exc:
                 count_failure("ledger-listen", exc)
-                log.warning("ledger listen failed (%s: %s); listening again in %.1fs", type(exc).__name__, exc, delay)
+                log_line(log, logging.WARNING, "ledger listen failed; listening again", error=f"{type(exc).__name__}: {exc}",
+                         retry_in_seconds=round(delay, 1))
                 self._stop.wait(delay)
                 delay = min(delay * 2, LISTEN_RETRY_MAX_SECONDS)
                 self._next_resync = 0.0

@@ -279,7 +279,7 @@ class Attempt:
         try:
             return run_step(step, call, self._sup)
         except Exception as exc:  # noqa: BLE001 - recorded through the unknown-outcome rules
-            log.exception("step runner failed")
+            log_line(log, logging.ERROR, "step runner failed", exc_info=True)
             return Unknown(f"the worker failed while running the step: {type(exc).__name__}: {exc}")
 
     def _verify(self, verify: Action, step: Step, call: StepCall) -> VerifyOutcome:
@@ -290,7 +290,7 @@ class Attempt:
                 # A verify's own time counts from its own start, not from the step's begin.
                 outcome = run_verify(verify, step, dataclasses.replace(call, begun=time.monotonic()), self._sup)
             except Exception as exc:  # noqa: BLE001 - a verify that cannot run cannot tell
-                log.exception("verify runner failed")
+                log_line(log, logging.ERROR, "verify runner failed", exc_info=True)
                 outcome = VerifyFailed(f"the worker failed while verifying: {type(exc).__name__}: {exc}")
             log_line(log, logging.INFO, "verify ran", outcome=type(outcome).__name__, try_number=attempt)
             if not isinstance(outcome, VerifyFailed) or self._sup.drain.requested.is_set():

@@ -27,6 +27,7 @@ import urllib3
 
 from retex.ledger import LedgerUnavailable, StepRecord, TaskRecord, UnstorableValue
 from retex.ledger.wire import PATH_PREFIX, RequestRefused, error_from_json, step_from_json, task_from_json, to_json
+from retex.logs import log_line
 
 log = logging.getLogger(__name__)
 # Longer than the endpoint's own Postgres retry window (retex.operator.ledger_endpoint), so a slow
@@ -119,7 +120,8 @@ class LedgerClient:
                 raise RequestRefused(status, str(payload.get("message", payload)))
             if time.monotonic() + delay > deadline and not self.keep_trying():
                 raise LedgerUnavailable(f"{operation}: ledger endpoint unavailable: {why}")
-            log.warning("ledger %s: endpoint unavailable, retrying in %.2fs: %s", operation, delay, why)
+            log_line(log, logging.WARNING, "ledger endpoint unavailable; retrying", operation=operation,
+                     retry_in_seconds=round(delay, 2), why=why)
             time.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, 2.0)
 

@@ -66,7 +66,7 @@ def main() -> int:
     except Exception:
         # A bug or an impossible state: a crash, counted as a failure by the operator. The Lease
         # is left to expire.
-        log.exception("worker crashed")
+        log_line(log, logging.ERROR, "worker crashed", exc_info=True)
         return CRASHED
     finally:
         ledger.close()
