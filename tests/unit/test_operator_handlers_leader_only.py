@@ -2,6 +2,7 @@
 between losing the lease and kopf stopping, a handler on the old leader must not act."""
 
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import kopf
@@ -10,6 +11,8 @@ import pytest
 import retex.operator.handlers as handlers  # registers the handlers with kopf
 from retex.kube.operator_calls import NotLeading
 from retex.ledger import NotLeader
+
+LOGGER = logging.getLogger("kopf.objects")  # what kopf hands every handler: the Task's logger
 
 
 def test_every_task_handler_is_leader_only():
@@ -51,7 +54,7 @@ def test_a_handler_that_meets_a_lost_leadership_waits_rather_than_have_kopf_writ
 
     wrapped = handlers.leader_only(handler)
     runtime = Runtime([True, False, False, True])
-    assert asyncio.run(wrapped(memo=SimpleNamespace(runtime=runtime))) == "done"
+    assert asyncio.run(wrapped(memo=SimpleNamespace(runtime=runtime), logger=LOGGER)) == "done"
     assert calls == [0, 1]
 
 
@@ -61,7 +64,7 @@ def test_a_handler_waiting_for_leadership_is_cancelled_when_kopf_stops_and_raise
 
     async def run():
         waiting = asyncio.create_task(handlers.leader_only(handler)(memo=SimpleNamespace(
-            runtime=Runtime([True]))))
+            runtime=Runtime([True])), logger=LOGGER))
         await asyncio.sleep(0.05)
         waiting.cancel()  # what kopf does to its workers when it stops
         with pytest.raises(asyncio.CancelledError):
@@ -82,5 +85,5 @@ def test_a_handler_refused_by_the_ledgers_term_reports_the_lost_term_as_a_writer
         return "done"
 
     runtime = Runtime([True, True])
-    assert asyncio.run(handlers.leader_only(handler)(memo=SimpleNamespace(runtime=runtime))) == "done"
+    assert asyncio.run(handlers.leader_only(handler)(memo=SimpleNamespace(runtime=runtime), logger=LOGGER)) == "done"
     assert runtime.terms_lost == [2]

@@ -316,8 +316,8 @@ def leader_only(handler: Callable[..., Any]) -> Callable[..., Any]:
                 # It stopped leading meanwhile. Raising (even kopf.TemporaryError) would have kopf
                 # patch its progress onto the Task as a deposed leader: wait instead. kopf, stopped
                 # meanwhile, cancels this (nothing written); the next leader's kopf resumes the Task.
-                log_line(log, logging.INFO, "handler waits: this replica stopped leading", handler=handler.__name__,
-                         error=str(exc))
+                log_line(kwargs["logger"], logging.INFO, "handler waits: this replica stopped leading",
+                         handler=handler.__name__, error=str(exc))
                 if isinstance(exc, NotLeader):  # as a writer loop's refusal does (Loop.on_not_leader)
                     await asyncio.to_thread(runtime._term_lost, exc)
                 await asyncio.sleep(runtime.leadership.timing.retry_period)
@@ -346,7 +346,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.create(*TASKS)
 @leader_only
 def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta, body: kopf.Body,
-          memo: kopf.Memo, **_: Any) -> None:
+          memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Into the ledger with its first dispatch, in one transaction; idempotent by UID (R1).
 
     Refused instead (Accepted=False, phase Refused, never run): a spec the models refuse,
@@ -363,7 +363,7 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
     except TaskNotFound:
         admitted = False
     if not admitted and not _admitted_now(runtime, uid=uid, namespace=namespace, name=name, spec=dict(spec),
-                                          meta=meta, body=dict(body)):
+                                          meta=meta, body=dict(body), logger=logger):
         return
     if spec.get("cancel"):
         runtime.ledger.request_cancel(uid)
@@ -373,9 +373,10 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
 
 
 def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec: dict[str, Any],
-                  meta: kopf.Meta, body: dict[str, Any]) -> bool:
+                  meta: kopf.Meta, body: dict[str, Any], logger: kopf.Logger) -> bool:
     """Admit a Task the ledger does not hold; False when it is not admitted (refused or purged).
-    Every final decision the ledger already holds is asked first, before the dry run."""
+    Every final decision the ledger already holds is asked first, before the dry run. `logger`:
+    kopf's for this Task, whose lines name it (uid, namespace, name: retex.logs)."""
 
     def refuse(reason: str, message: str) -> bool:
         stored = runtime.ledger.refuse(Refusal(uid=uid, namespace=namespace, name=name, reason=reason,
@@ -409,16 +410,15 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
             raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
         verdict = runtime.ledger.admit(admission)
         failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
-    who: dict[str, Any] = {"uid": uid, "namespace": namespace, "name": name}
     if verdict.refusal is not None:
         runtime.mirror.refuse(body, verdict.refusal.reason, verdict.refusal.message)
         return False
     if verdict.purged:  # it ran to its end long ago and its history was purged: never again
-        log_line(log, logging.INFO, "purged by history retention: not admitted again", **who)
+        log_line(logger, logging.INFO, "purged by history retention: not admitted again")
         return False
     if verdict.duplicate_of is not None:
         first = verdict.duplicate_of
-        log_line(log, logging.INFO, "duplicate by idempotencyKey: not run", **who, duplicate_of=first.uid)
+        log_line(logger, logging.INFO, "duplicate by idempotencyKey: not run", duplicate_of=first.uid)
         return refuse("DuplicateIdempotencyKey",
                       f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
                       f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
@@ -446,7 +446,7 @@ def _actor(body: kopf.Body, new: str) -> str:
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", REQUEUE_ANNOTATION))
 @leader_only
-def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Setting (or changing) the annotation gives a Failed or NeedsAttention task a fresh attempt
     and budget; the ledger records it in history, with who asked."""
     runtime: Runtime = memo.runtime
@@ -454,14 +454,14 @@ def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
         try:
             runtime.ledger.requeue(uid, actor=_actor(body, new))
         except IllegalTransition as refused:  # not Failed or NeedsAttention, or a step awaits a human
-            log_line(log, logging.WARNING, "requeue refused", uid=uid, why=str(refused))
+            log_line(logger, logging.WARNING, "requeue refused", why=str(refused))
             runtime.mirror.warn(dict(body), "RequeueRefused", f"requeue refused: {refused}")
             return
         except TaskNotFound:  # not in the ledger: retrying (kopf's default) would loop for ever
             refusal = runtime.ledger.refusal(uid)
             why = (f"the Task was refused at admission ({refusal.reason}), it never runs" if refusal else
                    "the Task's history was purged (history retention), it never runs again")
-            log_line(log, logging.WARNING, "requeue ignored", uid=uid, why=why)
+            log_line(logger, logging.WARNING, "requeue ignored", why=why)
             runtime.mirror.warn(dict(body), "RequeueIgnored", f"requeue ignored: {why}; create a new Task")
             return
         runtime.relay.wake.set()
@@ -469,7 +469,7 @@ def requeue(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
 
 @kopf.on.field(*TASKS, field=("metadata", "annotations", RESOLVE_ANNOTATION))
 @leader_only
-def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """`retex resolve` through the API: the annotation holds the decision as JSON
     ({"step", "markDone", "result"?, "requestedAt"}); the ledger records it with who asked."""
     runtime: Runtime = memo.runtime
@@ -490,7 +490,7 @@ def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, **_: An
     except (LedgerUnavailable, NotLeader):
         raise  # kopf retries the handler
     except (IllegalTransition, LedgerError) as refused:  # a step not awaiting a decision, a result too large
-        log_line(log, logging.WARNING, "resolve refused", uid=uid, why=str(refused))
+        log_line(logger, logging.WARNING, "resolve refused", why=str(refused))
         runtime.mirror.warn(dict(body), "ResolveRefused", f"resolve of step {step!r} refused: {refused}")
         return
     runtime.relay.wake.set()
