@@ -1,10 +1,12 @@
-"""Which refusals of a create are for good, which mean the namespace is going, which pass."""
+"""Which refusals of a create are for good, which mean the namespace is going, which pass; which
+errors of any call may clear by itself (retex.kube.errors)."""
 
 import json
 
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.operator_calls import NamespaceTerminating, Refused, refusal
+from retex.kube.errors import NamespaceTerminating, Refused, refusal, transient
 
 
 def answer(status: int, message: str, causes: list[dict] | None = None) -> ApiException:
@@ -40,3 +42,14 @@ def test_an_admission_policy_403_and_an_invalid_object_are_refusals_with_the_ser
 def test_server_errors_and_throttling_are_transient():
     assert refusal(answer(500, "etcdserver: request timed out")) is None
     assert refusal(answer(429, "too many requests")) is None
+
+
+def test_connection_level_failures_server_errors_and_a_full_quota_are_transient_but_refusals_for_good_are_not():
+    assert transient(ApiException(status=0, reason="SSLError"))  # the client's wrapper for no response
+    assert transient(answer(503, "unavailable")) and transient(answer(429, "too many requests"))
+    assert transient(answer(403, 'jobs.batch "t-1" is forbidden: exceeded quota: jobs'))
+    assert transient(urllib3.exceptions.ProtocolError("reset")) and transient(ConnectionRefusedError())
+    for status, message in [(400, "bad request"), (403, 'jobs.batch "t-1" is forbidden: violates PodSecurity'),
+                            (404, 'namespaces "gone" not found'), (422, 'Job.batch "t-1" is invalid')]:
+        assert not transient(answer(status, message)), status
+    assert not transient(ValueError("a bug"))

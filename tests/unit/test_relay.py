@@ -11,8 +11,9 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from retex.api import TaskSpec
+from retex.kube.errors import NamespaceTerminating, NotPermitted, Refused
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, job_name
-from retex.kube.operator_calls import NamespaceTerminating, NotLeading, NotPermitted, Refused
+from retex.kube.operator_calls import NotLeading
 from retex.ledger import Dispatch, LedgerUnavailable
 from retex.operator.dispatch import Relay
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.operator_calls import EventNotPosted, StatusNotWritten, api_message
+from retex.kube.errors import api_message
+from retex.kube.operator_calls import EventNotPosted, StatusNotWritten
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY

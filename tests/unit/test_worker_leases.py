@@ -146,18 +146,6 @@ def test_releasing_clears_the_holder_keeps_history_and_says_who_released():
     assert released_by(lease()) is None  # never taken
 
 
-def test_connection_level_failures_and_server_errors_are_transient_but_refusals_are_not():
-    import urllib3
-    from kubernetes.client import ApiException
-
-    from retex.worker.lease import is_transient
-
-    assert is_transient(ApiException(status=0, reason="SSLError"))  # the client's wrapper for no response
-    assert is_transient(ApiException(status=503)) and is_transient(ApiException(status=429))
-    assert is_transient(urllib3.exceptions.ProtocolError("reset")) and is_transient(ConnectionRefusedError())
-    assert not is_transient(ApiException(status=403)) and not is_transient(ValueError("bug"))
-
-
 def test_lease_timing_kills_the_step_before_the_operator_can_judge_the_lease_expired():
     timing = LeaseTiming.of(15)
     assert (timing.duration, timing.renew_deadline, timing.retry_period) == (15, 10, 2)

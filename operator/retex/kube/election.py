@@ -23,6 +23,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from retex.kube.errors import conflict, not_found
 from retex.kube.leases import LeaseConflict, format_micro_time
 
 LEADER_LEASE_NAME = "retex-operator-leader"
@@ -170,7 +171,7 @@ class LeaderLease:
             lease = self._coordination.read_namespaced_lease(self.name, self.namespace,
                                                              _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status == 404:
+            if not_found(exc):
                 self._version = None
                 return None
             raise
@@ -192,7 +193,7 @@ class LeaderLease:
                 written = self._coordination.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into V1Lease
                                                                       _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status == 409:
+            if conflict(exc):
                 raise LeaseConflict(f"leader Lease {self.namespace}/{self.name} changed") from exc
             raise
         self._version = written.metadata.resource_version if written.metadata else None

@@ -20,7 +20,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from retex.api import GROUP, PLURAL, VERSION
-from retex.kube.operator_calls import MERGE_PATCH, NotPermitted, api_message, custom_object, refusal
+from retex.kube.errors import NotPermitted, api_message, not_found, refusal
+from retex.kube.operator_calls import MERGE_PATCH, custom_object
 
 T = TypeVar("T")
 
@@ -138,7 +139,7 @@ def _call(fn: Callable[[], T], doing: str) -> T:
     try:
         return fn()
     except ApiException as exc:
-        if exc.status == 404:
+        if not_found(exc):
             raise TaskMissing(f"cannot {doing}: not found") from None
         refused = refusal(exc)
         if isinstance(refused, NotPermitted):

@@ -29,6 +29,7 @@ from typing import Any
 from kubernetes import client
 
 from retex.api.models import LEASE_KILL_SECONDS, default_renew_deadline_seconds
+from retex.kube.errors import conflict, not_found
 
 RELEASED_BY_ANNOTATION = "retex.dev/released-by"
 _HOLDER_SEPARATOR = ":"
@@ -266,11 +267,12 @@ def _call(api: client.ApiClient, method: str, namespace: str, name: str, body: d
     )
     response = api.call_api(*request, _request_timeout=timeout)
     data = response.read()
-    if response.status == 404:
-        raise LeaseNotFound(f"lease {namespace}/{name} not found")
-    if response.status == 409:
-        raise LeaseConflict(f"lease {namespace}/{name} changed since it was read")
     if not 200 <= response.status < 300:
-        raise client.ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
+        refused = client.ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
+        if not_found(refused):
+            raise LeaseNotFound(f"lease {namespace}/{name} not found")
+        if conflict(refused):
+            raise LeaseConflict(f"lease {namespace}/{name} changed since it was read")
+        raise refused
     answer: dict[str, Any] = json.loads(data)
     return answer

@@ -30,6 +30,7 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
 from retex.failpoints import failpoint
+from retex.kube.errors import expired
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
 from retex.kube.operator_calls import LIST_TIMEOUT_SECONDS
@@ -191,7 +192,7 @@ class LeaseObserver:
             except ApiException as exc:
                 version = None
                 self.went_blind()
-                if exc.status != 410:
+                if not expired(exc):
                     log_line(log, logging.WARNING, "lease watch failed; relisting", http_status=exc.status)
                     self._stop.wait(1.0)
             except Exception as exc:  # connection refused while the API server restarts, etc.

@@ -5,54 +5,32 @@ the object that exists is owned by the same Task, delete treats NotFound as succ
 API server refuses for good raises `Refused` (with the server's message), or its subclasses
 `NamespaceTerminating` when the namespace is being deleted and `NotPermitted` when RBAC does not let
 the operator create it there (a namespace not onboarded); any other API status or transport
-error (429, 5xx, a dropped connection, a quota that is full for now) is transient (`transient`).
+error (429, 5xx, a dropped connection, a quota that is full for now) is transient
+(retex.kube.errors, where every answer's status is read).
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from retex.api import GROUP, PLURAL, VERSION
 from retex.api.models import MSG_LEDGER_VERSION_MONOTONIC
+from retex.kube.errors import (
+    Refused,
+    api_message,
+    causes,
+    conflict,
+    invalid,
+    not_found,
+    raise_refusal_or_reraise,
+)
 
 MERGE_PATCH = "application/merge-patch+json"
-# Statuses of a create that repeating cannot fix: bad request, forbidden (admission policy, a
-# terminating namespace), namespace not found, invalid (e.g. requests above limits). A 403 from
-# ResourceQuota is the exception: quota is freed as other work ends, so it is transient.
-PERMANENT_STATUSES = frozenset({400, 403, 404, 422})
-# The messages of the ResourceQuota admission plugin (k8s.io/apiserver's resourcequota): the
-# quota is used up, or its usage not yet computed.
-_QUOTA_MESSAGES = ("exceeded quota", "status unknown for quota")
-# The StatusCause NamespaceLifecycle adds to its 403 (its Go field Type is "reason" in JSON).
-_NAMESPACE_TERMINATING_CAUSE = "NamespaceTerminating"
-# The API server's words when the authorizer (not an admission plugin) says no:
-# `jobs.batch is forbidden: User "..." cannot create resource "jobs" in API group "batch" ...`.
-_NOT_AUTHORIZED = re.compile(r'User ".*" cannot [a-z]+ resource "')
-
-
-class Refused(Exception):
-    """The API server refused to create an object, for good. The message is the server's own."""
-
-    def __init__(self, message: str, status: int):
-        super().__init__(message)
-        self.message, self.status = message, status
-
-
-class NamespaceTerminating(Refused):
-    """The namespace is being deleted: nothing new may be created in it, and its Tasks go with it."""
-
-
-class NotPermitted(Refused):
-    """RBAC does not let the operator create this there: the namespace was not onboarded (the
-    operator's write rights come from a RoleBinding per tenant namespace)."""
 
 
 class NotLeading(Exception):
@@ -81,42 +59,6 @@ class EventNotPosted(Exception):
         self.http_status = http_status
 
 
-def api_message(exc: ApiException) -> str:
-    """The message of the Status the API server answered with (falls back to the HTTP reason)."""
-    return _status_of(exc).get("message") or f"{exc.status} {exc.reason}"
-
-
-def refusal(exc: ApiException) -> Refused | None:
-    """The `Refused` a create's ApiException means, or None when it is transient (retry it)."""
-    if exc.status not in PERMANENT_STATUSES:
-        return None
-    message = api_message(exc)
-    if exc.status == 403:
-        causes = (_status_of(exc).get("details") or {}).get("causes") or ()
-        if any(isinstance(c, dict) and c.get("reason") == _NAMESPACE_TERMINATING_CAUSE for c in causes):
-            return NamespaceTerminating(message, exc.status)
-        if any(text in message for text in _QUOTA_MESSAGES):
-            return None
-        if _NOT_AUTHORIZED.search(message):
-            return NotPermitted(message, exc.status)
-    return Refused(message, exc.status)
-
-
-def _raise_refusal_or_reraise(exc: ApiException) -> None:
-    """Inside an `except` for `exc`: raise the `Refused` it means, or `exc` itself when transient."""
-    refused = refusal(exc)
-    if refused is not None:
-        raise refused from exc
-    raise exc
-
-
-def transient(exc: BaseException) -> bool:
-    """Whether a call's exception may clear by itself: an API status that is not a refusal (429,
-    5xx, a quota full for now) or a transport error (urllib3's, OSError). Anything else (a body the
-    models refuse, a bug) fails the same way every time."""
-    return isinstance(exc, ApiException | urllib3.exceptions.HTTPError | OSError)
-
-
 def custom_object(answer: object) -> dict[str, Any]:
     """An object as the client hands it over, decoded JSON (the client types it `object`)."""
     if not isinstance(answer, dict):
@@ -128,17 +70,9 @@ def _newer_status_shown(exc: ApiException) -> bool:
     """A 422 whose every cause is the CRD's ledgerVersion rule. Any other cause (the schema, another
     rule) says the status itself is wrong: that is no reason to let it go, and it lasts until fixed.
     The cause reads `Invalid value: <rule's message>` (older API servers: `Invalid value: "object": ...`)."""
-    causes = (_status_of(exc).get("details") or {}).get("causes") or ()
-    return exc.status == 422 and bool(causes) and all(
-        isinstance(c, dict) and str(c.get("message", "")).endswith(MSG_LEDGER_VERSION_MONOTONIC) for c in causes)
-
-
-def _status_of(exc: ApiException) -> dict[str, Any]:
-    try:
-        status = json.loads(exc.body or "")
-    except (TypeError, ValueError):
-        return {}
-    return status if isinstance(status, dict) else {}
+    found = causes(exc)
+    return invalid(exc) and bool(found) and all(
+        str(cause.get("message", "")).endswith(MSG_LEDGER_VERSION_MONOTONIC) for cause in found)
 
 
 LIST_TIMEOUT_SECONDS = 30.0  # a read, not fenced by D − R: kopf's own request timeout
@@ -201,14 +135,14 @@ class KubeCalls:
             self._batch.create_namespaced_job(body["metadata"]["namespace"], body, dry_run="All",  # type: ignore[arg-type]  # a manifest dict; the client validates it into its model
                                               _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status != 409:
-                _raise_refusal_or_reraise(exc)
+            if not conflict(exc):
+                raise_refusal_or_reraise(exc)
 
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             return self._plain(self._batch.read_namespaced_job(name, namespace, _request_timeout=self._timeout))
         except ApiException as exc:
-            if exc.status == 404:
+            if not_found(exc):
                 return None
             raise
 
@@ -228,7 +162,7 @@ class KubeCalls:
             self._batch.delete_namespaced_job(name, namespace, propagation_policy="Background",
                                               _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status != 404:
+            if not not_found(exc):
                 raise
 
     # -- tasks -----------------------------------------------------------------------------
@@ -238,7 +172,7 @@ class KubeCalls:
             return custom_object(self._custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
                                                                           _request_timeout=self._timeout))
         except ApiException as exc:
-            if exc.status == 404:
+            if not_found(exc):
                 return None
             raise
 
@@ -257,7 +191,7 @@ class KubeCalls:
                 GROUP, VERSION, namespace, PLURAL, name, body, _content_type=MERGE_PATCH,
                 _request_timeout=self._timeout)
         except ApiException as exc:
-            if exc.status in (404, 409) or _newer_status_shown(exc):
+            if not_found(exc) or conflict(exc) or _newer_status_shown(exc):
                 raise StatusNotWritten(exc.status) from exc
             raise
 
@@ -326,8 +260,8 @@ def _created_or_ours(body: dict[str, Any], create: Callable[[], Any], read: Call
     try:
         create()
     except ApiException as exc:
-        if exc.status != 409:
-            _raise_refusal_or_reraise(exc)
+        if not conflict(exc):
+            raise_refusal_or_reraise(exc)
         owners = {ref["uid"] for ref in body["metadata"].get("ownerReferences", ())}
         if not _owned_by(read(), owners):
             raise Refused(f'{body["kind"]} "{body["metadata"]["name"]}" already exists and is not owned by this '

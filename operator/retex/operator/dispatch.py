@@ -11,8 +11,9 @@ from typing import Any
 
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
+from retex.kube.errors import NamespaceTerminating, NotPermitted, Refused, transient
 from retex.kube.objects import FAILPOINT_ANNOTATION, WorkerDefaults, build_job, build_lease, job_name
-from retex.kube.operator_calls import KubeCalls, NamespaceTerminating, NotPermitted, Refused, transient
+from retex.kube.operator_calls import KubeCalls
 from retex.ledger import Dispatch, DispatchOutcomes, Ledger, LedgerError, spec_hash
 from retex.logs import log_line
 from retex.operator.admission import NAMESPACE_NOT_ONBOARDED, not_onboarded_message

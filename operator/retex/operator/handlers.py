@@ -36,11 +36,12 @@ from retex.api import GROUP, PLURAL, VERSION, TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.client import api_client
 from retex.kube.election import LeaderLease
+from retex.kube.errors import NotPermitted, Refused
 from retex.kube.humans import REQUESTED_BY_ANNOTATION, REQUEUE_ANNOTATION, RESOLVE_ANNOTATION
 from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
-from retex.kube.operator_calls import KubeCalls, NotPermitted, Refused
+from retex.kube.operator_calls import KubeCalls
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotLeader, Refusal, TaskNotFound
 from retex.logs import log_line
 from retex.machine import IllegalTransition

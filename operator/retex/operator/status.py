@@ -20,17 +20,10 @@ from kubernetes.client.exceptions import ApiException
 
 from retex.api import REFUSED, ConditionType, LeaseStatus, ShownPhase, StepStatus, TaskStatus, find_condition, set_condition
 from retex.failpoints import failpoint
+from retex.kube.errors import api_message, transient
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
-from retex.kube.operator_calls import (
-    EventNotPosted,
-    KubeCalls,
-    NotLeading,
-    StatusNotWritten,
-    api_message,
-    refusal,
-    transient,
-)
+from retex.kube.operator_calls import EventNotPosted, KubeCalls, NotLeading, StatusNotWritten
 from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import log_line
 from retex.machine import TaskPhase
@@ -284,11 +277,11 @@ class StatusMirror(Loop):
         except Exception as exc:
             count_failure(self.name, exc)
             answered = exc if isinstance(exc, ApiException) else None
-            # A refusal (a status the CRD refuses, a 403) lasts until someone acts; a server error or a
-            # dropped connection may clear by itself; anything else is a bug (its traceback logged).
-            lasts = answered is not None and refusal(answered) is not None
-            log_line(log, logging.WARNING if transient(exc) and not lasts else logging.ERROR,
-                     "status write failed; retrying", exc_info=not transient(exc), uid=uid, error=type(exc).__name__,
+            # A refusal for good (a status the CRD refuses, a 403) lasts until someone acts; a server
+            # error or a dropped connection may clear by itself; anything else is a bug (its
+            # traceback logged).
+            log_line(log, logging.WARNING if transient(exc) else logging.ERROR, "status write failed; retrying",
+                     exc_info=answered is None and not transient(exc), uid=uid, error=type(exc).__name__,
                      http_status=answered.status if answered else None,
                      message=api_message(answered) if answered else str(exc), retry_seconds=delay)
             with self._lock:

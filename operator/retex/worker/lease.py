@@ -16,9 +16,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-import urllib3
 from kubernetes import client
 
+from retex.kube.errors import transient
 from retex.kube.leases import (
     Holder,
     LeaseConflict,
@@ -45,14 +45,6 @@ class LeaseRefused(Exception):
 
 class LeaseUnavailable(Exception):
     """The Lease is missing, or the API server stayed unreachable for a lease duration."""
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Errors worth retrying: no connection, timeouts, and the server's 429/5xx."""
-    if isinstance(exc, client.ApiException):
-        # Status 0: the client wraps connection-level failures (TLS EOF, resets) without a response.
-        return not exc.status or exc.status == 429 or exc.status >= 500
-    return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
 
 
 class AttemptLease:
@@ -103,7 +95,7 @@ class AttemptLease:
             except LeaseNotFound as exc:
                 raise LeaseUnavailable(str(exc)) from exc
             except Exception as exc:
-                if not is_transient(exc):
+                if not transient(exc):
                     raise  # 403 and the like: a misconfiguration, a crash
                 unreachable_since = unreachable_since or self._clock()
                 if self._clock() - unreachable_since > self.duration:
@@ -155,7 +147,7 @@ class AttemptLease:
             except Exception as exc:  # noqa: BLE001 - the renewer must outlive any one failure
                 # Even a non-transient error (RBAC revoked) only stops renewals landing: still_held()
                 # turns false at the renew deadline and the worker kills its step and stops.
-                log_line(log, logging.WARNING if is_transient(exc) else logging.ERROR, "lease renewal failed",
+                log_line(log, logging.WARNING if transient(exc) else logging.ERROR, "lease renewal failed",
                          error=str(exc), seconds_since_renewal=round(self._clock() - self._last_renewal, 1))
 
     def _renew_once(self) -> None:
