@@ -24,6 +24,12 @@ point, the step and the task, so a test can prove the fault fired where it meant
 
 Read once at import; a malformed or unknown spec is an error at once (a typo would otherwise
 arm nothing and the test would wait for a death that never comes). Unset costs one comparison.
+
+A process that is PID 1 of its PID namespace (a container's entrypoint: the worker in its pod)
+cannot signal itself: the kernel drops the SIGKILL and SIGSTOP it sends to itself. There a kill
+is `_exit(137)` — no cleanup runs, the kernel kills the rest of the namespace, and the runtime
+reports 137 as for a SIGKILL — and a stop is refused at import: nothing inside the namespace can
+freeze PID 1 (freeze such a process from outside, e.g. `docker pause`).
 """
 
 from __future__ import annotations
@@ -90,12 +96,23 @@ def parse(spec: str) -> Armed | None:
     return Armed(point=match["point"], step=match["step"], task=match["task"], action=action)
 
 
+def arm(spec: str, *, pid: int) -> Armed | None:
+    """`parse(spec)` for the process `pid`, refusing what that process cannot do to itself."""
+    armed = parse(spec)
+    if armed is not None and armed.action == "stop" and pid == 1:
+        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: a process that is PID 1 cannot stop itself (the "
+                                 "kernel drops the signal); freeze it from outside its PID namespace")
+    return armed
+
+
 def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | None) -> str:
     return (f"retex failpoint {armed.label} fired: task={task or '-'} uid={uid or '-'} step={step or '-'}: "
             f"{ACTIONS[armed.action]}")
 
 
-_ARMED = parse(os.environ.get("RETEX_FAILPOINT", ""))
+_ARMED = arm(os.environ.get("RETEX_FAILPOINT", ""), pid=os.getpid())
+# The exit status a container runtime reports for a process killed by SIGKILL.
+_KILLED_STATUS = 128 + signal.SIGKILL
 
 
 class FailpointRaised(RuntimeError):
@@ -113,4 +130,6 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
         threading.Event().wait()
     if _ARMED.action == "raise":
         raise FailpointRaised(f"failpoint {_ARMED.label}")
+    if os.getpid() == 1:  # its own SIGKILL would be dropped; `stop` was refused at import
+        os._exit(_KILLED_STATUS)
     os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))

@@ -70,6 +70,32 @@ def test_an_armed_point_sigkills_its_process_after_printing_the_line():
     assert "survived" not in done.stdout
 
 
+def _run_as_pid_1(spec, code):
+    """`code` in a process that is PID 1 of its own PID namespace, as a container's entrypoint is:
+    the kernel drops the SIGKILL and SIGSTOP such a process sends itself."""
+    env = {**os.environ, "RETEX_FAILPOINT": spec}
+    program = f"import os\nassert os.getpid() == 1, os.getpid()\nfrom retex.failpoints import failpoint\n{code}\nprint('survived')"
+    return subprocess.run(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", program],
+                          env=env, capture_output=True, text=True, timeout=30)
+
+
+def test_an_armed_point_kills_a_process_that_is_pid_1_as_a_sigkill_would():
+    done = _run_as_pid_1("after-effect", "failpoint('after-effect', 'charge', task='t', uid='u')")
+    assert "assert os.getpid() == 1" not in done.stderr, done.stderr
+    assert done.stderr.strip() == "retex failpoint after-effect fired: task=t uid=u step=charge: SIGKILL"
+    assert "survived" not in done.stdout
+    assert done.returncode == 128 + signal.SIGKILL  # what a container runtime reports for a SIGKILL
+
+
+def test_a_stop_point_is_refused_at_import_in_a_process_that_is_pid_1():
+    done = _run_as_pid_1("after-effect:notify=stop", "")
+    assert "assert os.getpid() == 1" not in done.stderr, done.stderr
+    assert done.returncode == 1
+    assert ("FailpointSpecError: RETEX_FAILPOINT='after-effect:notify=stop': a process that is PID 1 cannot "
+            "stop itself") in done.stderr
+    assert "survived" not in done.stdout
+
+
 def test_a_raise_point_raises_in_the_thread_that_passes_it_and_the_process_lives_on():
     done = _run_with("in-lease-watch=raise", "import threading\n"
                                              "threading.Thread(target=failpoint, args=('in-lease-watch',)).start()")
