@@ -108,8 +108,8 @@ def make_handler(ledger: Ledger, idempotent: bool):
     return Handler
 
 
-def serve(port: int, state: Path, *, idempotent: bool = True) -> ThreadingHTTPServer:
-    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(Ledger(state), idempotent))
+def serve(port: int, state: Path, *, idempotent: bool = True, host: str = "127.0.0.1") -> ThreadingHTTPServer:
+    server = ThreadingHTTPServer((host, port), make_handler(Ledger(state), idempotent))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -129,16 +127,20 @@ class OperatorProcess:
     """`retex-operator` as a child process with its own log file."""
 
     def __init__(self, kubeconfig: Path, dsn: str, log_path: Path, *, extra_env: dict[str, str] | None = None,
-                 ledger_tls: pkilib.Pki | None = None):
+                 ledger_tls: pkilib.Pki | None = None, pod_host: str = "127.0.0.1",
+                 worker_image: str = "retex-worker:local"):
+        """`pod_host`: where the cluster's pods reach this host (the rig's loopback; the kind
+        network's gateway); `worker_image`: the workers' image (the rig runs the installed project)."""
         self.kubeconfig, self.dsn, self.log_path = kubeconfig, dsn, log_path
         self.extra_env = extra_env or {}
+        self.pod_host, self.worker_image = pod_host, worker_image
         self.proc: subprocess.Popen | None = None
         self.metrics_port = free_port()
         self.ledger_port = free_port()
         self.health_port = free_port()
         # The ledger endpoint serves TLS as deployed; its workers get the CA through their Jobs.
         # Replicas share one (`ledger_tls`), as they mount one Secret.
-        self.ledger_tls = ledger_tls or pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls")
+        self.ledger_tls = ledger_tls or pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls", pod_host)
 
     def start(self, **env: str) -> None:
         environment = {
@@ -147,10 +149,9 @@ class OperatorProcess:
             "RETEX_DATABASE_URL": self.dsn,
             # The throwaway Postgres of tests and `make dev` serves no TLS (docs/security.md).
             "RETEX_DATABASE_INSECURE": "1",
-            "RETEX_WORKER_IMAGE": "retex-worker:local",
-            # Pods on the rig are processes on this host; on kind, the operator's Service name.
+            "RETEX_WORKER_IMAGE": self.worker_image,
             "RETEX_LEDGER_PORT": str(self.ledger_port),
-            "RETEX_LEDGER_URL": f"https://127.0.0.1:{self.ledger_port}",
+            "RETEX_LEDGER_URL": f"https://{self.pod_host}:{self.ledger_port}",
             "RETEX_LEDGER_TLS_CERT_FILE": str(self.ledger_tls.crt("ledger")),
             "RETEX_LEDGER_TLS_KEY_FILE": str(self.ledger_tls.key("ledger")),
             "RETEX_LEDGER_CA_FILE": str(self.ledger_tls.ca_crt),
@@ -232,23 +233,3 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.25, what: str = "
     return rig_wait_for(what, predicate, timeout, interval=interval)
 
 
-@dataclass(frozen=True)
-class PodEnd:
-    pod: str
-    exit_code: int | None  # None while it runs
-    log: str
-
-
-def job_pod_ends(rig, namespace: str, job: str) -> list[PodEnd]:
-    """How each pod of `job` ended (exit code and output), from the rig's node agents' records:
-    kept after the pod and its Job are deleted (the reaper deletes a replaced attempt's Job)."""
-    ends = []
-    for node in rig.nodes:
-        agent_log = (rig.state_dir / "logs" / f"agent-{node}.log").read_text(errors="replace")
-        for pod_dir in sorted((rig.node_dir(node) / "pods").glob(f"{namespace}_{job}-*")):
-            pod = pod_dir.name.split("_")[1]
-            codes = re.findall(rf"pod {re.escape(namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
-                               agent_log)
-            log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
-            ends.append(PodEnd(pod, int(codes[-1]) if codes else None, log))
-    return ends

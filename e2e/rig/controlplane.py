@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -153,8 +154,20 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class PodEnd:
+    pod: str
+    exit_code: int | None  # None while it runs
+    log: str
+
+
 class Rig:
     """One local cluster. `up()` starts it, `down()` stops it; the nemeses act on its processes."""
+
+    # Pods are processes on this host: they reach the host's services (the operator's ledger
+    # endpoint, the tests' stubs) on the loopback, and run the installed project for this image.
+    pod_host = "127.0.0.1"
+    worker_image = "retex-worker:local"
 
     def __init__(self, state_dir: Path, nodes: tuple[str, ...] = ("rig-node-1", "rig-node-2"),
                  timing: Timing | None = None):
@@ -185,6 +198,20 @@ class Rig:
 
     def node_dir(self, node: str) -> Path:
         return self.state_dir / "nodes" / node
+
+    def pod_ends(self, namespace: str, job: str) -> list[PodEnd]:
+        """How each pod of `job` ended (exit code and output), from the node agents' records:
+        kept after the pod and its Job are deleted (the reaper deletes a replaced attempt's Job)."""
+        ends = []
+        for node in self.nodes:
+            agent_log = self._log(f"agent-{node}").read_text(errors="replace")
+            for pod_dir in sorted((self.node_dir(node) / "pods").glob(f"{namespace}_{job}-*")):
+                pod = pod_dir.name.split("_")[1]
+                codes = re.findall(rf"pod {re.escape(namespace)}/{re.escape(pod)} container \S+ exited with (\d+)",
+                                   agent_log)
+                log = "".join(p.read_text(errors="replace") for p in sorted(pod_dir.glob("*.log")))
+                ends.append(PodEnd(pod, int(codes[-1]) if codes else None, log))
+        return ends
 
     # ----- persistence -------------------------------------------------------------------------
 

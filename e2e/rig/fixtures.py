@@ -2,10 +2,13 @@
 
 `rig` (session scope) starts the cluster the first time a test asks for it and stops it at the
 end of the session. With RETEX_KUBECONFIG set, it uses that existing cluster instead (this is how
-the same scenarios run on kind); the nemeses then raise RigUnavailable.
+the same scenarios run on kind, e2e/rig/external.py); the nemeses it lacks raise RigUnavailable.
 
 Environment knobs:
     RETEX_KUBECONFIG      use this cluster, start nothing
+    RETEX_KIND_CLUSTER    ... which is this kind cluster: nodes are lost by `docker kill`
+    RETEX_POD_HOST        ... whose pods reach this host at this address (default 127.0.0.1)
+    RETEX_WORKER_IMAGE    ... whose workers run this image (default retex-worker:dev)
     RETEX_RIG_STATE_DIR   state directory of the rig (default: a fresh /tmp/retex-rig-XXXX)
     RETEX_RIG_KEEP=1      keep the state directory (logs, pod output) after the session
 """
@@ -14,71 +17,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from e2e.rig.controlplane import Rig, RigError, create_namespace, run_kubectl, say, sweep_orphans
-
-
-class RigUnavailable(RigError):
-    """A nemesis was asked of an external cluster (RETEX_KUBECONFIG): only the rig has them."""
-
-
-class ExternalCluster:
-    """The `rig` interface over an existing cluster: clients yes, nemeses no."""
-
-    def __init__(self, kubeconfig: Path):
-        self.kubeconfig = kubeconfig
-        self.state_dir = None
-        from kubernetes import client
-
-        with self.api_client() as api:
-            self.nodes = [n.metadata.name for n in client.CoreV1Api(api).list_node().items]
-
-    def api_client(self):
-        from kubernetes import config
-
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
-
-    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
-                timeout: float = 60) -> subprocess.CompletedProcess:
-        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
-
-    def create_namespace(self, name: str) -> None:
-        with self.api_client() as api:
-            create_namespace(api, name)
-
-    def _unavailable(self, what: str):
-        raise RigUnavailable(f"{what} needs the local rig; RETEX_KUBECONFIG={self.kubeconfig} "
-                             "is an external cluster")
-
-    def kill_node(self, node: str) -> None:
-        self._unavailable("kill_node")
-
-    def restart_node(self, node: str, wait: bool = True) -> None:
-        self._unavailable("restart_node")
-
-    def pause_pod(self, namespace: str, name: str) -> None:
-        self._unavailable("pause_pod")
-
-    def resume_pod(self, namespace: str, name: str) -> None:
-        self._unavailable("resume_pod")
-
-    def restart_apiserver(self, hard: bool = False) -> None:
-        self._unavailable("restart_apiserver")
-
-    def restart_etcd(self, hard: bool = False) -> None:
-        self._unavailable("restart_etcd")
-
-    def restart_controller_manager(self) -> None:
-        self._unavailable("restart_controller_manager")
-
-    def pod_log(self, namespace: str, name: str, container: str | None = None) -> str:
-        args = ["logs", "-n", namespace, name] + (["-c", container] if container else [])
-        return self.kubectl(*args).stdout
+from e2e.rig.controlplane import Rig, say, sweep_orphans
+from e2e.rig.external import ExternalCluster, KindCluster
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +31,7 @@ def rig(request):
     """The local cluster (e2e.rig.controlplane.Rig), or ExternalCluster under RETEX_KUBECONFIG."""
     external = os.environ.get("RETEX_KUBECONFIG")
     if external:
-        yield ExternalCluster(Path(external))
+        yield (KindCluster if os.environ.get("RETEX_KIND_CLUSTER") else ExternalCluster)(Path(external))
         return
     # Start-up and teardown progress goes to the terminal, not into pytest's captured output:
     # nobody should stare at a silent terminal while the rig (or a cold build) starts.

@@ -108,11 +108,12 @@ def create(directory: Path) -> Pki:
     return pki
 
 
-def ledger_serving(directory: Path) -> Pki:
+def ledger_serving(directory: Path, pod_host: str = "127.0.0.1") -> Pki:
     """A CA of its own and the ledger endpoint's serving certificate (`ledger`), for an operator
-    run on this host: its workers reach it at 127.0.0.1 and verify it against that CA."""
+    run on this host: its workers reach it at `pod_host` (the loopback on the rig, the host's
+    address on the kind network) and verify it against that CA."""
     pki = _new_ca(directory, "retex-ledger-ca")
-    _serving(pki, "ledger", "retex-ledger", ("IP:127.0.0.1", "DNS:localhost"))
+    _serving(pki, "ledger", "retex-ledger", tuple(dict.fromkeys(("IP:127.0.0.1", f"IP:{pod_host}", "DNS:localhost"))))
     return pki
 
 

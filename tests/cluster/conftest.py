@@ -53,7 +53,8 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
     install_crd(rig.kubectl)
     prepare_namespace(rig.kubectl, namespace)
     operator = OperatorProcess(rig.kubeconfig, dsn, Path(tmp_path) / "operator.log",
-                               extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
+                               extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"},
+                               pod_host=rig.pod_host, worker_image=rig.worker_image)
     operator.start()
     with Ledger(dsn) as ledger:
         system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
@@ -84,12 +85,13 @@ class Stub:
 
 
 @pytest.fixture(scope="module")
-def stubs(tmp_path_factory):
-    """The payment provider (deduplicates by Idempotency-Key) and a notifier that does not."""
+def stubs(rig, tmp_path_factory):
+    """The payment provider (deduplicates by Idempotency-Key) and a notifier that does not, where
+    the cluster's pods reach them."""
     state = tmp_path_factory.mktemp("stub")
-    idempotent = serve(0, Path(state) / "payments.json")
-    naive = serve(0, Path(state) / "notifier.json", idempotent=False)
-    yield (Stub(f"http://127.0.0.1:{idempotent.server_address[1]}"),
-           Stub(f"http://127.0.0.1:{naive.server_address[1]}"))
+    idempotent = serve(0, Path(state) / "payments.json", host=rig.pod_host)
+    naive = serve(0, Path(state) / "notifier.json", idempotent=False, host=rig.pod_host)
+    yield (Stub(f"http://{rig.pod_host}:{idempotent.server_address[1]}"),
+           Stub(f"http://{rig.pod_host}:{naive.server_address[1]}"))
     idempotent.shutdown()
     naive.shutdown()

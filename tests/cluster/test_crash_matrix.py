@@ -23,7 +23,8 @@ import psycopg
 import pytest
 import yaml
 
-from e2e.system import POLICY_NOT_CONFIGURED, PodEnd, job_pod_ends, request_requeue, task_manifest, wait_for
+from e2e.rig.controlplane import PodEnd
+from e2e.system import POLICY_NOT_CONFIGURED, request_requeue, task_manifest, wait_for
 from retex.kube.objects import job_name
 from tests.cluster.test_operator import status, task
 
@@ -202,7 +203,7 @@ def operator_died_at(system, spec: str, submitted: Submitted) -> None:
 
 
 def attempt_pods(system, submitted: Submitted, epoch: int) -> list[PodEnd]:
-    return job_pod_ends(system.rig, system.namespace, job_name(submitted.name, submitted.uid, epoch))
+    return system.rig.pod_ends(system.namespace, job_name(submitted.name, submitted.uid, epoch))
 
 
 def worker_died_at(system, spec: str, submitted: Submitted) -> PodEnd:
@@ -428,7 +429,8 @@ def test_R8b_the_reply_to_a_begin_is_lost_and_the_worker_runs_the_step_once_with
     assert counts[step] == {"deliveries": 1, "executions": 1}, "run once, not verified, not re-sent"
     assert [a.epoch for a in retex.ledger.attempts(crash.uid)] == [1], "the worker rode out the operator's death"
     assert begun_by_epoch(retex, crash.uid) == {1: [0, 1, 2, 3]}
-    worker_log = "".join(end.log for end in job_pod_ends(retex.rig, "tenant-0", job_name("crash", crash.uid, 1)))
+    worker_log = "".join(end.log for end in retex.rig.pod_ends(retex.namespace, job_name("crash", crash.uid, 1)))
+    assert "lease acquired" in worker_log, "the attempt's worker output is read"
     assert "step was begun and never recorded" not in worker_log, "the step was judged interrupted"
     # The begin waited out the operator's death: the run's start is recorded again before it runs,
     # so a later attempt would wait out this run's deadline, and the run gets its whole timeout.
@@ -510,7 +512,7 @@ def pod_exit_code(system, job_name):
 
 def pod_log(system, job: str) -> str:
     """What the pods of `job` printed."""
-    return "".join(end.log for end in job_pod_ends(system.rig, system.namespace, job))
+    return "".join(end.log for end in system.rig.pod_ends(system.namespace, job))
 
 
 def test_R10_a_second_pod_for_the_attempt_never_executes_and_the_first_goes_on(retex, stubs, gates):

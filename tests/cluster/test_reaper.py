@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.system import job_pod_ends, wait_for
+from e2e.system import wait_for
 from retex.kube.objects import job_name, lease_name
 from tests.cluster.test_crash_matrix import submit, worker_died_at
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
@@ -109,7 +109,7 @@ def test_a_job_that_fails_before_its_worker_takes_the_lease_is_a_disruption_up_t
         (1, "first", "lost"), (2, "disruption", "lost")]
     # The path taken: each attempt's worker was refused the Lease and exited 1, never holding it.
     for epoch in (1, 2):
-        ends = job_pod_ends(retex.rig, retex.namespace, job_name("unleased", uid, epoch))
+        ends = retex.rig.pod_ends(retex.namespace, job_name("unleased", uid, epoch))
         assert [end.exit_code for end in ends] == [1], ends
         assert "worker crashed" in ends[0].log and "Forbidden" in ends[0].log, ends[0].log[-2000:]
     lease = json.loads(retex.kubectl("get", "lease", lease_name("unleased", uid), "-o", "json").stdout)

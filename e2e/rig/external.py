@@ -1,0 +1,159 @@
+"""An existing cluster behind the `rig` interface (RETEX_KUBECONFIG): how the same scenarios run
+on kind. Clients yes; the rig's process-level nemeses no, except what kind's node containers
+allow (a node's loss and return through `docker kill` / `docker start`).
+
+Its pods are containers: they reach the host's services (the operator a test runs, the stubs)
+at RETEX_POD_HOST, the host's address on the cluster's network, run RETEX_WORKER_IMAGE, and their
+ends are recorded by a pod watch, since the reaper deletes a replaced attempt's Job with its pods.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+from e2e.rig.controlplane import PodEnd, RigError, create_namespace, run_kubectl, say, wait_for
+
+
+class RigUnavailable(RigError):
+    """A nemesis was asked of an external cluster that only the rig has."""
+
+
+class _PodEnds:
+    """Every pod's end as it happens (exit code and output), from a watch of all pods: kept after
+    the pod is deleted."""
+
+    def __init__(self, api_client):
+        self._api_client = api_client
+        self._ends: dict[tuple[str, str], PodEnd] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="pod-ends", daemon=True).start()
+
+    def of_job(self, namespace: str, job: str) -> list[PodEnd]:
+        from kubernetes import client
+
+        with self._api_client() as api:
+            pods = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"job-name={job}").items
+            live = {pod.metadata.name: self._end(client.CoreV1Api(api), pod) for pod in pods}
+        with self._lock:
+            ended = {pod: end for (ns, pod), end in self._ends.items()
+                     if ns == namespace and pod.startswith(f"{job}-")}
+        return [ended.get(name) or live[name] for name in sorted(set(live) | set(ended))]
+
+    def _watch(self) -> None:
+        from kubernetes import client, watch
+
+        while True:
+            try:
+                with self._api_client() as api:
+                    core = client.CoreV1Api(api)
+                    for change in watch.Watch().stream(core.list_pod_for_all_namespaces, timeout_seconds=300):
+                        pod = change["object"]
+                        key = (pod.metadata.namespace, pod.metadata.name)
+                        if key in self._ends or _exit_code(pod) is None:
+                            continue
+                        end = self._end(core, pod)
+                        with self._lock:
+                            self._ends[key] = end
+            except Exception as exc:  # noqa: BLE001 - a dropped watch is watched again
+                say(f"pod watch restarts after {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _end(core, pod) -> PodEnd:
+        try:
+            log = core.read_namespaced_pod_log(pod.metadata.name, pod.metadata.namespace)
+        except Exception:  # noqa: BLE001 - not started yet, or already gone
+            log = ""
+        return PodEnd(pod.metadata.name, _exit_code(pod), log)
+
+
+def _exit_code(pod) -> int | None:
+    for status in (pod.status.container_statuses or []) if pod.status else []:
+        if status.state and status.state.terminated:
+            return status.state.terminated.exit_code
+    return None
+
+
+class ExternalCluster:
+    """The `rig` interface over an existing cluster."""
+
+    state_dir = None
+
+    def __init__(self, kubeconfig: Path):
+        from kubernetes import client
+
+        self.kubeconfig = kubeconfig
+        self.pod_host = os.environ.get("RETEX_POD_HOST", "127.0.0.1")
+        self.worker_image = os.environ.get("RETEX_WORKER_IMAGE", "retex-worker:dev")
+        with self.api_client() as api:
+            self.nodes = [n.metadata.name for n in client.CoreV1Api(api).list_node().items
+                          if not any(t.effect == "NoSchedule" for t in n.spec.taints or [])]
+        self._pod_ends = _PodEnds(self.api_client)
+
+    def api_client(self):
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True,
+                timeout: float = 60) -> subprocess.CompletedProcess:
+        return run_kubectl(self.kubeconfig, *args, input=input, check=check, timeout=timeout)
+
+    def create_namespace(self, name: str) -> None:
+        with self.api_client() as api:
+            create_namespace(api, name)
+
+    def pod_ends(self, namespace: str, job: str) -> list[PodEnd]:
+        return self._pod_ends.of_job(namespace, job)
+
+    def pod_log(self, namespace: str, name: str, container: str | None = None) -> str:
+        args = ["logs", "-n", namespace, name] + (["-c", container] if container else [])
+        return self.kubectl(*args).stdout
+
+    def _unavailable(self, what: str):
+        raise RigUnavailable(f"{what} needs the local rig; RETEX_KUBECONFIG={self.kubeconfig} "
+                             "is an external cluster")
+
+    def kill_node(self, node: str) -> None:
+        self._unavailable("kill_node")
+
+    def restart_node(self, node: str, wait: bool = True) -> None:
+        self._unavailable("restart_node")
+
+    def pause_pod(self, namespace: str, name: str) -> None:
+        self._unavailable("pause_pod")
+
+    def resume_pod(self, namespace: str, name: str) -> None:
+        self._unavailable("resume_pod")
+
+    def restart_apiserver(self, hard: bool = False) -> None:
+        self._unavailable("restart_apiserver")
+
+    def restart_etcd(self, hard: bool = False) -> None:
+        self._unavailable("restart_etcd")
+
+    def restart_controller_manager(self) -> None:
+        self._unavailable("restart_controller_manager")
+
+
+class KindCluster(ExternalCluster):
+    """A kind cluster (RETEX_KIND_CLUSTER names it): each node is a Docker container, so a node
+    is lost by killing its container and comes back when the container starts again."""
+
+    def kill_node(self, node: str) -> None:
+        subprocess.run(["docker", "kill", node], check=True, capture_output=True, timeout=60)
+        say(f"killed node {node} (docker kill of its container)")
+
+    def restart_node(self, node: str, wait: bool = True) -> None:
+        subprocess.run(["docker", "start", node], check=True, capture_output=True, timeout=60)
+        if wait:
+            wait_for(f"node {node} Ready", lambda: self._ready(node), 180)
+
+    def _ready(self, node: str) -> bool:
+        from kubernetes import client
+
+        with self.api_client() as api:
+            conditions = client.CoreV1Api(api).read_node(node).status.conditions or []
+        return any(c.type == "Ready" and c.status == "True" for c in conditions)
