@@ -18,6 +18,7 @@ import signal
 from typing import TYPE_CHECKING
 
 import kopf
+from kopf._core.engines.peering import Identity  # the type of kopf.operator's identity, not re-exported
 
 from retex.logs import JsonLines, log_line
 from retex.operator.health import serve_health
@@ -74,6 +75,8 @@ async def _operate(runtime: Runtime, *, namespaces: list[str]) -> None:
         term = asyncio.create_task(kopf.operator(
             clusterwide=not namespaces, namespaces=namespaces,
             standalone=True,  # no kopf peering: the leader election decides who runs kopf
+            # kopf would name itself after the account, and the image's uid has none (KeyError).
+            identity=Identity(runtime.leadership.identity),
             stop_flag=term_over, memo=kopf.Memo(runtime=runtime)))
         while runtime.may_write() and not stopping.is_set() and not term.done():
             await _sleep_unless(stopping, recheck)
