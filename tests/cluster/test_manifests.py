@@ -96,6 +96,9 @@ def test_operator_deployment_is_hardened_and_probed_for_liveness_and_readiness_a
     container = pod["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert pod["serviceAccountName"] == "retex-operator"
+    # Service links off: the Service retex-ledger would otherwise set RETEX_LEDGER_PORT to
+    # "tcp://<ip>:8081" in the operator's environment, and the operator refuses to start (seen on kind).
+    assert pod["enableServiceLinks"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,

@@ -87,6 +87,11 @@ def test_the_worker_gets_its_epoch_and_lease_and_no_database_credentials():
     assert env["RETEX_DRAIN_SECONDS"]["value"] == "25"  # 30 s grace, 5 s to commit and release
 
 
+def test_no_services_of_the_tenant_namespace_reach_the_workers_environment():
+    # A Service named retex-<x> would set RETEX_<X>_PORT and the like, the worker's own prefix.
+    assert job()["spec"]["template"]["spec"]["enableServiceLinks"] is False
+
+
 def test_the_worker_pod_is_non_root_without_capabilities():
     pod = job()["spec"]["template"]["spec"]
     container = pod["containers"][0]

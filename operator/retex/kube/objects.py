@@ -159,6 +159,9 @@ def build_job(*, task_name: str, task_uid: str, namespace: str, epoch: int, spec
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": (worker and worker.service_account_name) or defaults.service_account,
+        # No Service environment variables: a Service named retex-<x> in the namespace would set
+        # RETEX_<X>_PORT and the like, the worker's own settings' prefix.
+        "enableServiceLinks": False,
         "terminationGracePeriodSeconds": defaults.termination_grace_seconds,
         "securityContext": {
             "runAsNonRoot": True,
