@@ -22,6 +22,7 @@ DOCKERFILE = ROOT / "images" / "Dockerfile"
 LOCK = ROOT / "images" / "requirements.lock"
 EXTENDED_WORKER = ROOT / "examples" / "custom-worker" / "Dockerfile"
 KIND_NODE_BASE = ROOT / "e2e" / "kind" / "Dockerfile.base"
+KIND_POSTGRES_DEV = ROOT / "e2e" / "kind" / "postgres-dev" / "Dockerfile"
 
 
 def _hadolint() -> str:
@@ -40,7 +41,7 @@ def _stages(text: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1] for i in range(1, len(parts), 2)}
 
 
-@pytest.mark.parametrize("dockerfile", [DOCKERFILE, EXTENDED_WORKER, KIND_NODE_BASE], ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, EXTENDED_WORKER, KIND_NODE_BASE, KIND_POSTGRES_DEV], ids=lambda p: str(p.relative_to(ROOT)))
 def test_dockerfiles_pass_hadolint(dockerfile):
     result = subprocess.run([_hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
