@@ -27,7 +27,7 @@ EVERY_CALL = {
     "delete_job_of": lambda c: c.delete_job_of("shop", "order-1-1", "u-1"),
     "delete_job": lambda c: c.delete_job("shop", "order-1-1"),
     "get_task": lambda c: c.get_task("shop", "order-1"),
-    "list_tasks": lambda c: c.list_tasks(),
+    "list_tasks": lambda c: list(c.list_tasks()),
     "patch_task_status": lambda c: c.patch_task_status("shop", "order-1", "u-1", {}),
     "patch_task_labels": lambda c: c.patch_task_labels("shop", "order-1", "u-1", {"a": "b"}),
     "post_event": lambda c: c.post_event(TASK, reason="Started", message="m"),

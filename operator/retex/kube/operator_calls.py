@@ -11,7 +11,8 @@ error (429, 5xx, a dropped connection, a quota that is full for now) is transien
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,10 +26,14 @@ from retex.kube.errors import (
     api_message,
     causes,
     conflict,
+    expired,
     invalid,
     not_found,
     raise_refusal_or_reraise,
 )
+from retex.logs import log_line
+
+log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -76,6 +81,9 @@ def _newer_status_shown(exc: ApiException) -> bool:
 
 
 LIST_TIMEOUT_SECONDS = 30.0  # a read, not fenced by D − R: kopf's own request timeout
+# Tasks per page of the cluster-wide LIST: the operator holds one page (and the client's decoded
+# copy of it) at a time, not every Task in the cluster.
+LIST_PAGE_SIZE = 500
 
 
 class KubeCalls:
@@ -84,14 +92,16 @@ class KubeCalls:
     `may_write` (whether this replica leads, on its own clock), so a writer that resumes after a
     pause past its renew deadline sends nothing more. Reads are not asked. D − R bounds writes
     only: the cluster-wide LIST of Tasks (`list_tasks`), which grows with the cluster, gets
-    `list_timeout` (at least `request_timeout`)."""
+    `list_timeout` (at least `request_timeout`) per page of `list_page_size`."""
 
     def __init__(self, api: client.ApiClient, *, instance: str, request_timeout: float,
-                 may_write: Callable[[], bool] = lambda: True, list_timeout: float = LIST_TIMEOUT_SECONDS):
+                 may_write: Callable[[], bool] = lambda: True, list_timeout: float = LIST_TIMEOUT_SECONDS,
+                 list_page_size: int = LIST_PAGE_SIZE):
         self._api = api
         self._instance = instance  # this replica (its pod's name): who reported an Event
         self._timeout = request_timeout
         self._list_timeout = max(list_timeout, request_timeout)
+        self._list_page_size = list_page_size
         self.may_write = may_write
         self._batch = client.BatchV1Api(api)
         self._coordination = client.CoordinationV1Api(api)
@@ -176,10 +186,26 @@ class KubeCalls:
                 return None
             raise
 
-    def list_tasks(self) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = custom_object(
-            self._custom.list_cluster_custom_object(GROUP, VERSION, PLURAL, _request_timeout=self._list_timeout))["items"]
-        return items
+    def list_tasks(self) -> Iterator[dict[str, Any]]:
+        """Every Task in the cluster, a page at a time. A continue token that expired between
+        pages (410: the list is older than etcd's compaction) ends the listing early, with the
+        Tasks yielded so far: the caller's next round lists again from the start."""
+        token: str | None = None
+        while True:
+            try:
+                page = custom_object(self._custom.list_cluster_custom_object(
+                    GROUP, VERSION, PLURAL, limit=self._list_page_size, _continue=token,
+                    _request_timeout=self._list_timeout))
+            except ApiException as exc:
+                if token is None or not expired(exc):
+                    raise
+                log_line(log, logging.WARNING, "Task list expired between pages; the next round lists again",
+                         error=api_message(exc))
+                return
+            yield from page["items"]
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return
 
     def patch_task_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource. The uid precondition keeps a status from landing
