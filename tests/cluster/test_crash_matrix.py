@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import signal
-import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psycopg
 import pytest
@@ -64,27 +64,50 @@ def exec_step(name: str, seconds: float) -> dict:
             "timeoutSeconds": max(STEP_TIMEOUT, int(seconds) + 5)}
 
 
-def gate_step(gate: Path) -> dict:
-    """Holds the task Running until the test creates `gate` (pods share the rig host's /tmp)."""
-    return {"name": "gate", "exec": {"command": ["sh", "-c", f"until [ -e {gate} ]; do sleep 0.2; done"]},
-            "idempotent": True, "timeoutSeconds": 120}
+class Gate:
+    """A step's gate, served where the pods reach this host (the rig's loopback, the kind network's
+    gateway): its URL answers 404 until the test opens it, then 200."""
+
+    def __init__(self, url: str, opened: set[str]):
+        self.url, self._opened = url, opened
+
+    def open(self) -> None:
+        self._opened.add(self.url.rsplit("/", 1)[1])
+
+
+def gate_step(gate: Gate) -> dict:
+    """Holds the task Running until the test opens `gate`."""
+    wait = ("import time, urllib.request\nwhile True:\n    try:\n"
+            f"        urllib.request.urlopen({gate.url!r}, timeout=2)\n        break\n"
+            "    except Exception:\n        time.sleep(0.2)")
+    return {"name": "gate", "exec": {"command": ["python3", "-c", wait]}, "idempotent": True, "timeoutSeconds": 120}
 
 
 @pytest.fixture
-def gates():
-    """Gate files under /tmp (readable by the worker pods, which run as `nobody`), removed after."""
-    made: list[Path] = []
+def gates(rig):
+    """Gates over HTTP (a pod sees no file of this host on kind), closed when made unless asked."""
+    opened: set[str] = set()
 
-    def gate(opened: bool) -> Path:
-        path = Path(tempfile.gettempdir()) / f"retex-gate-{uuid.uuid4().hex}"
-        made.append(path)
-        if opened:
-            path.touch()
-        return path
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path.strip("/") in opened else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((rig.pod_host, 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def gate(opened_now: bool) -> Gate:
+        made = Gate(f"http://{rig.pod_host}:{server.server_address[1]}/{uuid.uuid4().hex}", opened)
+        if opened_now:
+            made.open()
+        return made
 
     yield gate
-    for path in made:
-        path.unlink(missing_ok=True)
+    server.shutdown()
 
 
 @dataclass(frozen=True)
@@ -236,12 +259,12 @@ def crash_worker_at(system, point: str, steps: list) -> tuple[Submitted, tuple[s
 def test_R1_R2_R3_operator_killed_around_admission_and_dispatch_converges_to_one_task_and_one_job(
         retex, stubs, gates, row, point):
     payments, notifier = stubs
-    expected = control(retex, [gate_step(gates(opened=True)), *order_steps(payments, notifier)])
+    expected = control(retex, [gate_step(gates(opened_now=True)), *order_steps(payments, notifier)])
     spec = f"{point}@crash"  # scoped: kopf resumes the finished control task on restart, and it must pass
     retex.operator.restart(RETEX_FAILPOINT=spec)
     # The gate keeps the crash task Running until the restarted relay has dealt with its record,
     # so R3's record is sent again (not found stale) and meets the Job that already exists.
-    gate = gates(opened=False)
+    gate = gates(opened_now=False)
     crash = submit(retex, "crash", [gate_step(gate), *order_steps(payments, notifier)])
     operator_died_at(retex, spec, crash)
     in_ledger = retex.ledger.find(retex.namespace, "crash") is not None
@@ -254,7 +277,7 @@ def test_R1_R2_R3_operator_killed_around_admission_and_dispatch_converges_to_one
     }[row]
     retex.operator.start()
     wait_for(lambda: outbox(retex, crash.uid) == [(1, "sent")], timeout=60, what="the record sent after the restart")
-    gate.touch()
+    gate.open()
     settle(retex, crash)
     assert outcome(retex, crash.uid) == expected
     assert_exactly_once(effects_of(payments, notifier, crash.uid))
@@ -522,7 +545,7 @@ def test_R10_a_second_pod_for_the_attempt_never_executes_and_the_first_goes_on(r
     payments, notifier = stubs
     steps = order_steps(payments, notifier, charge={"http": {"method": "POST", "url": f"{notifier.url}/effects/charge"},
                                                     "idempotent": False})
-    gate = gates(opened=False)
+    gate = gates(opened_now=False)
     steps.insert(0, gate_step(gate))
     crash = submit(retex, "crash", steps, lease=LEASE)
     holder = wait_for(lambda: (status(retex, "crash").get("lease") or {}).get("holder"), timeout=60, what="lease taken")
@@ -533,7 +556,7 @@ def test_R10_a_second_pod_for_the_attempt_never_executes_and_the_first_goes_on(r
     assert "the ledger endpoint refused this worker" in log and "is not a worker of task" in log, log[-2000:]
     assert "lease acquired" not in log
     assert status(retex, "crash")["phase"] == "Running" and status(retex, "crash")["lease"]["holder"] == holder
-    gate.touch()
+    gate.open()
     settle(retex, crash, phases=("Succeeded",))
     assert_exactly_once(effects_of(payments, notifier, crash.uid))
     assert effects_of(payments, notifier, crash.uid)["charge"] == {"deliveries": 1, "executions": 1}
@@ -681,7 +704,7 @@ def test_R15_a_postgres_restart_mid_run_loses_and_duplicates_nothing(retex, stub
 def test_R16_an_api_server_restart_within_the_lease_ttl_does_not_replace_the_attempt(retex, stubs, gates):
     payments, notifier = stubs
     steps = order_steps(payments, notifier)
-    gate = gates(opened=False)
+    gate = gates(opened_now=False)
     steps.insert(2, gate_step(gate))  # the run spans the whole outage: it goes on once the gate opens
     # A graceful API server restart took up to ~13 s on a loaded 2-core machine: the renew
     # deadline (2/3 of the duration, 30 s here) must outlast it, or the worker rightly gives up.
@@ -692,7 +715,7 @@ def test_R16_an_api_server_restart_within_the_lease_ttl_does_not_replace_the_att
     retex.rig.restart_apiserver()
     assert time.monotonic() - restarted < 30, "the restart outlasted the renew deadline: not this row's premise"
     assert retex.ledger.get(crash.uid).phase == "Running" and retex.ledger.get(crash.uid).epoch == 1
-    gate.touch()
+    gate.open()
     settle(retex, crash, phases=("Succeeded",), lease_seconds=45)
     assert retex.ledger.get(crash.uid).epoch == 1, "renewals retried; the attempt went on"
     assert_exactly_once(effects_of(payments, notifier, crash.uid))
