@@ -217,6 +217,21 @@ def test_an_error_repeating_cannot_cure_fails_the_task_at_once_without_deferring
     assert message.startswith("the attempt could not be dispatched: ValidationError")
 
 
+@pytest.mark.parametrize("status", [400, 403, 404, 422])
+def test_an_api_error_on_reading_the_task_defers_the_record_until_the_limit(status):
+    """Only a create's refusal is judged at once (as `Refused`); any API answer to the relay's
+    own reads (the Task's GET; an RBAC warm-up's 403 after a restart, say) waits like a transient
+    error, so a briefly confused API server fails no task, and past the limit the task fails."""
+    error = ApiException(status=status, reason="Refused")
+    kube = FakeKube({"t-a": error, "t-b": error, "t-c": live("c")})
+    settled = settle([record("a"), record("b", deferred=DEFER_LIMIT), record("c")], kube)
+    assert settled["a"][0] == "deferred" and f"({status})" in settled["a"][1]
+    outcome, reason, message, _ = settled["b"]
+    assert (outcome, reason) == ("rejected", "DispatchFailed")
+    assert message.startswith(f"not dispatched for {DEFER_LIMIT:.0f}s")
+    assert settled["c"] == ("sent", job_of("c"))
+
+
 def test_a_ledger_error_mid_batch_is_raised_so_the_whole_batch_rolls_back():
     kube = FakeKube({"t-a": live("a")})
     ledger = FakeLedger([record("a", epoch=2)], attempts_error=LedgerUnavailable("postgres down"))

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from retex.api import TaskSpec
 from retex.failpoints import failpoint
 from retex.kube.errors import NamespaceTerminating, NotPermitted, Refused, transient
@@ -40,7 +42,8 @@ class Relay(Loop):
     when the API server refuses its Lease or Job for good (the task fails with reason JobRejected
     and the server's message); dropped when its task was cancelled or deleted, or its Task object
     is gone or terminating, or its namespace is (the task ends Cancelled with the cancel's reason);
-    deferred, with a backoff of its own, on a transient error, for at most `defer_limit_seconds`
+    deferred, with a backoff of its own, on a transient error or an API error answering a read
+    (the Task's GET), for at most `defer_limit_seconds`
     since the first deferral; past that, or on an error repeating cannot cure, the task fails with
     reason DispatchFailed. A relay that dies mid-batch loses nothing: the claims roll back, and the
     next relay meets its Jobs as AlreadyExists (ours, so success) — or, if it ends the record
@@ -78,8 +81,10 @@ class Relay(Loop):
             raise  # the ledger is away, or this replica no longer leads: the whole batch waits (its claims roll back)
         except Exception as exc:
             count_failure(self.name, exc)
-            given_up = self._given_up(dispatch, f"{type(exc).__name__}: {exc}",
-                                      transient(exc) or isinstance(exc, NotPermitted))
+            # A create's refusal for good arrives as `Refused`; any API answer left came from a
+            # read (the Task's GET, perhaps during an RBAC warm-up) and may clear: waited out.
+            may_clear = isinstance(exc, ApiException | NotPermitted) or transient(exc)
+            given_up = self._given_up(dispatch, f"{type(exc).__name__}: {exc}", may_clear)
             if given_up is None:
                 self._defer(dispatch, outcomes, exc, who)
                 return
@@ -142,10 +147,10 @@ class Relay(Loop):
             return _Unsent("JobRejected", f"dispatch rejected by the API server ({refused.status}): task failed",
                            refused.message)
 
-    def _given_up(self, dispatch: Dispatch, why: str, transient_error: bool) -> _Unsent | None:
+    def _given_up(self, dispatch: Dispatch, why: str, may_clear: bool) -> _Unsent | None:
         """After an error: the task fails (DispatchFailed) if repeating cannot help or the record
         has been deferred past the limit; None: defer it."""
-        if not transient_error:  # a spec the models refuse, a bug: it fails the same way every time
+        if not may_clear:  # a spec the models refuse, a bug: it fails the same way every time
             return _Unsent("DispatchFailed", "dispatch failed: task failed",
                            f"the attempt could not be dispatched: {why}")
         if (dispatch.deferred_seconds or 0.0) >= self._defer_limit:
