@@ -141,7 +141,7 @@ def test_a_leaders_sessions_end_idle_transactions_and_probe_their_peer(replicas,
 
     def shown(of: Ledger) -> list[str]:
         with of._pool.connection() as conn:
-            return [conn.execute("SELECT current_setting(%s) AS v", (name,)).fetchone()["v"] for name in settings]
+            return [conn.execute("SELECT current_setting(%s)", (name,)).fetchone()[0] for name in settings]
 
     fenced, _ = replicas
     assert shown(fenced) == ["1s", "1s", "1", "1", "3"]

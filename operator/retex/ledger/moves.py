@@ -8,24 +8,13 @@ import json
 from datetime import datetime
 from typing import Any
 
-import psycopg
-from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from retex.ledger.errors import FenceRejected, ResultTooLarge, StepNotFound, TaskNotFound
 from retex.ledger.records import RESULT_LIMIT_BYTES
+from retex.ledger.rows import Cursor, StepLock, StepRow, TaskRow, column_list, fetch_one, scalar
 from retex.machine import StepEvent, TaskPhase, step_transition
 
-# The cursors of every operation: the pool hands out connections whose rows are dicts.
-Cursor = psycopg.Cursor[DictRow]
-
-
-def one(cur: Cursor) -> dict[str, Any]:
-    """The row of a statement that always returns one (an aggregate, RETURNING of a locked row)."""
-    row = cur.fetchone()
-    if row is None:
-        raise LookupError("the statement returned no row")
-    return row
 
 class DatabaseTime:
     """A column value the database sets when the UPDATE runs (`set_clause`), on its own clock."""
@@ -40,16 +29,23 @@ NOW = DatabaseTime("now()")
 WRITE_TIME = DatabaseTime("clock_timestamp()")
 
 
-def lock_task(cur: Cursor, uid: str) -> dict[str, Any]:
-    row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
+_LOCK_TASK = f"SELECT {column_list(TaskRow)} FROM retex.tasks WHERE uid = %s FOR UPDATE"
+
+
+def lock_task(cur: Cursor, uid: str) -> TaskRow:
+    row = lock_task_if_any(cur, uid)
     if row is None:
         raise TaskNotFound(uid)
     return row
 
 
-def fence(task: dict[str, Any], epoch: int) -> None:
-    if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
-        raise FenceRejected(task["uid"], epoch, task["epoch"], task["phase"])
+def lock_task_if_any(cur: Cursor, uid: str) -> TaskRow | None:
+    return fetch_one(cur, TaskRow, _LOCK_TASK, (uid,))
+
+
+def fence(task: TaskRow, epoch: int) -> None:
+    if task.epoch != epoch or task.phase != TaskPhase.RUNNING:
+        raise FenceRejected(task.uid, epoch, task.epoch, task.phase)
 
 
 _HISTORY_INSERT = """INSERT INTO retex.history (task_uid, actor, event, epoch, step_idx, from_state, to_state, detail)
@@ -70,36 +66,40 @@ def touch(cur: Cursor, uid: str, **columns: Any) -> None:
     cur.execute(_TOUCH.format(assignments=assignments), (*[adapt(v) for v in columns.values()], uid))
 
 
-def lock_step(cur: Cursor, uid: str, idx: int, event: StepEvent) -> dict[str, Any]:
+def lock_step(cur: Cursor, uid: str, idx: int, event: StepEvent) -> StepLock:
     """The step's state and name, its row locked (after the task's: the caller holds that)."""
-    step = cur.execute(
-        "SELECT state, name FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE", (uid, idx)
-    ).fetchone()
+    step = fetch_one(cur, StepLock, f"SELECT {column_list(StepLock)} FROM retex.steps WHERE task_uid = %s AND idx = %s "
+                     "FOR UPDATE", (uid, idx))
     if step is None:
         raise StepNotFound(uid, idx, event)
     return step
 
 
 def move_step(cur: Cursor, uid: str, idx: int, event: StepEvent, actor: str,
-              epoch: int | None, *, locked_state: str | None = None, **columns: Any) -> dict[str, Any]:
+              epoch: int | None, *, locked_state: str | None = None, **columns: Any) -> StepRow:
     """Move step `idx` by `event` to the state the machine says, set `columns`, record it in
     history and bump the task's version. The caller holds the task row lock; the step's row
     is locked here (`lock_step`), unless the caller did and passes the `locked_state` it read.
     The update, its history row and the version are one statement: one round trip."""
     if locked_state is None:
-        locked_state = lock_step(cur, uid, idx, event)["state"]
+        locked_state = lock_step(cur, uid, idx, event).state
     new_state = step_transition(locked_state, event)
     columns["state"] = str(new_state)
-    assignments, values = set_clause(columns)
-    return one(cur.execute(
-        f"""WITH moved AS (UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s RETURNING *),
+    assignments, parameters = set_clause(columns)
+    moved = fetch_one(
+        cur, StepRow,
+        f"""WITH moved AS (UPDATE retex.steps SET {assignments} WHERE task_uid = %s AND idx = %s
+                           RETURNING {column_list(StepRow)}),
                  recorded AS ({_HISTORY_INSERT}),
                  touched AS ({_TOUCH.format(assignments="")})
-            SELECT * FROM moved""",
-        (*values, uid, idx,
+            SELECT {column_list(StepRow)} FROM moved""",
+        (*parameters, uid, idx,
          uid, actor, f"step-{event}", epoch, idx, str(locked_state), str(new_state), None,
          uid),
-    ))
+    )
+    if moved is None:
+        raise StepNotFound(uid, idx, event)
+    return moved
 
 
 def end_attempt(cur: Cursor, uid: str, epoch: int, outcome: str, *, settled: bool = True) -> None:
@@ -125,13 +125,13 @@ def adapt(value: Any) -> Any:
     return Jsonb(value) if isinstance(value, dict | list) else value
 
 
-def cancel_reason(task: dict[str, Any]) -> str:
+def cancel_reason(task: TaskRow) -> str:
     """What a task whose cancel was requested ends with: TaskDeleted when its Task was deleted."""
-    return task["cancel_reason"] or "Cancelled"
+    return task.cancel_reason or "Cancelled"
 
 
 def db_now(cur: Cursor) -> datetime:
-    now: datetime = one(cur.execute("SELECT now() AS now"))["now"]
+    now: datetime = scalar(cur.execute("SELECT now()"))
     return now
 
 

@@ -17,18 +17,18 @@ from retex.ledger.errors import StepNotFound
 from retex.ledger.hashing import spec_hash, step_idempotency_key
 from retex.ledger.moves import (
     NOW,
-    Cursor,
     cancel_reason,
     check_result_size,
     end_attempt,
     lock_task,
+    lock_task_if_any,
     move_step,
-    one,
     record_history,
     touch,
 )
 from retex.ledger.placement import fill_slots, place, retry_or_fail, start_attempt, transition
 from retex.ledger.records import AdmitResult, Refusal, TaskAdmission, TaskRecord
+from retex.ledger.rows import Cursor, TaskRow, column_list, fetch_all, fetch_one, scalar
 from retex.machine import TERMINAL_PHASES, IllegalTransition, StepEvent, TaskEvent, TaskPhase
 
 CANCEL_REASONS = ("Cancelled", "TaskDeleted")
@@ -47,18 +47,19 @@ class NotAdmitted(Exception):
 
 def admit(cur: Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
     """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
-    inserted = cur.execute(
-        """INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
+    inserted = fetch_one(
+        cur, TaskRow,
+        f"""INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
                                     max_attempts, max_disruptions, backoff, not_before,
                                     concurrency_key, priority, timeout_seconds, submitted_at)
            VALUES (%s, %s, %s, %s, %s, %s, 'Pending', %s, %s, %s, %s, %s, %s, %s, %s)
-           ON CONFLICT DO NOTHING RETURNING *""",
+           ON CONFLICT DO NOTHING RETURNING {column_list(TaskRow)}""",
         (admission.uid, admission.namespace, admission.name, Jsonb(admission.spec),
          spec_hash(admission.spec), admission.idempotency_key, admission.max_attempts,
          admission.max_disruptions, Jsonb(asdict(admission.backoff)), admission.not_before,
          admission.concurrency_key, admission.priority, admission.timeout_seconds,
          admission.submitted_at),
-    ).fetchone()
+    )
     # Checked after the insert, in its own statement: a purge that committed while the insert
     # waited on the row is seen here (a check before it could miss it).
     verdict = readers.prior_verdict(cur, admission)
@@ -101,18 +102,18 @@ def replace_attempt(cur: Cursor, uid: str, lost_epoch: int, *, cause: str, actor
     the same lost epoch changes nothing.
     """
     task = lock_task(cur, uid)
-    if task["epoch"] != lost_epoch or task["phase"] != TaskPhase.RUNNING:
+    if task.epoch != lost_epoch or task.phase != TaskPhase.RUNNING:
         return readers.get(cur, uid)
     end_attempt(cur, uid, lost_epoch, "lost")
-    if task["cancel_requested"]:
+    if task.cancel_requested:
         transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
-    elif task["disruptions"] + 1 > task["max_disruptions"]:
+    elif task.disruptions + 1 > task.max_disruptions:
         transition(cur, task, TaskEvent.FAIL, actor, reason="DisruptionBudgetExhausted",
-                   dead_lettered=True, disruptions=task["disruptions"] + 1,
+                   dead_lettered=True, disruptions=task.disruptions + 1,
                    last_error=f"attempt {lost_epoch} lost ({cause}); disruption cap reached")
     else:
         start_attempt(cur, task, TaskEvent.REPLACE_ATTEMPT, cause, actor,
-                      disruptions=task["disruptions"] + 1)
+                      disruptions=task.disruptions + 1)
     return readers.get(cur, uid)
 
 
@@ -135,14 +136,14 @@ def fail_unstarted(cur: Cursor, uid: str, epoch: int, error: str, *, actor: str,
     worker may take the lease and claim the attempt (under this row lock) after the caller
     saw no lease, and may then be inside a step."""
     task = lock_task(cur, uid)
-    if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING:
+    if task.epoch != epoch or task.phase != TaskPhase.RUNNING:
         return readers.get(cur, uid)
-    if one(cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
-                   (uid, epoch)))["pod"] is not None:
+    if scalar(cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
+                          (uid, epoch))) is not None:
         return readers.get(cur, uid)
     end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
-    failures = task["failures"] + 1
-    if task["cancel_requested"]:
+    failures = task.failures + 1
+    if task.cancel_requested:
         transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
     else:
         retry_or_fail(cur, task, failures, error, retry_reason="WorkerNotStarted", actor=actor, rng=rng)
@@ -155,7 +156,7 @@ def cancel_unheld(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecor
     cancel reason. A worker that starts later is fenced at its first write.
     No-op unless `epoch` is current, Running and cancel was requested."""
     task = lock_task(cur, uid)
-    if task["epoch"] != epoch or task["phase"] != TaskPhase.RUNNING or not task["cancel_requested"]:
+    if task.epoch != epoch or task.phase != TaskPhase.RUNNING or not task.cancel_requested:
         return readers.get(cur, uid)
     end_attempt(cur, uid, epoch, "cancelled")
     transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
@@ -167,27 +168,29 @@ def cancel_unheld(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecor
 def promote_due(cur: Cursor, *, limit: int, actor: str) -> list[str]:
     """Queue the Scheduled and Retrying tasks whose time has come, fail those past their
     deadline, and fill the free slots. Returns the uids that were due."""
-    overdue = cur.execute(
-        """SELECT * FROM retex.tasks WHERE deadline_at <= now()
-           AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled') LIMIT %s FOR UPDATE SKIP LOCKED""",
+    overdue = fetch_all(
+        cur, TaskRow,
+        f"""SELECT {column_list(TaskRow)} FROM retex.tasks WHERE deadline_at <= now()
+            AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled') LIMIT %s FOR UPDATE SKIP LOCKED""",
         (limit,),
-    ).fetchall()
+    )
     for task in overdue:
-        if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-            end_attempt(cur, task["uid"], task["epoch"], "failed", settled=False)
+        if task.phase == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+            end_attempt(cur, task.uid, task.epoch, "failed", settled=False)
         transition(cur, task, TaskEvent.FAIL, actor, reason="Timeout",
-                   last_error=f"task timeout of {task['timeout_seconds']}s exceeded")
-    due = cur.execute(
-        """SELECT * FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying') AND not_before <= now()
-           ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
+                   last_error=f"task timeout of {task.timeout_seconds}s exceeded")
+    due = fetch_all(
+        cur, TaskRow,
+        f"""SELECT {column_list(TaskRow)} FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')
+            AND not_before <= now() ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
         (limit,),
-    ).fetchall()
+    )
     for task in due:
-        cause = "retry" if task["phase"] == TaskPhase.RETRYING else "first"
+        cause = "retry" if task.phase == TaskPhase.RETRYING else "first"
         transition(cur, task, TaskEvent.ENQUEUE, actor, next_cause=cause)
     if due:
         fill_slots(cur, actor)
-    return [task["uid"] for task in due]
+    return [task.uid for task in due]
 
 
 def purge_finished(cur: Cursor, *, older_than_seconds: float) -> int:
@@ -196,7 +199,7 @@ def purge_finished(cur: Cursor, *, older_than_seconds: float) -> int:
     that is kept forever, and what its rows counted is added to retex.purged_tallies (so the
     exported counters do not go down). Returns how many went."""
     # Locked, so a requeue cannot move one of them between its count and its delete.
-    uids = [row["uid"] for row in cur.execute(
+    uids = [uid for (uid,) in cur.execute(
         """SELECT uid FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')
            AND finished_at < now() - make_interval(secs => %s) FOR UPDATE""",
         (older_than_seconds,),
@@ -229,11 +232,11 @@ def request_cancel(cur: Cursor, uid: str, *, reason: str, actor: str) -> TaskRec
     with when the operator ends it: Cancelled, or TaskDeleted for a deletion (one of
     CANCEL_REASONS, checked by `Ledger.request_cancel` before its transaction)."""
     task = lock_task(cur, uid)
-    if task["phase"] in TERMINAL_PHASES or task["cancel_requested"]:
+    if task.phase in TERMINAL_PHASES or task.cancel_requested:
         return readers.get(cur, uid)
-    if task["phase"] == TaskPhase.RUNNING:
+    if task.phase == TaskPhase.RUNNING:
         touch(cur, uid, cancel_requested=True, cancel_reason=reason)
-        record_history(cur, uid, actor, "cancel-requested", epoch=task["epoch"], detail={"reason": reason})
+        record_history(cur, uid, actor, "cancel-requested", epoch=task.epoch, detail={"reason": reason})
     else:
         transition(cur, task, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True,
                    cancel_reason=reason)
@@ -243,9 +246,9 @@ def request_cancel(cur: Cursor, uid: str, *, reason: str, actor: str) -> TaskRec
 def fail_task(cur: Cursor, uid: str, *, reason: str, message: str, actor: str) -> TaskRecord:
     """Operator-side terminal failure (for example the task timeout). No-op once terminal."""
     task = lock_task(cur, uid)
-    if task["phase"] not in TERMINAL_PHASES:
-        if task["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-            end_attempt(cur, uid, task["epoch"], "failed", settled=False)
+    if task.phase not in TERMINAL_PHASES:
+        if task.phase == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+            end_attempt(cur, uid, task.epoch, "failed", settled=False)
         transition(cur, task, TaskEvent.FAIL, actor, reason=reason, last_error=message)
     return readers.get(cur, uid)
 
@@ -253,12 +256,12 @@ def fail_task(cur: Cursor, uid: str, *, reason: str, message: str, actor: str) -
 def abandon(cur: Cursor, uid: str, *, reason: str, actor: str) -> TaskRecord | None:
     """Cancel now, not at a step boundary (the Task object is gone). A worker still running
     is fenced out at its next write. No-op once terminal; None for an unknown task."""
-    row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,)).fetchone()
+    row = lock_task_if_any(cur, uid)
     if row is None:
         return None
-    if row["phase"] not in TERMINAL_PHASES:
-        if row["phase"] == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
-            end_attempt(cur, uid, row["epoch"], "cancelled", settled=False)
+    if row.phase not in TERMINAL_PHASES:
+        if row.phase == TaskPhase.RUNNING:  # its step may still run: keeps slot and key
+            end_attempt(cur, uid, row.epoch, "cancelled", settled=False)
         transition(cur, row, TaskEvent.CANCEL, actor, reason=reason, cancel_requested=True)
     return readers.get(cur, uid)
 
@@ -271,8 +274,8 @@ def requeue(cur: Cursor, uid: str, *, actor: str) -> TaskRecord:
         "SELECT name FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
     ).fetchall()
     if flagged:
-        names = ", ".join(row["name"] for row in flagged)
-        raise IllegalTransition("task", task["phase"], f"requeue before resolving step(s) {names}")
+        names = ", ".join(name for (name,) in flagged)
+        raise IllegalTransition("task", task.phase, f"requeue before resolving step(s) {names}")
     pending = transition(cur, task, TaskEvent.REQUEUE, actor, failures=0, disruptions=0,
                          dead_lettered=False, reason=None, finished_at=None, not_before=None,
                          deadline_at=None)
@@ -288,20 +291,21 @@ def resolve_step(cur: Cursor, uid: str, step_name: str, *, mark_done: bool, resu
     when repeated: `Ledger.resolve_step` runs it once (`transactions.once`).
     """
     task = lock_task(cur, uid)
-    step = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
-                       (uid, step_name)).fetchone()
-    if step is None:
+    found = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
+                        (uid, step_name)).fetchone()
+    if found is None:
         raise StepNotFound(uid, step_name, "resolve")
+    idx: int = found[0]
     if mark_done:
         check_result_size(result)
-        move_step(cur, uid, step["idx"], StepEvent.RESOLVE_DONE, actor, None,
+        move_step(cur, uid, idx, StepEvent.RESOLVE_DONE, actor, None,
                   result=Jsonb(result), error=None, finished_at=NOW)
     else:
-        move_step(cur, uid, step["idx"], StepEvent.RESOLVE_RERUN, actor, None, error=None)
+        move_step(cur, uid, idx, StepEvent.RESOLVE_RERUN, actor, None, error=None)
     still_flagged = cur.execute(
         "SELECT 1 FROM retex.steps WHERE task_uid = %s AND state = 'needs-attention'", (uid,)
     ).fetchone()
-    if task["phase"] == TaskPhase.NEEDS_ATTENTION and not still_flagged:
+    if task.phase == TaskPhase.NEEDS_ATTENTION and not still_flagged:
         task = lock_task(cur, uid)
         pending = transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
         place(cur, pending, "requeue", actor)

@@ -4,11 +4,10 @@ its own (`DispatchOutcomes`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from retex.ledger.moves import Cursor, end_attempt, lock_task
+from retex.ledger.moves import end_attempt, lock_task
 from retex.ledger.placement import transition
 from retex.ledger.records import Dispatch
+from retex.ledger.rows import ClaimedRecord, Cursor, TaskRow, fetch_all
 from retex.machine import TaskEvent, TaskPhase
 
 # A record deferred n times waits min(cap, base·2^(n-1)) seconds: a transient refusal of one Job
@@ -22,7 +21,9 @@ def claim(cur: Cursor, *, limit: int) -> tuple[list[Dispatch], DispatchOutcomes]
     transaction (see `Ledger.dispatch_batch`). Returns the records that are still current and
     the `DispatchOutcomes` that settles them; records whose epoch was superseded are marked
     stale here and not returned."""
-    rows = cur.execute(
+    # Named as ClaimedRecord's fields (class_row matches by name).
+    rows = fetch_all(
+        cur, ClaimedRecord,
         """SELECT o.id, o.task_uid, o.epoch, o.attempts, t.namespace, t.name, t.spec, t.deadline_at,
                   extract(epoch FROM now() - o.deferred_since)::float8 AS deferred_seconds,
                   t.cancel_requested, t.cancel_reason, (o.epoch = t.epoch AND t.phase = 'Running') AS current
@@ -30,16 +31,15 @@ def claim(cur: Cursor, *, limit: int) -> tuple[list[Dispatch], DispatchOutcomes]
            WHERE o.sent_at IS NULL AND (o.not_before IS NULL OR o.not_before <= now())
            ORDER BY o.id LIMIT %s FOR UPDATE OF o SKIP LOCKED""",
         (limit,),
-    ).fetchall()
-    stale = [row["id"] for row in rows if not row["current"]]
+    )
+    stale = [row.id for row in rows if not row.current]
     if stale:
         cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = 'stale' WHERE id = ANY(%s)", (stale,))
-    outcomes = DispatchOutcomes(cur, {row["id"]: row["attempts"] for row in rows})
-    return [Dispatch(id=r["id"], task_uid=r["task_uid"], epoch=r["epoch"], namespace=r["namespace"],
-                     name=r["name"], spec=r["spec"], deadline_at=r["deadline_at"],
-                     deferred_seconds=r["deferred_seconds"],
-                     cancel_reason=(r["cancel_reason"] or "Cancelled") if r["cancel_requested"] else None)
-            for r in rows if r["current"]], outcomes
+    outcomes = DispatchOutcomes(cur, {row.id: row.attempts for row in rows})
+    return [Dispatch(id=r.id, task_uid=r.task_uid, epoch=r.epoch, namespace=r.namespace, name=r.name,
+                     spec=r.spec, deadline_at=r.deadline_at, deferred_seconds=r.deferred_seconds,
+                     cancel_reason=(r.cancel_reason or "Cancelled") if r.cancel_requested else None)
+            for r in rows if r.current], outcomes
 
 
 class DispatchOutcomes:
@@ -54,9 +54,9 @@ class DispatchOutcomes:
         self._cur.execute("UPDATE retex.outbox SET sent_at = now(), outcome = %s WHERE id = %s",
                           (outcome, dispatch.id))
 
-    def _current_task(self, dispatch: Dispatch) -> dict[str, Any] | None:
+    def _current_task(self, dispatch: Dispatch) -> TaskRow | None:
         task = lock_task(self._cur, dispatch.task_uid)
-        if task["epoch"] != dispatch.epoch or task["phase"] != TaskPhase.RUNNING:
+        if task.epoch != dispatch.epoch or task.phase != TaskPhase.RUNNING:
             return None  # moved on since the claim (replaced, timed out): nothing to end
         return task
 

@@ -9,7 +9,17 @@ import random
 from datetime import timedelta
 from typing import Any
 
-from retex.ledger.moves import NOW, Cursor, db_now, one, record_history, set_clause
+from retex.ledger.moves import NOW, db_now, record_history, set_clause
+from retex.ledger.rows import (
+    Cursor,
+    QueuedCandidate,
+    RunLimits,
+    TaskRow,
+    column_list,
+    fetch_all,
+    fetch_one,
+    scalar,
+)
 from retex.machine import TERMINAL_PHASES, Backoff, TaskEvent, TaskPhase, task_transition
 
 # Arbitrary but fixed: serializes placement decisions ("place" in ASCII).
@@ -18,64 +28,65 @@ PLACEMENT_LOCK_KEY = 0x706C616365
 _HOLDS_KEY = (TaskPhase.RUNNING, TaskPhase.RETRYING, TaskPhase.NEEDS_ATTENTION)
 
 
-def transition(cur: Cursor, task: dict[str, Any], event: TaskEvent, actor: str,
-               detail: dict[str, Any] | None = None, **columns: Any) -> dict[str, Any]:
+def transition(cur: Cursor, task: TaskRow, event: TaskEvent, actor: str,
+               detail: dict[str, Any] | None = None, **columns: Any) -> TaskRow:
     """Move the task by `event` (checked by the state machine), set `columns`, bump the version."""
-    new_phase = task_transition(task["phase"], event)
+    new_phase = task_transition(task.phase, event)
     columns["phase"] = str(new_phase)
     if columns.get("dead_lettered"):  # in history, so the dead-letter counter survives a requeue
         detail = {**(detail or {}), "deadLettered": True}
     if new_phase in TERMINAL_PHASES:
         columns.setdefault("finished_at", NOW)
     assignments, values = set_clause(columns)
-    updated = one(cur.execute(
+    updated = fetch_one(
+        cur, TaskRow,
         f"UPDATE retex.tasks SET {assignments}, version = version + 1, updated_at = now() "
-        "WHERE uid = %s RETURNING *",
-        (*values, task["uid"]),
-    ))
-    record_history(cur, task["uid"], actor, str(event), epoch=updated["epoch"], from_state=task["phase"],
+        f"WHERE uid = %s RETURNING {column_list(TaskRow)}",
+        (*values, task.uid),
+    )
+    if updated is None:
+        raise LookupError(f"task {task.uid} is gone from under its row lock")
+    record_history(cur, task.uid, actor, str(event), epoch=updated.epoch, from_state=task.phase,
                    to_state=str(new_phase), detail=detail)
-    if task["phase"] in _HOLDS_KEY and new_phase != task["phase"]:
+    if task.phase in _HOLDS_KEY and new_phase != task.phase:
         fill_slots(cur, actor)  # a running slot or a concurrency key may have come free
     return updated
 
 
-def retry_or_fail(cur: Cursor, task: dict[str, Any], failures: int, error: str, *, retry_reason: str,
+def retry_or_fail(cur: Cursor, task: TaskRow, failures: int, error: str, *, retry_reason: str,
                   actor: str, rng: random.Random | None) -> None:
     """A failed attempt, counted against the retry budget (`failures` with it): Failed and
     dead-lettered (RetriesExhausted) once it reaches max_attempts, else Retrying with
     `retry_reason` until the backoff has passed."""
-    if failures >= task["max_attempts"]:
+    if failures >= task.max_attempts:
         transition(cur, task, TaskEvent.FAIL, actor, reason="RetriesExhausted", failures=failures,
                    dead_lettered=True, last_error=error[:4096])
     else:
-        delay = Backoff(**task["backoff"]).delay(failures, rng)
+        delay = Backoff(**task.backoff).delay(failures, rng)
         transition(cur, task, TaskEvent.RETRY, actor, detail={"backoffSeconds": round(delay, 3)},
                    reason=retry_reason, failures=failures, last_error=error[:4096],
                    not_before=db_now(cur) + timedelta(seconds=delay))
 
 
-def start_attempt(cur: Cursor, task: dict[str, Any], event: TaskEvent, cause: str,
-                  actor: str, **columns: Any) -> dict[str, Any]:
+def start_attempt(cur: Cursor, task: TaskRow, event: TaskEvent, cause: str,
+                  actor: str, **columns: Any) -> TaskRow:
     """Epoch + 1, its attempt row and its dispatch record, all in the caller's transaction."""
-    epoch = task["epoch"] + 1
-    if task["deadline_at"] is None and task["timeout_seconds"]:
-        columns["deadline_at"] = db_now(cur) + timedelta(seconds=task["timeout_seconds"])
+    epoch = task.epoch + 1
+    if task.deadline_at is None and task.timeout_seconds:
+        columns["deadline_at"] = db_now(cur) + timedelta(seconds=task.timeout_seconds)
     updated = transition(cur, task, event, actor, detail={"cause": cause}, epoch=epoch,
                          not_before=None, reason=None, next_cause=None,
-                         started_at=task["started_at"] or NOW, **columns)
+                         started_at=task.started_at or NOW, **columns)
     cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
-                (task["uid"], epoch, cause))
-    cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task["uid"], epoch))
+                (task.uid, epoch, cause))
+    cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task.uid, epoch))
     return updated
 
 
-def place(cur: Cursor, task: dict[str, Any], cause: str, actor: str) -> None:
+def place(cur: Cursor, task: TaskRow, cause: str, actor: str) -> None:
     """A task that may run: schedule it for later, or queue it and fill the free slots (which
     starts it at once when limits, its concurrency key and the queue ahead of it allow)."""
-    due = task["not_before"] is None or one(cur.execute(
-        "SELECT %s <= now() AS due", (task["not_before"],)
-    ))["due"]
+    due = task.not_before is None or scalar(cur.execute("SELECT %s <= now()", (task.not_before,)))
     if not due:
         transition(cur, task, TaskEvent.SCHEDULE, actor)
         return
@@ -92,21 +103,24 @@ def fill_slots(cur: Cursor, actor: str) -> None:
     a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
     while holding the lock (whoever holds that row places it when it is done)."""
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
-    limits = one(cur.execute("SELECT * FROM retex.run_limits"))
+    limits = fetch_one(cur, RunLimits, f"SELECT {column_list(RunLimits)} FROM retex.run_limits")
+    if limits is None:
+        raise LookupError("retex.run_limits has no row")
     # An attempt the operator ended (timeout, deletion) may still be running a step until it is
     # known dead (settled): until then it keeps its slot and its key.
     unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
-    by_namespace = {r["namespace"]: r["n"] for r in cur.execute(
-        f"""SELECT namespace, count(*) AS n FROM retex.tasks WHERE uid IN (
+    by_namespace: dict[str, int] = {namespace: n for namespace, n in cur.execute(
+        f"""SELECT namespace, count(*) FROM retex.tasks WHERE uid IN (
                 SELECT uid FROM retex.tasks WHERE phase = 'Running' UNION {unsettled})
             GROUP BY namespace""")}
     total = sum(by_namespace.values())
-    busy_keys = {(r["namespace"], r["concurrency_key"]) for r in cur.execute(
+    busy_keys = {(namespace, key) for namespace, key in cur.execute(
         f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
             AND uid IN (SELECT uid FROM retex.tasks WHERE phase IN ('Running', 'Retrying', 'NeedsAttention')
                         UNION {unsettled})""")}
-    candidates = cur.execute(
-        """SELECT uid, namespace, concurrency_key, priority, submitted, created_at FROM (
+    candidates = fetch_all(
+        cur, QueuedCandidate,
+        f"""SELECT {column_list(QueuedCandidate)} FROM (
                SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
                       coalesce(submitted_at, created_at) AS submitted, created_at
                FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL
@@ -115,21 +129,21 @@ def fill_slots(cur: Cursor, actor: str) -> None:
            UNION ALL
            SELECT uid, namespace, concurrency_key, priority, coalesce(submitted_at, created_at), created_at
            FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL
-           ORDER BY priority DESC, submitted, created_at, uid""").fetchall()
+           ORDER BY priority DESC, submitted, created_at, uid""")
     for candidate in candidates:
-        if limits["max_running"] is not None and total >= limits["max_running"]:
+        if limits.max_running is not None and total >= limits.max_running:
             return
-        namespace = candidate["namespace"]
-        per_namespace = limits["max_running_per_namespace"]
+        namespace = candidate.namespace
+        per_namespace = limits.max_running_per_namespace
         if per_namespace is not None and by_namespace.get(namespace, 0) >= per_namespace:
             continue
-        if (namespace, candidate["concurrency_key"]) in busy_keys:
+        if (namespace, candidate.concurrency_key) in busy_keys:
             continue
-        task = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s AND phase = 'Queued' FOR UPDATE SKIP LOCKED",
-                           (candidate["uid"],)).fetchone()
+        task = fetch_one(cur, TaskRow, f"SELECT {column_list(TaskRow)} FROM retex.tasks "
+                         "WHERE uid = %s AND phase = 'Queued' FOR UPDATE SKIP LOCKED", (candidate.uid,))
         if task is None:
             continue
-        start_attempt(cur, task, TaskEvent.START_ATTEMPT, task["next_cause"] or "first", actor)
+        start_attempt(cur, task, TaskEvent.START_ATTEMPT, task.next_cause or "first", actor)
         total += 1
         by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
 

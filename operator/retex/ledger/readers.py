@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Any
 
 import psycopg
 
 from retex.ledger.errors import TaskNotFound
-from retex.ledger.moves import Cursor, one
 from retex.ledger.records import (
     DURATION_BUCKETS,
     AdmitResult,
@@ -26,18 +24,22 @@ from retex.ledger.records import (
     TaskRef,
     WatchedAttempt,
 )
+from retex.ledger.rows import Cursor, StepRow, TaskRow, column_list, fetch_all, fetch_one, one, scalar
 from retex.machine import StepState, TaskPhase
 
 NOTIFY_CHANNEL = "retex_ledger"
 _ENDED_PHASES = "('Succeeded', 'Failed', 'Cancelled')"
 
 
+_TASK = f"SELECT {column_list(TaskRow)} FROM retex.tasks"
+_STEPS = f"SELECT {column_list(StepRow)} FROM retex.steps WHERE task_uid = %s ORDER BY idx"
+
+
 def get(cur: Cursor, uid: str) -> TaskRecord:
-    row = cur.execute("SELECT * FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()
+    row = fetch_one(cur, TaskRow, f"{_TASK} WHERE uid = %s", (uid,))
     if row is None:
         raise TaskNotFound(uid)
-    steps = cur.execute("SELECT * FROM retex.steps WHERE task_uid = %s ORDER BY idx", (uid,)).fetchall()
-    return task_record(row, steps)
+    return task_record(row, fetch_all(cur, StepRow, _STEPS, (uid,)))
 
 
 def find(cur: Cursor, namespace: str, name: str) -> TaskRecord | None:
@@ -46,50 +48,53 @@ def find(cur: Cursor, namespace: str, name: str) -> TaskRecord | None:
         "SELECT uid FROM retex.tasks WHERE namespace = %s AND name = %s ORDER BY created_at DESC LIMIT 1",
         (namespace, name),
     ).fetchone()
-    return get(cur, row["uid"]) if row else None
+    return get(cur, row[0]) if row else None
 
 
 def running(cur: Cursor) -> list[TaskRecord]:
     """Every Running task (without steps): what the lease reaper watches over."""
-    rows = cur.execute("SELECT * FROM retex.tasks WHERE phase = 'Running' ORDER BY uid").fetchall()
+    rows = fetch_all(cur, TaskRow, f"{_TASK} WHERE phase = 'Running' ORDER BY uid")
     return [task_record(row, []) for row in rows]
 
 
 def versions(cur: Cursor) -> dict[str, int]:
     """uid → ledger version of every task: what a status resync compares against."""
-    return {r["uid"]: r["version"] for r in cur.execute("SELECT uid, version FROM retex.tasks")}
+    return {uid: version for uid, version in cur.execute("SELECT uid, version FROM retex.tasks")}
 
 
 def dead_lettered_uids(cur: Cursor) -> set[str]:
     """uids of the dead-lettered tasks: what a status resync checks the dead-letter label against."""
-    return {r["uid"] for r in cur.execute("SELECT uid FROM retex.tasks WHERE dead_lettered")}
+    return {uid for (uid,) in cur.execute("SELECT uid FROM retex.tasks WHERE dead_lettered")}
 
 
 def attempts(cur: Cursor, uid: str) -> list[AttemptRecord]:
-    rows = cur.execute("SELECT * FROM retex.attempts WHERE task_uid = %s ORDER BY epoch", (uid,)).fetchall()
-    return [AttemptRecord(**{k: r[k] for k in AttemptRecord.__dataclass_fields__}) for r in rows]
+    return fetch_all(cur, AttemptRecord, f"SELECT {column_list(AttemptRecord)} FROM retex.attempts "
+                     "WHERE task_uid = %s ORDER BY epoch", (uid,))
 
 
 def history(cur: Cursor, uid: str) -> list[HistoryEntry]:
-    rows = cur.execute("SELECT * FROM retex.history WHERE task_uid = %s ORDER BY id", (uid,)).fetchall()
-    return [HistoryEntry(**{k: r[k] for k in HistoryEntry.__dataclass_fields__}) for r in rows]
+    return fetch_all(cur, HistoryEntry, f"SELECT {column_list(HistoryEntry)} FROM retex.history "
+                     "WHERE task_uid = %s ORDER BY id", (uid,))
 
 
 def dead_letters(cur: Cursor, namespace: str | None) -> list[TaskRecord]:
     """Failed tasks that were dead-lettered (out of retries or disruptions), without steps;
     of one namespace, or of all when `namespace` is None. Oldest failure first."""
-    rows = cur.execute(
-        """SELECT * FROM retex.tasks WHERE phase = 'Failed' AND dead_lettered
-           AND (%(ns)s::text IS NULL OR namespace = %(ns)s) ORDER BY finished_at, namespace, name""",
+    rows = fetch_all(
+        cur, TaskRow,
+        f"""{_TASK} WHERE phase = 'Failed' AND dead_lettered
+            AND (%(ns)s::text IS NULL OR namespace = %(ns)s) ORDER BY finished_at, namespace, name""",
         {"ns": namespace},
-    ).fetchall()
+    )
     return [task_record(row, []) for row in rows]
 
 
 def watched(cur: Cursor) -> list[WatchedAttempt]:
     """What the reaper watches: the current attempt of every Running task, and every attempt
     the operator ended that is not yet known dead (it holds its slot and key until then)."""
-    rows = cur.execute(
+    # Named as WatchedAttempt's fields (class_row matches by name).
+    return fetch_all(
+        cur, WatchedAttempt,
         """SELECT t.uid, t.namespace, t.name, a.epoch, t.phase = 'Running' AND a.epoch = t.epoch AS current,
                   t.cancel_requested, a.job_name,
                   extract(epoch FROM now() - o.sent_at)::float8 AS dispatched_seconds_ago
@@ -97,26 +102,25 @@ def watched(cur: Cursor) -> list[WatchedAttempt]:
            LEFT JOIN retex.outbox o ON o.task_uid = a.task_uid AND o.epoch = a.epoch AND o.outcome = 'sent'
            WHERE (t.phase = 'Running' AND a.epoch = t.epoch AND a.outcome IS NULL)
               OR (a.outcome IS NOT NULL AND a.settled_at IS NULL)
-           ORDER BY t.uid, a.epoch""").fetchall()
-    return [WatchedAttempt(**row) for row in rows]
+           ORDER BY t.uid, a.epoch""")
 
 
 def next_due_at(cur: Cursor) -> datetime | None:
     """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
     the promoter sleeps until then instead of keeping a timer per task."""
-    at: datetime | None = one(cur.execute(
+    at: datetime | None = scalar(cur.execute(
         """SELECT least(
                (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
                (SELECT min(deadline_at) FROM retex.tasks
-                WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled'))) AS at"""
-    ))["at"]
+                WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled')))"""
+    ))
     return at
 
 
 def seconds_until(cur: Cursor, at: datetime) -> float:
     """`at` minus the database's now(): time left measured on the ledger's clock, the one
     that set `at` (a deadline), never the caller's wall clock."""
-    seconds: float = one(cur.execute("SELECT extract(epoch FROM %s - now())::float8 AS s", (at,)))["s"]
+    seconds: float = scalar(cur.execute("SELECT extract(epoch FROM %s - now())::float8", (at,)))
     return seconds
 
 
@@ -134,7 +138,8 @@ def prior_verdict(cur: Cursor, admission: TaskAdmission) -> AdmitResult | None:
         return AdmitResult(uid=uid, created=False, purged=True)
     if admission.idempotency_key is None:
         return None
-    first = cur.execute(
+    first = fetch_one(
+        cur, TaskRef,
         """SELECT uid, namespace, name FROM retex.tasks
            WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
            UNION ALL
@@ -142,34 +147,31 @@ def prior_verdict(cur: Cursor, admission: TaskAdmission) -> AdmitResult | None:
            WHERE namespace = %(ns)s AND idempotency_key = %(key)s AND uid <> %(uid)s
            LIMIT 1""",
         {"ns": admission.namespace, "key": admission.idempotency_key, "uid": uid},
-    ).fetchone()
+    )
     if first is None:
         return None
-    return AdmitResult(uid=first["uid"], created=False, duplicate_of=TaskRef(**first))
+    return AdmitResult(uid=first.uid, created=False, duplicate_of=first)
 
 
 def refusal(cur: Cursor, uid: str) -> Refusal | None:
     """The refusal stored for `uid`, or None."""
-    row = cur.execute("SELECT uid, namespace, name, reason, message, generation FROM retex.refusals WHERE uid = %s",
-                      (uid,)).fetchone()
-    return Refusal(**row) if row else None
+    return fetch_one(cur, Refusal, f"SELECT {column_list(Refusal)} FROM retex.refusals WHERE uid = %s", (uid,))
 
 
 def figures(cur: Cursor) -> LedgerFigures:
     """What the operator exports as metrics, computed from committed state (so worker-side
     figures need no scraping of short-lived pods). Counts come from append-only rows plus what
     purges took (LedgerFigures says which figures are counts)."""
-    phases = {r["phase"]: r["n"] for r in cur.execute("SELECT phase, count(*) AS n FROM retex.tasks GROUP BY phase")}
-    dead = one(cur.execute("SELECT count(*) AS n FROM retex.tasks WHERE dead_lettered"))["n"]
-    lag = one(cur.execute("SELECT extract(epoch FROM now() - min(created_at)) AS s FROM retex.outbox "
-                      "WHERE sent_at IS NULL"))["s"]
+    phases = {phase: n for phase, n in cur.execute("SELECT phase, count(*) FROM retex.tasks GROUP BY phase")}
+    dead = scalar(cur.execute("SELECT count(*) FROM retex.tasks WHERE dead_lettered"))
+    lag = scalar(cur.execute("SELECT extract(epoch FROM now() - min(created_at)) FROM retex.outbox "
+                             "WHERE sent_at IS NULL"))
     # The promoter fails a task at its deadline: one left unfinished past it means that did not happen.
-    overrun = one(cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) AS s FROM retex.tasks "
-                          f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}"))["s"]
+    overrun = scalar(cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) FROM retex.tasks "
+                                 f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}"))
     counts = tallies(cur, None)
-    for row in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
-        key = (row["metric"], row["label"])
-        counts[key] = counts.get(key, 0.0) + row["value"]
+    for metric, label, value in cur.execute("SELECT metric, label, value FROM retex.purged_tallies"):
+        counts[(metric, label)] = counts.get((metric, label), 0.0) + value
 
     def labelled(metric: str) -> dict[str, int]:
         return {label: int(value) for (m, label), value in counts.items() if m == metric}
@@ -209,24 +211,25 @@ def tallies(cur: Cursor, uids: list[str] | None) -> dict[tuple[str, str], float]
 
     def histogram(metric: str, seconds_sql: str) -> None:
         bounds = ", ".join(f"count(*) FILTER (WHERE s <= {float(b)}) AS le{i}" for i, b in enumerate(DURATION_BUCKETS))
-        row = one(cur.execute(f"SELECT count(*) AS n, coalesce(sum(s), 0) AS total, {bounds} FROM ({seconds_sql}) AS d",
-                              params))
-        add(metric, "count", row["n"])
-        add(metric, "sum", row["total"])
-        for i, bound in enumerate(DURATION_BUCKETS):
-            add(metric, f"le={float(bound)}", row[f"le{i}"])
+        count, total, *cumulative = one(cur.execute(
+            f"SELECT count(*), coalesce(sum(s), 0), {bounds} FROM ({seconds_sql}) AS d", params))
+        add(metric, "count", count)
+        add(metric, "sum", total)
+        for bound, below in zip(DURATION_BUCKETS, cumulative, strict=True):
+            add(metric, f"le={float(bound)}", below)
 
-    add("submitted", "", one(cur.execute(f"SELECT count(*) AS n FROM retex.history WHERE event = 'admit' AND "
-                                     f"{of('task_uid')}", params))["n"])
+    add("submitted", "", scalar(cur.execute(f"SELECT count(*) FROM retex.history WHERE event = 'admit' AND "
+                                            f"{of('task_uid')}", params)))
     ended = f"h.to_state IN {_ENDED_PHASES} AND h.event NOT LIKE 'step-%%' AND {of('h.task_uid')}"
-    for row in cur.execute(f"SELECT h.to_state, count(*) AS n, count(*) FILTER (WHERE h.detail->>'deadLettered' = "
-                           f"'true') AS dead FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):
-        add("finished", row["to_state"], row["n"])
-        add("dead_lettered", "", row["dead"])
+    for to_state, n, dead in cur.execute(
+            f"SELECT h.to_state, count(*), count(*) FILTER (WHERE h.detail->>'deadLettered' = 'true') "
+            f"FROM retex.history h WHERE {ended} GROUP BY h.to_state", params):
+        add("finished", to_state, n)
+        add("dead_lettered", "", dead)
     add("dead_lettered", "", 0)
-    for row in cur.execute(f"SELECT cause, count(*) AS n FROM retex.attempts WHERE {of('task_uid')} GROUP BY cause",
-                           params):
-        add("attempts", row["cause"], row["n"])
+    for cause, n in cur.execute(f"SELECT cause, count(*) FROM retex.attempts WHERE {of('task_uid')} GROUP BY cause",
+                                params):
+        add("attempts", cause, n)
     histogram("task_seconds", f"SELECT extract(epoch FROM h.at - t.created_at) AS s FROM retex.history h "
                               f"JOIN retex.tasks t ON t.uid = h.task_uid WHERE {ended}")
     # A step run: from its latest begin to the commit or failure that ended it.
@@ -260,12 +263,18 @@ def listen(dsn: str, *, timeout: float) -> Iterator[tuple[str, int] | None]:
                 yield None
 
 
-def step_record(row: dict[str, Any]) -> StepRecord:
-    return StepRecord(idx=row["idx"], name=row["name"], state=StepState(row["state"]), attempt=row["attempt"],
-                      idempotency_key=row["idempotency_key"], result=row["result"], error=row["error"],
-                      started_at=row["started_at"], finished_at=row["finished_at"])
+def step_record(row: StepRow) -> StepRecord:
+    return StepRecord(idx=row.idx, name=row.name, state=StepState(row.state), attempt=row.attempt,
+                      idempotency_key=row.idempotency_key, result=row.result, error=row.error,
+                      started_at=row.started_at, finished_at=row.finished_at)
 
 
-def task_record(row: dict[str, Any], steps: list[dict[str, Any]]) -> TaskRecord:
-    fields = {k: row[k] for k in TaskRecord.__dataclass_fields__ if k not in ("steps", "phase")}
-    return TaskRecord(phase=TaskPhase(row["phase"]), steps=tuple(step_record(s) for s in steps), **fields)
+def task_record(row: TaskRow, steps: list[StepRow]) -> TaskRecord:
+    return TaskRecord(
+        uid=row.uid, namespace=row.namespace, name=row.name, spec=row.spec, spec_hash=row.spec_hash,
+        phase=TaskPhase(row.phase), reason=row.reason, dead_lettered=row.dead_lettered, epoch=row.epoch,
+        failures=row.failures, disruptions=row.disruptions, max_attempts=row.max_attempts,
+        max_disruptions=row.max_disruptions, not_before=row.not_before, concurrency_key=row.concurrency_key,
+        priority=row.priority, deadline_at=row.deadline_at, cancel_requested=row.cancel_requested,
+        last_error=row.last_error, version=row.version, created_at=row.created_at, updated_at=row.updated_at,
+        started_at=row.started_at, finished_at=row.finished_at, steps=tuple(step_record(s) for s in steps))

@@ -33,7 +33,7 @@ from retex.failpoints import failpoint
 from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
 from retex.ledger.errors import LedgerUnavailable, NotLeader
 from retex.ledger.migrate import migrate
-from retex.ledger.moves import Cursor, check_result_size, record_history
+from retex.ledger.moves import check_result_size, record_history
 from retex.ledger.outbox import DispatchOutcomes
 from retex.ledger.records import (
     AdmitResult,
@@ -47,6 +47,7 @@ from retex.ledger.records import (
     TaskRecord,
     WatchedAttempt,
 )
+from retex.ledger.rows import Cursor
 from retex.ledger.transactions import SessionLimits
 
 T = TypeVar("T")

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import psycopg
-from psycopg.rows import DictRow, dict_row
+from psycopg.rows import TupleRow
 from psycopg_pool import ConnectionPool
 
 from retex.ledger import readers
 from retex.ledger.errors import LedgerUnavailable, NotLeader
-from retex.ledger.moves import Cursor, lock_task, one
+from retex.ledger.moves import lock_task
 from retex.ledger.records import TaskRecord
+from retex.ledger.rows import Cursor, scalar
 from retex.logs import log_line
 
 log = logging.getLogger(__name__)
@@ -64,14 +65,14 @@ def _milliseconds(seconds: float) -> str:
 
 
 def connection_pool(dsn: str, *, max_connections: int,
-                    limits: SessionLimits | None = None) -> ConnectionPool[psycopg.Connection[DictRow]]:
-    """Not yet open (`Ledger.open` opens it after migrating); rows come as dicts."""
+                    limits: SessionLimits | None = None) -> ConnectionPool[psycopg.Connection[TupleRow]]:
+    """Not yet open (`Ledger.open` opens it after migrating); rows come as tuples (named rows
+    are read with retex.ledger.rows' row types)."""
     return ConnectionPool(
         dsn,
-        connection_class=psycopg.Connection[DictRow],
+        connection_class=psycopg.Connection[TupleRow],
         min_size=1,
         max_size=max_connections,
-        kwargs={"row_factory": dict_row},
         check=_check_if_idle,  # drop connections a Postgres restart broke
         reset=_note_returned,
         configure=functools.partial(_configure, limits=limits),
@@ -85,25 +86,25 @@ def connection_pool(dsn: str, *, max_connections: int,
 # statement, a transient error the operation's retry takes to another connection (the pool
 # replaces the broken one).
 CHECK_AFTER_IDLE_SECONDS = 2.0
-_returned_at: weakref.WeakKeyDictionary[psycopg.Connection[DictRow], float] = weakref.WeakKeyDictionary()
+_returned_at: weakref.WeakKeyDictionary[psycopg.Connection[TupleRow], float] = weakref.WeakKeyDictionary()
 
 
-def _note_returned(conn: psycopg.Connection[DictRow]) -> None:
+def _note_returned(conn: psycopg.Connection[TupleRow]) -> None:
     _returned_at[conn] = time.monotonic()
 
 
-def _check_if_idle(conn: psycopg.Connection[DictRow]) -> None:
+def _check_if_idle(conn: psycopg.Connection[TupleRow]) -> None:
     returned = _returned_at.get(conn)
     if returned is None or time.monotonic() - returned > CHECK_AFTER_IDLE_SECONDS:
         ConnectionPool.check_connection(conn)
 
 
-def _configure(conn: psycopg.Connection[DictRow], *, limits: SessionLimits | None) -> None:
+def _configure(conn: psycopg.Connection[TupleRow], *, limits: SessionLimits | None) -> None:
     """Durable commits: a worker moves on to the next external effect once its commit returns, so
     the commit must be on disk by then: with synchronous_commit=off a crash could lose an
     acknowledged step and the step would run again. Stronger server settings (remote_write,
     remote_apply) are kept. With `limits`, its settings too."""
-    if one(conn.execute("SHOW synchronous_commit"))["synchronous_commit"] == "off":
+    if scalar(conn.execute("SHOW synchronous_commit")) == "off":
         conn.execute("SET synchronous_commit = on")
     for name, value in (limits.settings() if limits else {}).items():
         conn.execute("SELECT set_config(%s, %s, false)", (name, value))
@@ -115,7 +116,7 @@ def check_term(cur: Cursor, term: int | None) -> None:
     NotLeader. FOR SHARE, kept to the end of the transaction: `take_term` waits for every
     transaction that passed this check, so once a successor's term is taken none of its
     predecessor's writes is still to commit, and each one after is refused."""
-    current = one(cur.execute("SELECT term FROM retex.leadership FOR SHARE"))["term"]
+    current = scalar(cur.execute("SELECT term FROM retex.leadership FOR SHARE"))
     if term != current:
         raise NotLeader(f"the ledger's leadership term is {current}, this writer's is {term}" if term is not None
                         else f"this writer has taken no leadership term (the ledger's is {current})", term=term)
@@ -123,7 +124,7 @@ def check_term(cur: Cursor, term: int | None) -> None:
 
 def current_term(cur: Cursor) -> int:
     """The ledger's leadership term now (no lock)."""
-    term: int = one(cur.execute("SELECT term FROM retex.leadership"))["term"]
+    term: int = scalar(cur.execute("SELECT term FROM retex.leadership"))
     return term
 
 
@@ -138,15 +139,15 @@ def take_term(cur: Cursor, *, lock_timeout_seconds: float, still_leading: Callab
     successor's (and a pause after the answer holds the lock, so the successor's take waits,
     until the server ends this idle transaction or it commits first)."""
     cur.execute("SELECT set_config('lock_timeout', %s, true)", (_milliseconds(lock_timeout_seconds),))
-    current = one(cur.execute("SELECT term FROM retex.leadership FOR UPDATE"))["term"]
+    current = scalar(cur.execute("SELECT term FROM retex.leadership FOR UPDATE"))
     if not still_leading():
         raise NotLeader(f"not taking the leadership term after {current}: this replica no longer leads")
-    term: int = one(cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term"))["term"]
+    term: int = scalar(cur.execute("UPDATE retex.leadership SET term = term + 1 RETURNING term"))
     return term
 
 
 @contextlib.contextmanager
-def transaction(pool: ConnectionPool[psycopg.Connection[DictRow]]) -> Iterator[Cursor]:
+def transaction(pool: ConnectionPool[psycopg.Connection[TupleRow]]) -> Iterator[Cursor]:
     """A cursor in a transaction on a pooled connection: committed when the block ends, rolled
     back when it raises."""
     with pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
@@ -181,10 +182,10 @@ def once(fn: Callable[[Cursor], T], *, uid: str) -> Callable[[Cursor], TaskRecor
         if earlier:
             # The task row lock waits out a COMMIT still under way (every try takes that lock).
             lock_task(cur, uid)
-            status = one(cur.execute("SELECT pg_xact_status(%s::xid8) AS s", (earlier[0],)))["s"]
+            status = scalar(cur.execute("SELECT pg_xact_status(%s::xid8)", (earlier[0],)))
             if status == "committed":
                 return readers.get(cur, uid)
-        earlier[:] = [one(cur.execute("SELECT pg_current_xact_id()::text AS x"))["x"]]
+        earlier[:] = [scalar(cur.execute("SELECT pg_current_xact_id()::text"))]
         return fn(cur)
 
     return first_time

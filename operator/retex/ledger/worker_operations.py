@@ -24,19 +24,18 @@ from retex.ledger.errors import CancelRequested, StepNotFound, StepOutOfOrder, T
 from retex.ledger.moves import (
     NOW,
     WRITE_TIME,
-    Cursor,
     cancel_reason,
     end_attempt,
     fence,
     lock_step,
     lock_task,
     move_step,
-    one,
     record_history,
     touch,
 )
 from retex.ledger.placement import retry_or_fail, transition
 from retex.ledger.records import StepRecord, TaskRecord
+from retex.ledger.rows import Cursor, StepRow, StepToBegin, column_list, fetch_one, scalar
 from retex.machine import IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
 
 
@@ -70,31 +69,32 @@ def begin_step(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str,
     or a begin whose answer nobody kept)."""
     task = lock_task(cur, uid)
     fence(task, epoch)
-    if task["cancel_requested"]:
+    if task.cancel_requested:
         raise CancelRequested(uid)
     # This step's row, locked as `move_step` would, and how many steps ahead of it are not done:
     # one row and a count, not every step with its result.
-    row = cur.execute(
-        """SELECT s.*, (SELECT count(*) FROM retex.steps ahead WHERE ahead.task_uid = s.task_uid
+    row = fetch_one(
+        cur, StepToBegin,
+        f"""SELECT {column_list(StepRow, "s")}, (SELECT count(*) FROM retex.steps ahead WHERE ahead.task_uid = s.task_uid
                         AND ahead.idx < s.idx AND ahead.state <> 'done') AS undone_ahead
-           FROM retex.steps s WHERE s.task_uid = %s AND s.idx = %s FOR UPDATE OF s""",
-        (uid, idx)).fetchone()
+            FROM retex.steps s WHERE s.task_uid = %s AND s.idx = %s FOR UPDATE OF s""",
+        (uid, idx))
     if row is None:
         raise StepNotFound(uid, idx, StepEvent.BEGIN)
     prior = readers.step_record(row)
     if prior.state == StepState.STARTED and prior.attempt == epoch:
-        if request is not None and row["begin_request"] == request:  # the same call again
-            return replace(prior, state=StepState(row["prior_state"]), attempt=row["prior_attempt"],
-                           started_at=row["prior_started_at"]), task["name"]
-        return prior, task["name"]  # a repeated call
-    if row["undone_ahead"]:
+        if request is not None and row.begin_request == request and row.prior_state is not None:  # the same call again
+            return replace(prior, state=StepState(row.prior_state), attempt=row.prior_attempt,
+                           started_at=row.prior_started_at), task.name
+        return prior, task.name  # a repeated call
+    if row.undone_ahead:
         raise StepOutOfOrder(f"step {idx} of {uid} cannot begin before the steps ahead of it are done")
     # started_at: the moment of this write, not the transaction's start (now(), before the lock
     # wait): a later attempt's deadline wait counts from it.
-    move_step(cur, uid, idx, StepEvent.BEGIN, actor, epoch, locked_state=row["state"], attempt=epoch, error=None,
+    move_step(cur, uid, idx, StepEvent.BEGIN, actor, epoch, locked_state=row.state, attempt=epoch, error=None,
               started_at=WRITE_TIME, begin_request=request, prior_state=prior.state, prior_attempt=prior.attempt,
               prior_started_at=prior.started_at)
-    return prior, task["name"]
+    return prior, task.name
 
 
 def start_run(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str) -> None:
@@ -129,7 +129,7 @@ def seconds_until_step_deadline(cur: Cursor, uid: str, idx: int, *, begun_at: da
     ).fetchone()
     if row is None:
         raise TaskNotFound(uid)
-    return float(row["left"] or 0)
+    return float(row[0] or 0)
 
 
 def commit_step(cur: Cursor, uid: str, epoch: int, idx: int, result: Any, *, actor: str) -> None:
@@ -138,25 +138,25 @@ def commit_step(cur: Cursor, uid: str, epoch: int, idx: int, result: Any, *, act
     task = lock_task(cur, uid)
     fence(task, epoch)
     step = lock_step(cur, uid, idx, StepEvent.COMMIT)
-    if step["state"] == StepState.DONE:
+    if step.state == StepState.DONE:
         return  # a repeated call
-    move_step(cur, uid, idx, StepEvent.COMMIT, actor, epoch, locked_state=step["state"], result=Jsonb(result),
+    move_step(cur, uid, idx, StepEvent.COMMIT, actor, epoch, locked_state=step.state, result=Jsonb(result),
               error=None, finished_at=NOW)
-    failpoint("in-commit", step["name"], task=task["name"], uid=uid)  # crash-matrix R8: dies before COMMIT
+    failpoint("in-commit", step.name, task=task.name, uid=uid)  # crash-matrix R8: dies before COMMIT
 
 
 def fail_step(cur: Cursor, uid: str, epoch: int, idx: int, error: str, *, retryable: bool, actor: str,
               rng: random.Random | None) -> TaskRecord:
     """The step failed: retry after backoff, or fail the task (permanently or out of budget). Fenced."""
     task = lock_task(cur, uid)
-    step = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s",
-                       (uid, idx)).fetchone()
-    if step and step["state"] == StepState.FAILED and step["attempt"] == epoch and task["epoch"] == epoch:
+    state, attempt = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s",
+                                 (uid, idx)).fetchone() or (None, None)
+    if state == StepState.FAILED and attempt == epoch and task.epoch == epoch:
         return readers.get(cur, uid)  # a repeated call
     fence(task, epoch)
     move_step(cur, uid, idx, StepEvent.FAIL, actor, epoch, error=error[:4096], finished_at=NOW)
     end_attempt(cur, uid, epoch, "failed")
-    failures = task["failures"] + 1
+    failures = task.failures + 1
     task = lock_task(cur, uid)
     if not retryable:
         transition(cur, task, TaskEvent.FAIL, actor, reason="PermanentError", failures=failures,
@@ -169,7 +169,7 @@ def fail_step(cur: Cursor, uid: str, epoch: int, idx: int, error: str, *, retrya
 def flag_step(cur: Cursor, uid: str, epoch: int, idx: int, why: str, *, actor: str) -> TaskRecord:
     """An ambiguous step that is neither verifiable nor idempotent: stop for a human. Fenced."""
     task = lock_task(cur, uid)
-    if task["phase"] == TaskPhase.NEEDS_ATTENTION and task["epoch"] == epoch:
+    if task.phase == TaskPhase.NEEDS_ATTENTION and task.epoch == epoch:
         return readers.get(cur, uid)  # a repeated call
     fence(task, epoch)
     move_step(cur, uid, idx, StepEvent.FLAG, actor, epoch, error=why[:4096])
@@ -182,13 +182,13 @@ def flag_step(cur: Cursor, uid: str, epoch: int, idx: int, why: str, *, actor: s
 def complete_task(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
     """Every step is done: the task Succeeded. Fenced."""
     task = lock_task(cur, uid)
-    if task["phase"] == TaskPhase.SUCCEEDED and task["epoch"] == epoch:
+    if task.phase == TaskPhase.SUCCEEDED and task.epoch == epoch:
         return readers.get(cur, uid)  # a repeated call
     fence(task, epoch)
-    undone = one(cur.execute("SELECT count(*) AS n FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
-                         (uid,)))["n"]
+    undone = scalar(cur.execute("SELECT count(*) FROM retex.steps WHERE task_uid = %s AND state <> 'done'",
+                                (uid,)))
     if undone:
-        raise IllegalTransition("task", task["phase"], f"succeed with {undone} step(s) not done")
+        raise IllegalTransition("task", task.phase, f"succeed with {undone} step(s) not done")
     end_attempt(cur, uid, epoch, "succeeded")
     transition(cur, task, TaskEvent.SUCCEED, actor, reason="Completed")
     return readers.get(cur, uid)
@@ -197,11 +197,11 @@ def complete_task(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecor
 def finish_cancelled(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
     """The worker stopped at a step boundary because cancel was requested. Fenced."""
     task = lock_task(cur, uid)
-    if task["phase"] == TaskPhase.CANCELLED and task["epoch"] == epoch:
+    if task.phase == TaskPhase.CANCELLED and task.epoch == epoch:
         return readers.get(cur, uid)  # a repeated call
     fence(task, epoch)
-    if not task["cancel_requested"]:
-        raise IllegalTransition("task", task["phase"], "cancel without a cancel request")
+    if not task.cancel_requested:
+        raise IllegalTransition("task", task.phase, "cancel without a cancel request")
     end_attempt(cur, uid, epoch, "cancelled")
     transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
     return readers.get(cur, uid)
