@@ -1,6 +1,7 @@
 """An existing cluster behind the `rig` interface (RETEX_KUBECONFIG): how the same scenarios run
 on kind. Clients yes; the rig's process-level nemeses no, except what kind's node containers
-allow (a node's loss and return through `docker kill` / `docker start`).
+allow (a node's loss and return through `docker kill` / `docker start`; a pod frozen and
+resumed by signals sent from its node's container).
 
 Its pods are containers: they reach the host's services (the operator a test runs, the stubs)
 at RETEX_POD_HOST, the host's address on the cluster's network, run RETEX_WORKER_IMAGE, and their
@@ -140,7 +141,8 @@ class ExternalCluster:
 
 class KindCluster(ExternalCluster):
     """A kind cluster (RETEX_KIND_CLUSTER names it): each node is a Docker container, so a node
-    is lost by killing its container and comes back when the container starts again."""
+    is lost by killing its container and comes back when the container starts again, and a pod's
+    processes can be signalled from there (an ancestor of the pod's PID namespace)."""
 
     def kill_node(self, node: str) -> None:
         subprocess.run(["docker", "kill", node], check=True, capture_output=True, timeout=60)
@@ -157,3 +159,28 @@ class KindCluster(ExternalCluster):
         with self.api_client() as api:
             conditions = client.CoreV1Api(api).read_node(node).status.conditions or []
         return any(c.type == "Ready" and c.status == "True" for c in conditions)
+
+    def pause_pod(self, namespace: str, name: str) -> None:
+        """SIGSTOP every process of the pod (a hung process: alive, but doing nothing). Sent from
+        its node's container, so it reaches the container's PID 1 too, which could not stop itself."""
+        self._signal_pod(namespace, name, "STOP")
+
+    def resume_pod(self, namespace: str, name: str) -> None:
+        self._signal_pod(namespace, name, "CONT")
+
+    def _signal_pod(self, namespace: str, name: str, signal_name: str) -> None:
+        from kubernetes import client
+
+        with self.api_client() as api:
+            pod = client.CoreV1Api(api).read_namespaced_pod(name, namespace)
+        uid = pod.metadata.uid
+        # The pod's processes are those in its cgroup, whose path names its uid (with underscores
+        # under the systemd cgroup driver).
+        script = (f"pids=$(grep -l -e 'pod{uid}' -e 'pod{uid.replace('-', '_')}' /proc/[0-9]*/cgroup 2>/dev/null "
+                  f"| cut -d/ -f3); test -n \"$pids\" && kill -{signal_name} $pids && echo $pids")
+        done = subprocess.run(["docker", "exec", pod.spec.node_name, "sh", "-c", script],
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RigError(f"SIG{signal_name} to pod {namespace}/{name} on {pod.spec.node_name} failed "
+                           f"(exit {done.returncode}): {done.stderr.strip() or 'no process in its cgroup'}")
+        say(f"SIG{signal_name} to pod {namespace}/{name}: processes {done.stdout.strip()} on {pod.spec.node_name}")

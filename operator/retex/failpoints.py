@@ -28,8 +28,11 @@ arm nothing and the test would wait for a death that never comes). Unset costs o
 A process that is PID 1 of its PID namespace (a container's entrypoint: the worker in its pod)
 cannot signal itself: the kernel drops the SIGKILL and SIGSTOP it sends to itself. There a kill
 is `_exit(137)` — no cleanup runs, the kernel kills the rest of the namespace, and the runtime
-reports 137 as for a SIGKILL — and a stop is refused at import: nothing inside the namespace can
-freeze PID 1 (freeze such a process from outside, e.g. `docker pause`).
+reports 137 as for a SIGKILL — and a stop holds the thread that passes the point until SIGCONT
+arrives: whoever waits for the line freezes the process from outside its namespace (SIGSTOP sent
+from an ancestor namespace does reach PID 1; the e2e rigs' `pause_pod`), and the SIGCONT that
+resumes it lets the thread go on, as a self-stopped process would. Between the line and that
+SIGSTOP the process's other threads run on (a lease renewal may land): the point itself holds.
 """
 
 from __future__ import annotations
@@ -97,11 +100,12 @@ def parse(spec: str) -> Armed | None:
 
 
 def arm(spec: str, *, pid: int) -> Armed | None:
-    """`parse(spec)` for the process `pid`, refusing what that process cannot do to itself."""
+    """`parse(spec)` for the process `pid`. A stop in a process that is PID 1 listens for SIGCONT
+    from here on (a handler must be in place before the line is printed, and only the main thread
+    may install one; importing happens there)."""
     armed = parse(spec)
     if armed is not None and armed.action == "stop" and pid == 1:
-        raise FailpointSpecError(f"RETEX_FAILPOINT={spec!r}: a process that is PID 1 cannot stop itself (the "
-                                 "kernel drops the signal); freeze it from outside its PID namespace")
+        signal.signal(signal.SIGCONT, lambda signum, frame: _CONTINUED.set())
     return armed
 
 
@@ -110,6 +114,8 @@ def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | N
             f"{ACTIONS[armed.action]}")
 
 
+# Set by SIGCONT in a process that is PID 1 with a stop armed: frozen from outside and resumed.
+_CONTINUED = threading.Event()
 _ARMED = arm(os.environ.get("RETEX_FAILPOINT", ""), pid=os.getpid())
 # The exit status a container runtime reports for a process killed by SIGKILL.
 _KILLED_STATUS = 128 + signal.SIGKILL
@@ -125,11 +131,15 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
     """Die (or freeze) here if this point is armed for this step and task."""
     if _ARMED is None or not _ARMED.matches(point, step, task, uid):
         return
+    _CONTINUED.clear()
     print(fired_line(_ARMED, step=step, task=task, uid=uid), file=sys.stderr, flush=True)
     if _ARMED.action == "hang":
         threading.Event().wait()
     if _ARMED.action == "raise":
         raise FailpointRaised(f"failpoint {_ARMED.label}")
-    if os.getpid() == 1:  # its own SIGKILL would be dropped; `stop` was refused at import
+    if os.getpid() == 1:  # the signal it sent itself would be dropped
+        if _ARMED.action == "stop":
+            _CONTINUED.wait()  # for the SIGSTOP and SIGCONT of whoever read the line
+            return
         os._exit(_KILLED_STATUS)
     os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))

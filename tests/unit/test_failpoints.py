@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,13 +88,36 @@ def test_an_armed_point_kills_a_process_that_is_pid_1_as_a_sigkill_would():
     assert done.returncode == 128 + signal.SIGKILL  # what a container runtime reports for a SIGKILL
 
 
-def test_a_stop_point_is_refused_at_import_in_a_process_that_is_pid_1():
-    done = _run_as_pid_1("after-effect:notify=stop", "")
-    assert "assert os.getpid() == 1" not in done.stderr, done.stderr
-    assert done.returncode == 1
-    assert ("FailpointSpecError: RETEX_FAILPOINT='after-effect:notify=stop': a process that is PID 1 cannot "
-            "stop itself") in done.stderr
-    assert "survived" not in done.stdout
+def test_a_stop_point_in_a_process_that_is_pid_1_holds_until_frozen_and_resumed_from_outside():
+    """PID 1 cannot stop itself: the point holds its thread, the test (outside the namespace, as
+    the e2e rigs' `pause_pod`) freezes and resumes it, and only then does it go on."""
+    env = {**os.environ, "RETEX_FAILPOINT": "after-effect:notify=stop"}
+    program = ("import os\nassert os.getpid() == 1, os.getpid()\nfrom retex.failpoints import failpoint\n"
+               "failpoint('after-effect', 'notify', task='t', uid='u')\nprint('went on', flush=True)")
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", program],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+        assert first.strip() == "retex failpoint after-effect:notify fired: task=t uid=u step=notify: SIGSTOP", \
+            first + proc.stderr.read()
+        inner = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+
+        def state() -> str:
+            return Path(f"/proc/{inner}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+        time.sleep(1)
+        assert state() == "S" and proc.poll() is None, "held at the point, not gone on"
+        os.kill(inner, signal.SIGSTOP)  # from the parent namespace: it reaches PID 1
+        deadline = time.monotonic() + 10
+        while state() != "T" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state() == "T", "frozen from outside"
+        os.kill(inner, signal.SIGCONT)
+        assert proc.stdout.read().strip() == "went on"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_a_raise_point_raises_in_the_thread_that_passes_it_and_the_process_lives_on():
