@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from e2e.rig.controlplane import PodEnd, RigError, create_namespace, run_kubectl, say, wait_for
@@ -46,28 +47,38 @@ class _PodEnds:
     def _watch(self) -> None:
         from kubernetes import client, watch
 
+        delay = 0.5
         while True:
             try:
                 with self._api_client() as api:
                     core = client.CoreV1Api(api)
                     for change in watch.Watch().stream(core.list_pod_for_all_namespaces, timeout_seconds=300):
+                        delay = 0.5
                         pod = change["object"]
                         key = (pod.metadata.namespace, pod.metadata.name)
                         if key in self._ends or _exit_code(pod) is None:
                             continue
-                        end = self._end(core, pod)
-                        with self._lock:
-                            self._ends[key] = end
+                        end, complete = self._read_end(core, pod)
+                        if complete or change["type"] == "DELETED":  # else the pod's next event reads it again
+                            with self._lock:
+                                self._ends[key] = end
             except Exception as exc:  # noqa: BLE001 - a dropped watch is watched again
-                say(f"pod watch restarts after {type(exc).__name__}: {exc}")
+                say(f"pod watch restarts in {delay:.1f}s after {type(exc).__name__}: {str(exc)[:200]}")
+                time.sleep(delay)  # an API server restarting refuses for seconds: not a busy loop
+                delay = min(delay * 2, 8.0)
 
     @staticmethod
     def _end(core, pod) -> PodEnd:
+        return _PodEnds._read_end(core, pod)[0]
+
+    @staticmethod
+    def _read_end(core, pod) -> tuple[PodEnd, bool]:
+        """The pod's end, and whether its log could be read."""
         try:
-            log = core.read_namespaced_pod_log(pod.metadata.name, pod.metadata.namespace)
+            log, complete = core.read_namespaced_pod_log(pod.metadata.name, pod.metadata.namespace), True
         except Exception:  # noqa: BLE001 - not started yet, or already gone
-            log = ""
-        return PodEnd(pod.metadata.name, _exit_code(pod), log)
+            log, complete = "", False
+        return PodEnd(pod.metadata.name, _exit_code(pod), log), complete
 
 
 def _exit_code(pod) -> int | None:
@@ -144,6 +155,14 @@ class KindCluster(ExternalCluster):
     is lost by killing its container and comes back when the container starts again, and a pod's
     processes can be signalled from there (an ancestor of the pod's PID namespace)."""
 
+    def __init__(self, kubeconfig: Path):
+        from kubernetes import client
+
+        super().__init__(kubeconfig)
+        with self.api_client() as api:
+            self._control_plane = client.CoreV1Api(api).list_node(
+                label_selector="node-role.kubernetes.io/control-plane").items[0].metadata.name
+
     def kill_node(self, node: str) -> None:
         subprocess.run(["docker", "kill", node], check=True, capture_output=True, timeout=60)
         say(f"killed node {node} (docker kill of its container)")
@@ -184,3 +203,28 @@ class KindCluster(ExternalCluster):
             raise RigError(f"SIG{signal_name} to pod {namespace}/{name} on {pod.spec.node_name} failed "
                            f"(exit {done.returncode}): {done.stderr.strip() or 'no process in its cgroup'}")
         say(f"SIG{signal_name} to pod {namespace}/{name}: processes {done.stdout.strip()} on {pod.spec.node_name}")
+
+    def restart_apiserver(self, hard: bool = False) -> None:
+        """Stop kube-apiserver (SIGTERM, SIGKILL 5 s later; or SIGKILL at once if `hard`) and
+        start it again; wait ready. Its static pod's manifest is moved out of kubelet's directory
+        and back: a new pod at once, not a container restart behind CrashLoopBackOff. The stop is
+        the container runtime's, not kubelet's: kubelet's graceful pod deletion let kubeadm's API
+        server drain for over 28 s here, longer than a lease's renew deadline, which is not the
+        outage R16 is about."""
+        manifest, aside = "/etc/kubernetes/manifests/kube-apiserver.yaml", "/etc/kubernetes/kube-apiserver.yaml"
+        say(f"restarting kube-apiserver on {self._control_plane}{' (SIGKILL)' if hard else ''}")
+        self._on_control_plane(f"mv {manifest} {aside}")
+        self._on_control_plane("crictl ps -q --name kube-apiserver "
+                               f"| xargs -r crictl stop --timeout {0 if hard else 5} >/dev/null")
+        wait_for("kube-apiserver's container to stop",
+                 lambda: not self._on_control_plane("crictl ps -q --name kube-apiserver"), 120)
+        self._on_control_plane(f"mv {aside} {manifest}")
+        wait_for("kube-apiserver ready",
+                 lambda: self.kubectl("get", "--raw", "/readyz", "--request-timeout=5s", check=False).returncode == 0, 180)
+
+    def _on_control_plane(self, script: str) -> str:
+        done = subprocess.run(["docker", "exec", self._control_plane, "sh", "-c", script],
+                              capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RigError(f"on {self._control_plane}: {script!r} failed (exit {done.returncode}): {done.stderr.strip()}")
+        return done.stdout.strip()
