@@ -574,20 +574,25 @@ class PhaseWatch:
 
     def __init__(self, system: BenchSystem, selector: str):
         self._api = system.rig.api_client()
-        custom = client.CustomObjectsApi(self._api)
-        self._list = lambda **kw: custom.list_namespaced_custom_object(
-            GROUP, VERSION, system.namespace, PLURAL, label_selector=selector, **kw)
+        self._list = client.CustomObjectsApi(self._api).list_namespaced_custom_object
+        self._where = (GROUP, VERSION, system.namespace, PLURAL)
+        self._selector = selector
         self.added: dict[str, float] = {}
         self.phases: dict[str, list[tuple[float, str]]] = {}
         self._watch = watch.Watch()
         self._stopping = False
         self._failure: Exception | None = None
-        self._thread = threading.Thread(target=self._follow, args=(self._list()["metadata"]["resourceVersion"],),
-                                        daemon=True)
+        listed = self._list(*self._where, label_selector=selector)
+        self._thread = threading.Thread(target=self._follow, args=(listed["metadata"]["resourceVersion"],), daemon=True)
 
     def _follow(self, resource_version: str) -> None:
         try:
-            for event in self._watch.stream(self._list, resource_version=resource_version):
+            # The client's own method (not a wrapper): its doc tells the watch the answer's type, and
+            # only then does the watch follow resourceVersion, to reconnect where it left off.
+            for event in self._watch.stream(self._list, *self._where, label_selector=self._selector,
+                                            resource_version=resource_version, allow_watch_bookmarks=True):
+                if event["type"] == "BOOKMARK":
+                    continue
                 seen, task = time.time(), event["object"]
                 uid = task["metadata"]["uid"]
                 self.added.setdefault(uid, seen)
