@@ -1,7 +1,7 @@
 """`make bench`: retex measured side by side with what users would run instead, on the local rig.
 
     python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
-        measures: checkpoint latency throughput recovery profile ledger writes
+        measures: checkpoint latency throughput recovery profile ledger writes scale
 
 Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
 it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
@@ -25,19 +25,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from kubernetes import client
+from kubernetes import client, watch
 
 from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
 from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.api import GROUP, PLURAL, VERSION
 from retex.ledger import Ledger, TaskAdmission
+from retex.machine import TaskPhase
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.json"
@@ -61,12 +63,14 @@ class Sizes:
     profile_tasks: int = 3
     ledger_tasks: int = 1000
     writes_tasks: int = 10
+    scale_tasks: int = 5000  # all of them, the runnable ones included
+    scale_runnable: int = 50
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
                    throughput_limit=2, recovery_runs=1, profile_tasks=1, ledger_tasks=10,
-                   writes_tasks=2)
+                   writes_tasks=2, scale_tasks=40, scale_runnable=4)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
         """These sizes with `NAME=N` overrides (e.g. `latency_tasks=10`): sizes between --quick and full."""
@@ -138,8 +142,9 @@ class BenchSystem:
         path = self.markers / name
         return [float(line) for line in path.read_text().split()] if path.exists() else []
 
-    def create_task(self, name: str, steps: list[dict[str, Any]], **spec: Any) -> str:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Task", "metadata": {"name": name},
+    def create_task(self, name: str, steps: list[dict[str, Any]], *, labels: dict[str, str] | None = None,
+                    **spec: Any) -> str:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "Task", "metadata": {"name": name, "labels": labels or {}},
                 "spec": {"steps": steps, **spec}}
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)["metadata"]["uid"]
 
@@ -523,6 +528,218 @@ def _plain_delete_seconds(postgres: PostgresServer, rows: int) -> float:
         return seconds
 
 
+SCALE_LABELS = {"bench": "scale"}
+SCALE_SELECTOR = "bench=scale"
+SCALE_NOT_BEFORE = "2099-01-01T00:00:00Z"  # far enough that none of the delayed Tasks comes due
+SCALE_CREATE_THREADS = 4
+SCALE_RSS_TARGET_MB = 300.0
+SCALE_ADMISSION_TARGET_SECONDS = 300.0
+SCALE_LAG_TARGET_SECONDS = 2.0
+TASK_PHASES = frozenset(TaskPhase)
+
+
+class OperatorRss:
+    """The operator's resident memory (VmRSS of its process), sampled every half second on a thread."""
+
+    def __init__(self, operator: OperatorProcess):
+        self.operator = operator
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
+
+    def now_mb(self) -> float:
+        assert self.operator.proc is not None
+        status = Path(f"/proc/{self.operator.proc.pid}/status").read_text()
+        found = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+        assert found is not None, status
+        return int(found[1]) / 1024
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(0.5):
+            self.peak_mb = max(self.peak_mb, self.now_mb())
+
+    def __enter__(self) -> OperatorRss:
+        self.peak_mb = self.now_mb()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class PhaseWatch:
+    """A watch on the Tasks labelled `selector` on a thread of its own: when each was first seen
+    (ADDED) and when each new status.phase arrived, host clock."""
+
+    def __init__(self, system: BenchSystem, selector: str):
+        self._api = system.rig.api_client()
+        self._list = client.CustomObjectsApi(self._api).list_namespaced_custom_object
+        self._where = (GROUP, VERSION, system.namespace, PLURAL)
+        self._selector = selector
+        self.added: dict[str, float] = {}
+        self.phases: dict[str, list[tuple[float, str]]] = {}
+        self._watch = watch.Watch()
+        self._stopping = False
+        self._failure: Exception | None = None
+        listed = self._list(*self._where, label_selector=selector)
+        self._thread = threading.Thread(target=self._follow, args=(listed["metadata"]["resourceVersion"],), daemon=True)
+
+    def _follow(self, resource_version: str) -> None:
+        try:
+            # The client's own method (not a wrapper): its doc tells the watch the answer's type, and
+            # only then does the watch follow resourceVersion, to reconnect where it left off.
+            for event in self._watch.stream(self._list, *self._where, label_selector=self._selector,
+                                            resource_version=resource_version, allow_watch_bookmarks=True):
+                if event["type"] == "BOOKMARK":
+                    continue
+                seen, task = time.time(), event["object"]
+                uid = task["metadata"]["uid"]
+                self.added.setdefault(uid, seen)
+                phase = (task.get("status") or {}).get("phase")
+                shown = self.phases.setdefault(uid, [])
+                if phase and (not shown or shown[-1][1] != phase):
+                    shown.append((seen, phase))
+        except Exception as exc:  # closing the client ends the stream too: only a failure before counts
+            if not self._stopping:
+                self._failure = exc
+
+    def shown(self, uids: list[str], phase: str | None = None) -> int:
+        """How many of `uids` have shown a phase (`phase`, when given) so far."""
+        if self._failure is not None:
+            raise RuntimeError(f"the watch on the Tasks failed: {self._failure!r}") from self._failure
+        return sum(1 for uid in uids if any(phase in (None, p) for _, p in self.phases.get(uid, ())))
+
+    def __enter__(self) -> PhaseWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stopping = True
+        self._watch.stop()
+        self._api.close()
+
+
+def measure_scale(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """The operator under a backlog: `scale_tasks` Tasks, all but `scale_runnable` delayed by a
+    notBefore far ahead, the runnable ones (a no-op step each) created last. Its peak RSS (against
+    its RSS at idle before), first create → every Task admitted in the ledger (against creating
+    them), and for the runnable ones each phase change in the ledger → the Task's status showing
+    it, as a watch sees it (against the watch's own delay: create → ADDED seen)."""
+    total, runnable = sizes.scale_tasks, sizes.scale_runnable
+    wait_for("the operator ready", lambda: system.operator.probe("/readyz")[0] == 200, timeout=60)
+    time.sleep(2)  # its start-up's last allocations: idle means nothing left to do
+    step = [{"name": "only", "exec": {"command": ["true"]}, "idempotent": True}]
+    with OperatorRss(system.operator) as rss, PhaseWatch(system, SCALE_SELECTOR) as watched:
+        idle_mb = rss.peak_mb
+        started = time.time()
+
+        def create_delayed(i: int) -> str:
+            if i % 500 == 0:
+                say(f"  creating delayed Task {i} of {total - runnable}")
+            return system.create_task(f"scale-delayed-{i}", step, labels=SCALE_LABELS, notBefore=SCALE_NOT_BEFORE)
+
+        with ThreadPoolExecutor(SCALE_CREATE_THREADS) as pool:
+            uids = list(pool.map(create_delayed, range(total - runnable)))
+        created_at: dict[str, float] = {}
+        for i in range(runnable):
+            created = time.time()
+            uid = system.create_task(f"scale-runnable-{i}", step, labels=SCALE_LABELS)
+            created_at[uid] = created
+        runnable_uids = list(created_at)
+        uids += runnable_uids
+        creation_seconds = time.time() - started
+        say(f"  {total} Tasks created in {creation_seconds:.0f} s (operator RSS {rss.now_mb():.0f} MB)")
+
+        def admitted() -> tuple[bool, str]:
+            count = _admitted(system, uids)
+            return count == total, f"{count}/{total} admitted, operator RSS {rss.now_mb():.0f} MB"
+
+        wait_for(f"{total} Tasks admitted", admitted, timeout=120 + 0.3 * total, interval=1)
+        admission_seconds = _last_admitted_at(system, uids) - started
+        wait_for(f"{runnable} runnable Tasks Succeeded", lambda: system.succeeded(runnable_uids) == runnable,
+                 timeout=120 + 2 * runnable, interval=0.5)
+        wait_for(f"the status of {runnable} runnable Tasks showing Succeeded",
+                 lambda: watched.shown(runnable_uids, TaskPhase.SUCCEEDED) == runnable, timeout=120 + 0.1 * total)
+        wait_for(f"the status of {total} Tasks showing a phase", lambda: (watched.shown(uids) == total,
+                 f"{watched.shown(uids)}/{total}"), timeout=120 + 0.1 * total, interval=1)
+        statuses_seconds = max(watched.phases[uid][0][0] for uid in uids) - started
+        lags, unshown = [], 0
+        for uid in runnable_uids:
+            shown = _status_lags(_ledger_phases(system, uid), watched.phases[uid])
+            lags += [lag for lag in shown if lag is not None]
+            unshown += shown.count(None)
+        watch_delays = [watched.added[uid] - created_at[uid] for uid in runnable_uids]
+        deletion_seconds = _delete_labelled_tasks(system, SCALE_SELECTOR, total)
+    lag = {q: percentile(lags, q) for q in (50, 95, 99)}
+    name = f"scale, {total} Tasks ({runnable} runnable)"
+    return [
+        Figure(measure=f"{name}: operator peak RSS", unit="MB", retex=rss.peak_mb, baseline=idle_mb,
+               baseline_name="the operator's RSS at idle, before the Tasks", ratio=rss.peak_mb / idle_mb,
+               target=f"peak ≤ {SCALE_RSS_TARGET_MB:.0f} MB", met=rss.peak_mb <= SCALE_RSS_TARGET_MB,
+               detail={"sampled_every_seconds": 0.5}),
+        Figure(measure=f"{name}: first create → every Task admitted (ledger)", unit="s", retex=admission_seconds,
+               baseline=creation_seconds,
+               baseline_name=f"creating them: first create → last answered ({SCALE_CREATE_THREADS} threads)",
+               ratio=admission_seconds / creation_seconds, target=f"≤ {SCALE_ADMISSION_TARGET_SECONDS:.0f} s",
+               met=admission_seconds <= SCALE_ADMISSION_TARGET_SECONDS,
+               detail={"every_status_showing_a_phase_seconds": statuses_seconds, "deletion_seconds": deletion_seconds}),
+        Figure(measure=f"{name}: ledger phase change → Task status, p99", unit="s", retex=lag[99],
+               baseline=percentile(watch_delays, 99), baseline_name="the watch itself: create → ADDED seen, p99",
+               ratio=lag[99] / percentile(watch_delays, 99), target=f"≤ {SCALE_LAG_TARGET_SECONDS:g} s",
+               met=lag[99] <= SCALE_LAG_TARGET_SECONDS,
+               detail={"p50": lag[50], "p95": lag[95], "max": max(lags), "phase_changes": len(lags),
+                       "never_shown": unshown, "watch_p50": percentile(watch_delays, 50)}),
+    ]
+
+
+def _admitted(system: BenchSystem, uids: list[str]) -> int:
+    with psycopg.connect(system.dsn) as conn:
+        return conn.execute("SELECT count(*) FROM retex.tasks WHERE uid = ANY(%s)", (uids,)).fetchone()[0]
+
+
+def _last_admitted_at(system: BenchSystem, uids: list[str]) -> float:
+    with psycopg.connect(system.dsn) as conn:
+        return conn.execute("SELECT max(at) FROM retex.history WHERE event = 'admit' AND task_uid = ANY(%s)",
+                            (uids,)).fetchone()[0].timestamp()
+
+
+def _ledger_phases(system: BenchSystem, uid: str) -> list[tuple[float, str]]:
+    """The task's phase changes in the ledger's history (its steps' changes left out), ledger clock."""
+    return [(h.at.timestamp(), h.to_state) for h in system.ledger.history(uid) if h.to_state in TASK_PHASES]
+
+
+def _status_lags(changes: list[tuple[float, str]], shown: list[tuple[float, str]]) -> list[float | None]:
+    """For each phase change in the ledger, the time until the status showed it or a later one
+    (the mirror writes the ledger as it is when it gets to it: phases passed in between are never
+    shown); None for a change never shown."""
+    lags: list[float | None] = []
+    j = 0
+    for i, (at, _) in enumerate(changes):
+        reached = {phase for _, phase in changes[i:]}
+        while j < len(shown) and shown[j][1] not in reached:
+            j += 1
+        lags.append(shown[j][0] - at if j < len(shown) else None)
+    return lags
+
+
+def _delete_labelled_tasks(system: BenchSystem, selector: str, count: int) -> float:
+    """Delete the Tasks labelled `selector` in one call and wait until the operator has let them
+    all go (its finalizer): how long that took."""
+    started = time.time()
+    system.custom.delete_collection_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
+                                                             label_selector=selector)
+
+    def gone() -> tuple[bool, str]:
+        page = system.custom.list_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
+                                                           label_selector=selector, limit=1)
+        left = len(page["items"]) + (page["metadata"].get("remainingItemCount") or 0)
+        return left == 0, f"{left} left"
+
+    wait_for(f"{count} Tasks deleted", gone, timeout=120 + 0.2 * count, interval=1)
+    return time.time() - started
+
+
 def _uid(system: BenchSystem, name: str) -> str:
     return system.custom.get_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)["metadata"]["uid"]
 
@@ -544,6 +761,7 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "profile": measure_profile,
     "ledger": measure_ledger,
     "writes": measure_writes,
+    "scale": measure_scale,
 }
 
 

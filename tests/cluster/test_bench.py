@@ -9,7 +9,8 @@ from e2e.bench import MEASURES, Sizes, charts, run
 def test_every_bench_measure_runs_at_tiny_sizes_and_reports_retex_beside_its_baseline(rig, postgres, tmp_path):
     results = run(rig, postgres, list(MEASURES), Sizes.quick())
     measured = {f["measure"].split(",")[0].split(" ")[0] for f in results["figures"]}
-    assert measured == {"checkpoint", "create", "throughput", "recovery", "profile", "ledger", "purge", "API"}, measured
+    assert measured == {"checkpoint", "create", "throughput", "recovery", "profile", "ledger", "purge", "API",
+                        "scale"}, measured
     for figure in results["figures"]:
         assert figure["retex"] > 0 and figure["baseline"] > 0, figure
         assert math.isfinite(figure["ratio"]) and figure["ratio"] > 0, figure
