@@ -17,7 +17,7 @@ from retex.kube.operator_calls import EventNotPosted, StatusNotWritten
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
-from retex.operator.status import DEAD_LETTER_LABEL, StatusMirror
+from retex.operator.status import DEAD_LETTER_LABEL, WRITE_BATCH, StatusMirror
 from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
@@ -48,6 +48,9 @@ class FakeLedger:
 
     def dead_lettered_uids(self):
         return {uid for uid, r in self.records.items() if r.dead_lettered}
+
+    def phases_of(self, uids):
+        return {uid: self.records[uid].phase for uid in uids if uid in self.records}
 
 
 class FakeKube:
@@ -348,3 +351,24 @@ def test_a_refusal_is_written_and_announced_once_per_generation():
     assert len(kube.written) == 1 and kube.events == ["InvalidSpec"]
     m.refuse({**shown, "metadata": {**shown["metadata"], "generation": 2}}, "InvalidSpec", "steps: at least one")
     assert len(kube.written) == 2 and kube.events == ["InvalidSpec", "InvalidSpec"]
+
+
+def test_a_backlog_of_waiting_tasks_is_written_in_short_rounds_and_a_running_tasks_change_goes_first():
+    """5,000 Tasks delayed by notBefore each need a first status: a change of a task that is doing
+    something (marked after all of them) must not wait behind that backlog (issue 18: 115 s)."""
+    now = [1000.0]
+    waiting = [f"w{i}" for i in range(3 * WRITE_BATCH)]
+    ledger = FakeLedger(*(rec(uid, phase=TaskPhase.SCHEDULED) for uid in waiting), rec("busy"))
+    kube = FakeKube(*(task_object(uid) for uid in [*waiting, "busy"]))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    for uid in waiting:
+        m.mark(uid)
+        now[0] += 0.01
+    m.mark("busy")
+    assert m.round() == 0, "more to write: the next round at once"
+    assert len(kube.written) == WRITE_BATCH, "one short round, then the marks are ordered again"
+    assert kube.written[0][0] == "busy"
+    assert [uid for uid, _, _ in kube.written[1:]] == waiting[:WRITE_BATCH - 1], "then the oldest marks first"
+    while m.round() == 0:
+        pass
+    assert sorted(uid for uid, _, _ in kube.written) == sorted([*waiting, "busy"]), "each written once"

@@ -49,6 +49,7 @@ from retex.ledger.records import (
 )
 from retex.ledger.rows import Cursor
 from retex.ledger.transactions import SessionLimits
+from retex.machine import TaskPhase
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -306,6 +307,9 @@ class Ledger:
 
     def dead_lettered_uids(self) -> set[str]:
         return self._run(readers.dead_lettered_uids)
+
+    def phases_of(self, uids: list[str]) -> dict[str, TaskPhase]:
+        return self._run(readers.phases_of, uids)
 
     def attempts(self, uid: str) -> list[AttemptRecord]:
         return self._run(readers.attempts, uid)

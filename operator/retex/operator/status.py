@@ -41,6 +41,9 @@ LISTEN_RETRY_MAX_SECONDS = 30.0
 # again after this, doubling up to the max; the other tasks' writes do not wait for it.
 WRITE_RETRY_FIRST_SECONDS = 1.0
 WRITE_RETRY_MAX_SECONDS = 60.0
+# Tasks written per round, about a second of writes: marks made meanwhile are ordered with the rest
+# at the next round, so a backlog (thousands of first statuses) holds up no task doing something.
+WRITE_BATCH = 20
 
 # (phase) -> (Event reason, warning?) posted when a task enters the phase.
 _PHASE_EVENTS = {
@@ -244,20 +247,30 @@ class StatusMirror(Loop):
         self._next_resync = 0.0
 
     def round(self) -> float:
-        """Flush the dirty tasks; every `resync_seconds` first mark every task that lags."""
+        """Write the first `WRITE_BATCH` dirty tasks in order (`_in_order`); every
+        `resync_seconds` first mark every task that lags. At once again while marks remain."""
         if time.monotonic() >= self._next_resync:
             self._mark_behind()
             self._next_resync = time.monotonic() + self._resync_seconds
         with self._lock:
             pending, self._dirty = list(self._dirty), set()
         try:
-            while pending:
+            pending = self._in_order(pending)
+            for _ in range(min(WRITE_BATCH, len(pending))):
                 self._mirror_on_its_own(pending[0])
                 pending.pop(0)
         finally:
-            for uid in pending:  # a failed round loses no mark: the next one retries them
+            for uid in pending:  # a failed or full round loses no mark: the next one takes them
                 self.mark(uid)
-        return self.COALESCE_SECONDS
+        return 0.0 if pending else self.COALESCE_SECONDS
+
+    def _in_order(self, uids: list[str]) -> list[str]:
+        """Tasks doing something first, a task waiting for its notBefore (Scheduled) last: its
+        status says only that it waits. Within each, the oldest mark first."""
+        phases = self._ledger.phases_of(uids)
+        with self._lock:
+            marked_at = dict(self._marked_at)
+        return sorted(uids, key=lambda uid: (phases.get(uid) == TaskPhase.SCHEDULED, marked_at.get(uid, 0.0)))
 
     def _mirror_on_its_own(self, uid: str) -> None:
         """Mirror one task, settled or kept on its own, as the relay settles each record: a write
