@@ -212,9 +212,17 @@ class Reaper(Loop):
     # -- actions ---------------------------------------------------------------------------
 
     def _replace(self, attempt: WatchedAttempt, cause: str) -> None:
-        log_line(log, logging.INFO, "attempt gone: starting the next", uid=attempt.uid, namespace=attempt.namespace,
-                 name=attempt.name, epoch=attempt.epoch, cause=cause)
         self._ledger.replace_attempt(attempt.uid, attempt.epoch, cause=cause)
+        # The ledger refuses a replacement of an attempt that ended meanwhile (its worker completed
+        # the task and exited, and the reaper saw the pod terminated): only `replace_attempt`
+        # ends an attempt as lost. Such a Job finished: its pod keeps the worker's log.
+        ended = next((a.outcome for a in self._ledger.attempts(attempt.uid) if a.epoch == attempt.epoch), None)
+        if ended != "lost":
+            log_line(log, logging.INFO, "attempt ended before it was found gone: nothing to replace", uid=attempt.uid,
+                     namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, outcome=ended)
+            return
+        log_line(log, logging.INFO, "attempt lost: replaced (or ended by its cancel or disruption budget)",
+                 uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, cause=cause)
         self._kube.delete_job(attempt.namespace, self._job(attempt))
         self._on_replaced()
 
