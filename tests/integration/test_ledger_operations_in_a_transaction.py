@@ -1,10 +1,10 @@
 """Every ledger operation is a top-level function that takes a cursor (retex.ledger.operator_operations,
 worker_operations, readers, …; `Ledger` runs each in a retried transaction of its own): a test can
-run several inside one transaction of its own, look at what they wrote, and roll it all back."""
+run several inside one transaction of its own, look at what they wrote, and roll it all back. The
+cursor must have psycopg's default tuple rows (retex.ledger.rows.Cursor), as the pool's do."""
 
 import psycopg
 import pytest
-from psycopg.rows import dict_row
 
 from retex.ledger import CancelRequested, FenceRejected, operator_operations, readers, worker_operations
 from retex.machine import TaskPhase
@@ -16,7 +16,7 @@ def test_operations_run_in_a_transaction_that_is_rolled_back_leave_the_ledger_as
     before, history_before = ledger.get(uid), ledger.history(uid)
     assert before.phase == TaskPhase.RUNNING and before.epoch == 1
 
-    with psycopg.connect(dsn, row_factory=dict_row) as conn:
+    with psycopg.connect(dsn) as conn:  # tuple rows, as the Ledger's pool hands out
         with conn.transaction(force_rollback=True), conn.cursor() as cur:
             asked = operator_operations.request_cancel(cur, uid, reason="Cancelled", actor="test")
             assert asked.phase == TaskPhase.RUNNING and asked.cancel_requested

@@ -217,7 +217,7 @@ def test_an_error_repeating_cannot_cure_fails_the_task_at_once_without_deferring
     assert message.startswith("the attempt could not be dispatched: ValidationError")
 
 
-@pytest.mark.parametrize("status", [400, 403, 404, 422])
+@pytest.mark.parametrize("status", [400, 403, 422])  # a 404 is no error: get_task answers None (TaskDeleted)
 def test_an_api_error_on_reading_the_task_defers_the_record_until_the_limit(status):
     """Only a create's refusal is judged at once (as `Refused`); any API answer to the relay's
     own reads (the Task's GET; an RBAC warm-up's 403 after a restart, say) waits like a transient
@@ -230,6 +230,14 @@ def test_an_api_error_on_reading_the_task_defers_the_record_until_the_limit(stat
     assert (outcome, reason) == ("rejected", "DispatchFailed")
     assert message.startswith(f"not dispatched for {DEFER_LIMIT:.0f}s")
     assert settled["c"] == ("sent", job_of("c"))
+
+
+def test_a_failed_ownership_read_after_a_creates_conflict_defers_the_record():
+    """A create answered 409 and the read of the object found there (is it ours?) failed: the
+    plain ApiException that read raises is no refusal of the create, so the record waits."""
+    read_failed = ApiException(status=403, reason="Forbidden")  # what KubeCalls lets through then
+    kube = FakeKube({"t-a": live("a")}, refuse={"a": read_failed})
+    assert settle([record("a")], kube)["a"][0] == "deferred"
 
 
 def test_a_ledger_error_mid_batch_is_raised_so_the_whole_batch_rolls_back():

@@ -17,8 +17,9 @@ import psycopg
 from psycopg.abc import Params
 from psycopg.rows import TupleRow, class_row
 
-# The cursor every operation takes: the pool's connections hand out tuple rows; named rows are
-# read through `fetch_one` / `fetch_all`.
+# The cursor every operation takes: tuple rows (psycopg's default, as the pool's connections hand
+# out; a dict-row cursor would break every `scalar` and tuple unpacking); named rows are read
+# through `fetch_one` / `fetch_all`.
 Cursor = psycopg.Cursor[TupleRow]
 R = TypeVar("R")
 

@@ -83,7 +83,8 @@ def begin_step(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str,
         raise StepNotFound(uid, idx, StepEvent.BEGIN)
     prior = readers.step_record(row)
     if prior.state == StepState.STARTED and prior.attempt == epoch:
-        if request is not None and row.begin_request == request and row.prior_state is not None:  # the same call again
+        if request is not None and row.begin_request == request:  # the same call again
+            assert row.prior_state is not None, "written with begin_request, from a NOT NULL column"
             return replace(prior, state=StepState(row.prior_state), attempt=row.prior_attempt,
                            started_at=row.prior_started_at), task.name
         return prior, task.name  # a repeated call

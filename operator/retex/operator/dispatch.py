@@ -159,10 +159,10 @@ class Relay(Loop):
         return None
 
     def _defer(self, dispatch: Dispatch, outcomes: DispatchOutcomes, exc: Exception, who: dict[str, Any]) -> None:
-        """429, 5xx, a dropped connection: this record alone waits."""
+        """429, 5xx, a dropped connection, an API error answering a read: this record alone waits."""
         why = f"{type(exc).__name__}: {exc}"
         delay = outcomes.deferred(dispatch, why)
-        log_line(log, logging.WARNING, "dispatch deferred after a transient error", **who, retry_in_seconds=delay,
+        log_line(log, logging.WARNING, "dispatch deferred after an error that may clear", **who, retry_in_seconds=delay,
                  why=why[:300])
 
     def _send(self, dispatch: Dispatch, task: dict[str, Any], spec: TaskSpec) -> str:
