@@ -139,7 +139,11 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
         raise FailpointRaised(f"failpoint {_ARMED.label}")
     if os.getpid() == 1:  # the signal it sent itself would be dropped
         if _ARMED.action == "stop":
-            _CONTINUED.wait()  # for the SIGSTOP and SIGCONT of whoever read the line
+            # For the SIGSTOP and SIGCONT of whoever read the line. Timed: Python runs a handler in
+            # the main thread only, and a SIGCONT the kernel handed to another thread (the main
+            # one had a SIGTERM pending) interrupts no wait there.
+            while not _CONTINUED.wait(0.2):
+                pass
             return
         os._exit(_KILLED_STATUS)
     os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))

@@ -120,6 +120,22 @@ def test_a_stop_point_in_a_process_that_is_pid_1_holds_until_frozen_and_resumed_
             proc.kill()
 
 
+def test_a_pid_1_stop_goes_on_when_its_sigcont_lands_on_another_thread():
+    """The kernel hands a process's SIGCONT to any thread (another one when the main thread has a
+    signal pending, as a SIGTERM sent while it was stopped): the point's wait must still end."""
+    program = ("import signal, threading, time\n"
+               "def other():\n"
+               "    time.sleep(1)\n"
+               "    signal.pthread_kill(threading.get_ident(), signal.SIGCONT)  # lands on this thread\n"
+               "threading.Thread(target=other).start()\n"
+               "failpoint('after-effect', 'notify', task='t', uid='u')\n"
+               "print('went on')")
+    done = _run_as_pid_1("after-effect:notify=stop", program)
+    assert "assert os.getpid() == 1" not in done.stderr, done.stderr
+    assert done.stderr.strip().endswith("step=notify: SIGSTOP"), done.stderr
+    assert "went on" in done.stdout and done.returncode == 0
+
+
 def test_a_raise_point_raises_in_the_thread_that_passes_it_and_the_process_lives_on():
     done = _run_with("in-lease-watch=raise", "import threading\n"
                                              "threading.Thread(target=failpoint, args=('in-lease-watch',)).start()")
