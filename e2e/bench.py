@@ -670,6 +670,8 @@ def measure_scale(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             lags += [lag for lag in shown if lag is not None]
             unshown += shown.count(None)
         watch_delays = [watched.added[uid] - created_at[uid] for uid in runnable_uids]
+        say(f"  status lag p99 {percentile(lags, 99):.2f} s, every status shown after {statuses_seconds:.0f} s, "
+            f"peak RSS {rss.peak_mb:.0f} MB, admission {admission_seconds:.0f} s; deleting the Tasks")
         deletion_seconds = _delete_labelled_tasks(system, SCALE_SELECTOR, total)
     lag = {q: percentile(lags, q) for q in (50, 95, 99)}
     name = f"scale, {total} Tasks ({runnable} runnable)"
@@ -727,8 +729,15 @@ def _delete_labelled_tasks(system: BenchSystem, selector: str, count: int) -> fl
     """Delete the Tasks labelled `selector` in one call and wait until the operator has let them
     all go (its finalizer): how long that took."""
     started = time.time()
-    system.custom.delete_collection_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
-                                                             label_selector=selector)
+    while True:  # the server gives up on a long deletecollection (504) part way: the rest goes next time
+        try:
+            system.custom.delete_collection_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
+                                                                     label_selector=selector)
+            break
+        except client.exceptions.ApiException as exc:
+            if exc.status != 504:
+                raise
+            say("  deleting the Tasks timed out on the API server (504): asking again for the rest")
 
     def gone() -> tuple[bool, str]:
         page = system.custom.list_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
