@@ -38,7 +38,7 @@ class _PodEnds:
 
         with self._api_client() as api:
             pods = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector=f"job-name={job}").items
-            live = {pod.metadata.name: self._end(client.CoreV1Api(api), pod) for pod in pods}
+            live = {pod.metadata.name: self._read_end(client.CoreV1Api(api), pod)[0] for pod in pods}
         with self._lock:
             ended = {pod: end for (ns, pod), end in self._ends.items()
                      if ns == namespace and pod.startswith(f"{job}-")}
@@ -66,10 +66,6 @@ class _PodEnds:
                 say(f"pod watch restarts in {delay:.1f}s after {type(exc).__name__}: {str(exc)[:200]}")
                 time.sleep(delay)  # an API server restarting refuses for seconds: not a busy loop
                 delay = min(delay * 2, 8.0)
-
-    @staticmethod
-    def _end(core, pod) -> PodEnd:
-        return _PodEnds._read_end(core, pod)[0]
 
     @staticmethod
     def _read_end(core, pod) -> tuple[PodEnd, bool]:

@@ -247,7 +247,7 @@ class StatusMirror(Loop):
         self._next_resync = 0.0
 
     def round(self) -> float:
-        """Write the first `WRITE_BATCH` dirty tasks in order (`_in_order`); every
+        """Write the dirty tasks, the first `WRITE_BATCH` in order (`_in_order`) when there are more; every
         `resync_seconds` first mark every task that lags. At once again while marks remain."""
         if time.monotonic() >= self._next_resync:
             self._mark_behind()
@@ -255,7 +255,8 @@ class StatusMirror(Loop):
         with self._lock:
             pending, self._dirty = list(self._dirty), set()
         try:
-            pending = self._in_order(pending)
+            if len(pending) > WRITE_BATCH:  # all are written this round otherwise: no order to ask the ledger for
+                pending = self._in_order(pending)
             for _ in range(min(WRITE_BATCH, len(pending))):
                 self._mirror_on_its_own(pending[0])
                 pending.pop(0)
