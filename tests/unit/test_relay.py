@@ -167,6 +167,17 @@ def test_a_record_is_not_ended_while_it_is_unknown_whether_a_job_of_it_exists():
     assert settle([record("a", cancel="Cancelled")], kube)["a"][0] == "deferred"
 
 
+def test_a_record_ending_unsent_whose_job_cannot_be_checked_past_the_limit_ends_as_if_its_job_were_left():
+    """A lasting failure to delete (a 403 once the namespace's RoleBinding is gone) must not keep
+    the record for ever: past the limit it ends naming the Job as left, so its attempt keeps its
+    slot until the reaper finds the worker gone, safe whether or not the Job exists."""
+    kube = FakeKube({"t-a": live("a")}, delete_error=ApiException(status=403, reason="Forbidden"))
+    settled = settle([record("a", cancel="Cancelled", deferred=DEFER_LIMIT),
+                      record("b", cancel="Cancelled", deferred=DEFER_LIMIT - 1)], kube)
+    assert settled["a"] == ("dropped", "Cancelled", job_of("a"))
+    assert settled["b"][0] == "deferred"
+
+
 def test_a_ledger_spec_that_differs_from_the_live_tasks_gets_no_job_and_fails_the_task():
     forged = SPEC | {"steps": [{"name": "only", "exec": {"command": ["sh", "-c", "curl evil"]}}]}
     kube = FakeKube({"t-a": live("a")})

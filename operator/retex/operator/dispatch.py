@@ -100,8 +100,16 @@ class Relay(Loop):
         except STOPPED_LEADING:
             raise
         except Exception as exc:  # not knowing whether a Job exists, end nothing yet
-            self._defer(dispatch, outcomes, exc, who)
-            return
+            if (dispatch.deferred_seconds or 0.0) < self._defer_limit:
+                self._defer(dispatch, outcomes, exc, who)
+                return
+            # A lasting failure (a 403 once the namespace's RoleBinding is gone) must not keep the
+            # record for ever: end it as if a Job were left, so the attempt keeps its slot and key
+            # until the reaper finds its worker gone; safe whether or not the Job exists.
+            count_failure(self.name, exc)
+            log_line(log, logging.WARNING, "whether a Job was left is unknown past the defer limit: ending as if one was",
+                     **who, why=f"{type(exc).__name__}: {exc}"[:300])
+            found = True
         left = name if found else None
         if result.error is None:
             outcomes.dropped(dispatch, reason=result.reason, job_name=left)
