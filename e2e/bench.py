@@ -119,8 +119,7 @@ class BenchSystem:
         install_crd(rig.kubectl)
         prepare_namespace(rig.kubectl, self.namespace)
         self.operator_log = markers / "operator.log"
-        self.operator = OperatorProcess(rig.kubeconfig, self.dsn, self.operator_log,
-                                        extra_env={"RETEX_NAMESPACES": self.namespace})
+        self.operator = OperatorProcess.on(rig, self.dsn, self.operator_log, extra_env={"RETEX_NAMESPACES": self.namespace})
         self.operator.start()
         self.ledger = Ledger(self.dsn).open()
         self._api = rig.api_client()

@@ -46,8 +46,11 @@ class RoundRobinService(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, backends: list[int]):
-        super().__init__(("127.0.0.1", 0), _Forward)
+    def __init__(self, backends: list[int], *, host: str = "127.0.0.1"):
+        """`host`: where the cluster's pods reach this host (the rig's loopback; on kind, the kind
+        network's gateway); the backends are this host's own ports."""
+        super().__init__((host, 0), _Forward)
+        self.host = host
         self._backends = backends
         self._next = itertools.cycle(range(len(backends)))
         self._lock = threading.Lock()
@@ -55,7 +58,7 @@ class RoundRobinService(socketserver.ThreadingTCPServer):
 
     @property
     def url(self) -> str:
-        return f"https://127.0.0.1:{self.server_address[1]}"  # TLS end to end: bytes are forwarded
+        return f"https://{self.host}:{self.server_address[1]}"  # TLS end to end: bytes are forwarded
 
     def connect(self) -> socket.socket | None:
         for _ in self._backends:

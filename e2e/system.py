@@ -142,6 +142,14 @@ class OperatorProcess:
         # Replicas share one (`ledger_tls`), as they mount one Secret.
         self.ledger_tls = ledger_tls or pkilib.ledger_serving(log_path.parent / f"{log_path.stem}-ledger-tls", pod_host)
 
+    @classmethod
+    def on(cls, rig: Any, dsn: str, log_path: Path, *, kubeconfig: Path | None = None, **kwargs: Any) -> OperatorProcess:
+        """An operator for `rig` (the local rig or a kind cluster): its workers run the rig's worker
+        image and reach this host where the rig's pods can (`pod_host`). `kubeconfig`: the rig's
+        admin one unless given (a test running the operator as its ServiceAccount)."""
+        return cls(kubeconfig or rig.kubeconfig, dsn, log_path, pod_host=rig.pod_host, worker_image=rig.worker_image,
+                   **kwargs)
+
     def start(self, **env: str) -> None:
         environment = {
             **os.environ,

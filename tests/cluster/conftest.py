@@ -52,9 +52,8 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
     dsn = postgres.dsn(dbname=database)
     install_crd(rig.kubectl)
     prepare_namespace(rig.kubectl, namespace)
-    operator = OperatorProcess(rig.kubeconfig, dsn, Path(tmp_path) / "operator.log",
-                               extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"},
-                               pod_host=rig.pod_host, worker_image=rig.worker_image)
+    operator = OperatorProcess.on(rig, dsn, Path(tmp_path) / "operator.log",
+                                  extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
     operator.start()
     with Ledger(dsn) as ledger:
         system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)

@@ -107,12 +107,12 @@ def pair(rig, postgres, tmp_path, request):
     install_crd(rig.kubectl)
     prepare_namespace(rig.kubectl, namespace)
     names = ("operator-a", "operator-b")
-    ledger_tls = pkilib.ledger_serving(Path(tmp_path) / "ledger-tls")  # one Secret, both replicas
-    operators = {name: OperatorProcess(rig.kubeconfig, dsn, Path(tmp_path) / f"{name}.log",
-                                       extra_env={"RETEX_NAMESPACES": namespace, "POD_NAME": name},
-                                       ledger_tls=ledger_tls)
+    ledger_tls = pkilib.ledger_serving(Path(tmp_path) / "ledger-tls", rig.pod_host)  # one Secret, both replicas
+    operators = {name: OperatorProcess.on(rig, dsn, Path(tmp_path) / f"{name}.log",
+                                          extra_env={"RETEX_NAMESPACES": namespace, "POD_NAME": name},
+                                          ledger_tls=ledger_tls)
                  for name in names}
-    service = RoundRobinService([operators[name].ledger_port for name in names])
+    service = RoundRobinService([operators[name].ledger_port for name in names], host=rig.pod_host)
     if armed:
         operators["operator-a"].extra_env.update(armed)
     with Ledger(dsn) as ledger:

@@ -31,9 +31,8 @@ def start_operator(rig, own_postgres, tmp_path):
             conn.execute(f"CREATE DATABASE {database}")
         install_crd(rig.kubectl)
         prepare_namespace(rig.kubectl, namespace)
-        operator = OperatorProcess(rig.kubeconfig, own_postgres.dsn(dbname=database),
-                                   Path(tmp_path) / f"operator-{number}.log",
-                                   extra_env={"RETEX_NAMESPACES": namespace, **env})
+        operator = OperatorProcess.on(rig, own_postgres.dsn(dbname=database), Path(tmp_path) / f"operator-{number}.log",
+                                      extra_env={"RETEX_NAMESPACES": namespace, **env})
         operator.start()
         started.append(operator)
         return operator

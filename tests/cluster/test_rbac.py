@@ -67,7 +67,7 @@ def test_operator_and_worker_run_a_task_to_succeeded_with_only_the_shipped_rbac(
     dsn, namespace, _ = tenants
     kubeconfig = service_account_kubeconfig(rig.kubectl, rig.kubeconfig, "retex-system", "retex-operator",
                                             tmp_path / "operator.kubeconfig")
-    operator = OperatorProcess(kubeconfig, dsn, tmp_path / "operator.log")  # cluster-wide, as deployed
+    operator = OperatorProcess.on(rig, dsn, tmp_path / "operator.log", kubeconfig=kubeconfig)  # cluster-wide, as deployed
     operator.start()
     try:
         steps = [{"name": "first", "exec": {"command": ["sh", "-c", "echo one"]}},

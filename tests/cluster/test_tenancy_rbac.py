@@ -92,7 +92,7 @@ def test_the_operator_cannot_create_jobs_pods_or_leases_in_kube_system_or_a_name
 def test_a_task_in_a_namespace_not_onboarded_is_refused_naming_the_missing_rolebinding_and_others_still_run(
         rig, namespaces, operator_kubeconfig, tmp_path):
     dsn, onboarded, bare = namespaces
-    operator = OperatorProcess(operator_kubeconfig, dsn, tmp_path / "operator.log")  # cluster-wide, as deployed
+    operator = OperatorProcess.on(rig, dsn, tmp_path / "operator.log", kubeconfig=operator_kubeconfig)  # cluster-wide, as deployed
     operator.start()
     try:
         steps = [{"name": "only", "exec": {"command": ["sh", "-c", "echo ran"]}}]
