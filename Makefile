@@ -87,7 +87,8 @@ images-lock:
 # State and logs in /tmp/retex-dev (RETEX_DEV_DIR; docs/dev.md); `make down` stops what `make dev`
 # started. RETEX_* settings in the environment reach the operator; `make dev-operator` restarts
 # only the operator with the current ones (e.g. RETEX_MAX_RUNNING=2 make dev-operator).
-dev: $(STAMP) rig-binaries
+# RETEX_DEV_CLUSTER=kind: on a kind cluster with the images built here instead (no rig binaries).
+dev: $(STAMP) $(if $(filter kind,$(RETEX_DEV_CLUSTER)),,rig-binaries)
 	@$(PY) -m e2e.dev up
 dev-operator: $(STAMP)
 	@$(PY) -m e2e.dev operator

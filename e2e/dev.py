@@ -4,6 +4,11 @@
     python -m e2e.dev operator  restart only the operator, with the RETEX_* settings of this shell
     python -m e2e.dev down      stop everything `up` started (recorded PIDs only), keep the logs
 
+RETEX_DEV_CLUSTER=kind (at `up`) uses a kind cluster instead of the rig: e2e/kind/up.sh creates it
+and deploys retex from images built here (manifests/overlays/dev, its in-cluster Postgres); the
+stub runs on this host where the pods reach it (the kind network's gateway); `operator` sets the
+shell's RETEX_* on the operator's Deployment (a rollout); `down` deletes the cluster.
+
 RETEX_* variables of the shell that runs `up` or `operator` (RETEX_MAX_RUNNING, ...; docs/operator.md)
 reach the operator and win over the rig's own defaults.
 
@@ -36,7 +41,7 @@ import yaml
 from e2e.postgres import PostgresServer, free_port
 from e2e.rig import pki as pkilib
 from e2e.rig import procs
-from e2e.rig.controlplane import Rig, wait_for
+from e2e.rig.controlplane import Rig, run_kubectl, wait_for
 from e2e.system import OperatorProcess, default_task_policy, prepare_namespace, wait_established
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +52,12 @@ EXAMPLE_FILES = ("order-fulfilment.yaml", "exec-pipeline.yaml", "delayed-reminde
 EXAMPLES_NAMESPACE = "retex-examples"
 OPERATOR_NAMESPACE, OPERATOR_ACCOUNT = "retex-system", "retex-operator"
 STUB_PORT = 18089  # the examples' URLs name it
+EXAMPLES_STUB = f"127.0.0.1:{STUB_PORT}"  # where the examples' URLs point: the rig's pods share this host's loopback
 DELAY_SECONDS = 45  # the delayed example's notBefore, from now
+CLUSTERS = ("rig", "kind")  # RETEX_DEV_CLUSTER
+KIND_CLUSTER = os.environ.get("RETEX_KIND_CLUSTER") or "retex-dev"  # `make e2e-kind` names its own
+# The shell's settings that are make dev's (and make e2e-kind's) own, not the operator's.
+DEV_SETTINGS = ("RETEX_DEV_", "RETEX_KIND_")
 
 
 def say(message: str) -> None:
@@ -73,9 +83,9 @@ def service_account_kubeconfig(kubectl, admin_kubeconfig: Path, namespace: str, 
     return path
 
 
-def _port_free(port: int) -> bool:
+def _port_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) != 0
+        return s.connect_ex((host, port)) != 0
 
 
 def _delayed(manifest: str, seconds: int) -> str:
@@ -105,6 +115,13 @@ def install_missing_tools() -> None:
 
 
 def up(state: Path) -> int:
+    cluster = os.environ.get("RETEX_DEV_CLUSTER") or "rig"
+    if cluster not in CLUSTERS:
+        raise SystemExit(f"RETEX_DEV_CLUSTER={cluster}: expected one of {', '.join(CLUSTERS)}")
+    return up_on_kind(state) if cluster == "kind" else up_on_rig(state)
+
+
+def up_on_rig(state: Path) -> int:
     started = time.monotonic()
     install_missing_tools()
     state.mkdir(parents=True, exist_ok=True)
@@ -157,26 +174,15 @@ def up(state: Path) -> int:
                            "health": operator.health_port}}, indent=2) + "\n")
 
     say(f"[6/7] applying examples/ in namespace {EXAMPLES_NAMESPACE}")
-    for name in EXAMPLE_FILES:
-        manifest = (EXAMPLES / name).read_text()
-        if name == "delayed-reminder.yaml":
-            manifest = _delayed(manifest, DELAY_SECONDS)
-            say(f"      {name} (notBefore set to {DELAY_SECONDS}s from now)")
-        else:
-            say(f"      {name}")
-        kubectl("apply", "-n", EXAMPLES_NAMESPACE, "-f", "-", input=manifest)
+    _apply_examples(kubectl, EXAMPLES_STUB)
 
     say("[7/7] waiting for the operator to accept every example")
 
-    def all_accepted():
+    def operator_alive() -> None:
         if operator.exited() is not None:
             raise SystemExit(f"the operator exited ({operator.exited()}):\n{operator.log_tail()}")
-        tasks = json.loads(kubectl("get", "tasks.retex.dev", "-n", EXAMPLES_NAMESPACE, "-o", "json").stdout)["items"]
-        waiting = [t["metadata"]["name"] for t in tasks if not (t.get("status") or {}).get("phase")]
-        return (not waiting, f"not yet accepted: {', '.join(waiting)}")
 
-    wait_for("the operator to accept the examples", all_accepted, timeout=120)
-    print(kubectl("get", "tasks.retex.dev", "-n", EXAMPLES_NAMESPACE).stdout, end="")
+    _wait_accepted(kubectl, operator_alive)
     say(f"up in {time.monotonic() - started:.0f}s")
     print(f"""
 retex is running on the local rig. Next:
@@ -201,11 +207,40 @@ stop:   make down
     return 0
 
 
+def _apply_examples(kubectl, stub: str) -> None:
+    """examples/ into the examples namespace, their stub URLs pointed at `stub` (host:port)."""
+    for name in EXAMPLE_FILES:
+        manifest = (EXAMPLES / name).read_text().replace(EXAMPLES_STUB, stub)
+        if name == "delayed-reminder.yaml":
+            manifest = _delayed(manifest, DELAY_SECONDS)
+            say(f"      {name} (notBefore set to {DELAY_SECONDS}s from now)")
+        else:
+            say(f"      {name}")
+        kubectl("apply", "-n", EXAMPLES_NAMESPACE, "-f", "-", input=manifest)
+
+
+def _wait_accepted(kubectl, operator_alive) -> None:
+    """Until every example shows a phase; `operator_alive` raises when the operator is gone."""
+    def all_accepted():
+        operator_alive()
+        tasks = json.loads(kubectl("get", "tasks.retex.dev", "-n", EXAMPLES_NAMESPACE, "-o", "json").stdout)["items"]
+        waiting = [t["metadata"]["name"] for t in tasks if not (t.get("status") or {}).get("phase")]
+        return (not waiting, f"not yet accepted: {', '.join(waiting)}")
+
+    wait_for("the operator to accept the examples", all_accepted, timeout=120)
+    print(kubectl("get", "tasks.retex.dev", "-n", EXAMPLES_NAMESPACE).stdout, end="")
+
+
+def _operator_settings() -> dict[str, str]:
+    """The shell's RETEX_* settings for the operator."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith("RETEX_") and not name.startswith(DEV_SETTINGS)}
+
+
 def _operator(state: Path, kubeconfig: Path, dsn: str) -> OperatorProcess:
     """The dev operator: its TLS files in the state directory (kept across restarts, so running
     workers keep trusting it), the shell's RETEX_* settings over the rig's defaults."""
-    settings = {name: value for name, value in os.environ.items()
-                if name.startswith("RETEX_") and name != "RETEX_DEV_DIR"}
+    settings = _operator_settings()
     # Dev rig only: a Task annotated retex.dev/failpoint=<point>[:<step>] crashes its first worker
     # there (the tour's crash demo; the crash matrix's switch). Never set on a real cluster.
     return OperatorProcess(kubeconfig, dsn, state / "operator.log",
@@ -225,6 +260,9 @@ def restart_operator(state: Path) -> int:
         dev = json.loads((state / "dev.json").read_text())
     except FileNotFoundError:
         raise SystemExit(f"no `make dev` in {state}: run `make dev` first") from None
+    if dev.get("cluster") == "kind":
+        _configure_deployed_operator(Path(dev["kubeconfig"]))
+        return 0
     pids = state / "pids"
     if procs.stop(pids / "operator", grace=20, sig=signal.SIGTERM):
         say("stopped the operator")
@@ -252,6 +290,15 @@ def restart_operator(state: Path) -> int:
 
 def down(state: Path) -> int:
     pids = state / "pids"
+    dev_json = state / "dev.json"
+    dev = json.loads(dev_json.read_text()) if dev_json.exists() else {}
+    if dev.get("cluster") == "kind":
+        if procs.stop(pids / "stub", grace=20, sig=signal.SIGTERM):
+            say("stopped the stub")
+        subprocess.run([_kind(), "delete", "cluster", "--name", dev["kind_cluster"]], check=True)
+        dev_json.unlink()
+        say(f"deleted kind cluster {dev['kind_cluster']}; the stub's log stays in {state}")
+        return 0
     for name, sig in (("operator", signal.SIGTERM), ("stub", signal.SIGTERM)):
         if procs.stop(pids / name, grace=20, sig=sig):
             say(f"stopped the {name}")
@@ -263,6 +310,90 @@ def down(state: Path) -> int:
         say("stopped Postgres")
     say(f"everything `make dev` started is stopped; logs stay in {state} until the next `make dev`")
     return 0
+
+
+def up_on_kind(state: Path) -> int:
+    """`make dev` on kind: the cluster and retex deployed from images built here (e2e/kind/up.sh),
+    the stub on this host where the pods reach it, the examples."""
+    started = time.monotonic()
+    state.mkdir(parents=True, exist_ok=True)
+    if (state / "dev.json").exists():
+        say(f"a previous `make dev` in {state}: stopping it first")
+        down(state)
+    (state / "stub-state.json").unlink(missing_ok=True)
+    say("[1/5] a Docker engine (images/docker-engine.sh: starts one where none answers)")
+    subprocess.run(["bash", str(REPO / "images" / "docker-engine.sh")], check=True)
+    say(f"[2/5] kind cluster {KIND_CLUSTER} with retex deployed from images built here (e2e/kind/up.sh)")
+    kubeconfig = state / "kubeconfig"
+    subprocess.run(["bash", str(REPO / "e2e" / "kind" / "up.sh"), KIND_CLUSTER, str(kubeconfig), str(state / "kind")],
+                   check=True)
+    (state / "dev.json").write_text(json.dumps({"cluster": "kind", "kind_cluster": KIND_CLUSTER,
+                                                "kubeconfig": str(kubeconfig)}, indent=2) + "\n")
+    _configure_deployed_operator(kubeconfig)
+
+    def kubectl(*args, **kwargs):
+        return run_kubectl(kubeconfig, *args, **kwargs)
+
+    host = _kind_gateway()
+    say(f"[3/5] starting the counting stub on {host}:{STUB_PORT}, where the pods reach this host")
+    if not _port_free(STUB_PORT, host):
+        raise SystemExit(f"port {STUB_PORT} is in use on {host}; the examples need it for the stub")
+    procs.spawn([sys.executable, "-m", "e2e.stub", "--host", host, "--port", str(STUB_PORT),
+                 "--state", str(state / "stub-state.json")], state / "pids" / "stub", state / "stub.log", cwd=REPO)
+    wait_for("the stub", lambda: not _port_free(STUB_PORT, host), timeout=15)
+
+    say(f"[4/5] applying examples/ in namespace {EXAMPLES_NAMESPACE} (their stub URLs pointed at {host}:{STUB_PORT})")
+    _apply_examples(kubectl, f"{host}:{STUB_PORT}")
+    say("[5/5] waiting for the operator to accept every example")
+    _wait_accepted(kubectl, lambda: None)
+    say(f"up in {time.monotonic() - started:.0f}s")
+    print(f"""
+retex is running on kind cluster {KIND_CLUSTER}, deployed from the images built here. Next:
+
+  export KUBECONFIG={kubeconfig}
+  export PATH="{Path(sys.executable).parent}:$PATH"         # kubectl retex (the CLI plugin) and retex
+  kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
+  kubectl get tasks.retex.dev -w                        # PHASE, PROGRESS, ATTEMPT as they change
+  kubectl describe tasks.retex.dev order-1042           # conditions, steps, events
+  kubectl wait --for=condition=Succeeded tasks.retex.dev/order-1042 --timeout=120s
+  kubectl wait --for=condition=DeadLettered tasks.retex.dev/notify-partner --timeout=120s
+  kubectl retex history order-1042                      # attempts and steps, as your kubeconfig's user
+  curl -s {host}:{STUB_PORT}/counts                        # real executions per idempotency key
+
+logs:   kubectl logs -n retex-system deploy/retex-operator; worker pods: kubectl logs -n {EXAMPLES_NAMESPACE} <pod>
+ledger: kubectl exec -it -n retex-system statefulset/retex-postgres -- psql -U retex retex
+operator settings: RETEX_MAX_RUNNING=2 make dev-operator   # sets them on the Deployment (a rollout)
+stop:   make down                                     # deletes the cluster
+""")
+    return 0
+
+
+def _configure_deployed_operator(kubeconfig: Path) -> None:
+    """The shell's RETEX_* settings on the deployed operator (a rollout when they change), and, on
+    this dev cluster only, a Task's failpoint annotation honoured (the tour's crash demo)."""
+    settings = {"RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1", **_operator_settings()}
+    run_kubectl(kubeconfig, "set", "env", "-n", OPERATOR_NAMESPACE, "deployment/retex-operator",
+                *(f"{name}={value}" for name, value in sorted(settings.items())))
+    say("operator settings: " + ", ".join(f"{name}={value}" for name, value in sorted(settings.items())))
+    run_kubectl(kubeconfig, "rollout", "status", "-n", OPERATOR_NAMESPACE, "deployment/retex-operator",
+                "--timeout=180s", timeout=200)
+    say("the operator is rolled out")
+
+
+def _kind() -> str:
+    """kind: the one on PATH, else the one e2e/kind/build-node.sh built into the cache."""
+    version = next(line.split("=", 1)[1] for line in (REPO / "e2e" / "kind" / "build-node.sh").read_text().splitlines()
+                   if line.startswith("KIND_VERSION="))
+    cache = Path(os.environ.get("RETEX_CACHE", Path.home() / ".cache" / "retex"))
+    return shutil.which("kind") or str(cache / "bin" / f"kind-{version}" / "kind")
+
+
+def _kind_gateway() -> str:
+    """This host's address on the kind network: where the pods reach it."""
+    gateways = subprocess.run(["docker", "network", "inspect", "kind", "-f",
+                               "{{range .IPAM.Config}}{{if .Gateway}}{{.Gateway}} {{end}}{{end}}"],
+                              check=True, capture_output=True, text=True).stdout.split()
+    return next(gateway for gateway in gateways if gateway.count(".") == 3)
 
 
 def main() -> int:

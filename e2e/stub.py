@@ -116,12 +116,13 @@ def serve(port: int, state: Path, *, idempotent: bool = True, host: str = "127.0
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (kind: the kind network's gateway)")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--state", type=Path, required=True, help="file the counts persist in")
     parser.add_argument("--no-idempotency", action="store_true", help="execute every delivery")
     args = parser.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(Ledger(args.state), not args.no_idempotency))
-    print(f"stub listening on http://127.0.0.1:{server.server_address[1]}", flush=True)
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(Ledger(args.state), not args.no_idempotency))
+    print(f"stub listening on http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
 
 

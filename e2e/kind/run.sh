@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
 # `make e2e-kind`: retex with real images on a kind cluster.
 #
-#   1. create the kind cluster (e2e/kind/create-cluster.sh: e2e/kind/cluster.yaml, 1 control
-#      plane + 2 workers, from kind's node image or one built here when it cannot be pulled)
-#   2. build images/Dockerfile's operator and worker targets, `kind load` them
-#   3. apply manifests/overlays/dev (operator Deployment, dev Postgres, retex-examples namespace)
-#      and the worker RBAC in retex-examples
-#   4. smoke: examples/exec-pipeline.yaml must reach Succeeded with the deployed operator
-#   5. scale the deployed operator to 0 and run the cluster scenario tests against the cluster
+#   1. `make dev` on kind (e2e/dev.py, RETEX_DEV_CLUSTER=kind): e2e/kind/up.sh (the cluster, both
+#      images loaded into it, manifests/overlays/dev with its Postgres, retex-examples onboarded),
+#      the counting stub on this host, the examples applied
+#   2. smoke: the examples reach their ends with the deployed operator (a real http step to the stub)
+#   3. scale the deployed operator to 0 and run the cluster scenario tests against the cluster
 #      (RETEX_KUBECONFIG + RETEX_KIND_CLUSTER: the `rig` fixture is then e2e/rig/external.py's
 #      KindCluster; each test runs its own operator on this host, its worker pods run the
 #      built image and reach the host at the kind network's gateway, RETEX_POD_HOST)
-#   6. on failure, collect logs into $RETEX_KIND_ARTIFACTS; always delete the cluster
+#   4. on failure, collect logs into $RETEX_KIND_ARTIFACTS; always delete the cluster
 #
 # Knobs: RETEX_KIND_CLUSTER (default retex-e2e), RETEX_KIND_KEEP=1 (keep the cluster),
 # RETEX_KIND_ARTIFACTS (default /tmp/retex-kind-artifacts), RETEX_KIND_TESTS (pytest arguments).
@@ -24,8 +22,10 @@ cd "$(dirname "$0")/../.."
 CLUSTER=${RETEX_KIND_CLUSTER:-retex-e2e}
 ARTIFACTS=${RETEX_KIND_ARTIFACTS:-/tmp/retex-kind-artifacts}
 # The scenarios that run on kind (docs/dev.md, "What runs on kind"): the manifests and Task API,
-# and the whole crash matrix.
-DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py tests/cluster/test_crash_matrix.py'
+# the whole crash matrix, the bounded chaos run, operator HA and probes, RBAC and tenancy RBAC.
+DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py tests/cluster/test_crash_matrix.py
+  tests/cluster/test_chaos.py tests/cluster/test_operator_ha.py tests/cluster/test_operator_probes.py
+  tests/cluster/test_rbac.py tests/cluster/test_tenancy_rbac.py'
 TESTS=${RETEX_KIND_TESTS:-$DEFAULT_TESTS}
 PY=.venv/bin/python
 say() { echo "[e2e-kind $(date +%H:%M:%S)] $*"; }
@@ -36,7 +36,7 @@ if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then
   exit 0
 fi
 
-# kind: the one on PATH, else the one e2e/kind/build-node.sh builds into the cache (step 1).
+# kind: the one on PATH, else the one e2e/kind/build-node.sh builds into the cache (step 1's up.sh).
 KIND=$(command -v kind || echo "${RETEX_CACHE:-$HOME/.cache/retex}/bin/kind-$(sed -n 's/^KIND_VERSION=//p' e2e/kind/build-node.sh)/kind")
 STATE=$(mktemp -d /tmp/retex-kind-XXXX)
 export KUBECONFIG=$STATE/kubeconfig
@@ -53,52 +53,23 @@ collect_and_delete() {
   if [[ "${RETEX_KIND_KEEP:-}" == 1 ]]; then
     say "keeping cluster $CLUSTER (kubeconfig $KUBECONFIG); delete it with: $KIND delete cluster --name $CLUSTER"
   else
-    say "deleting cluster $CLUSTER"
-    "$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+    say "deleting cluster $CLUSTER and stopping the stub"
+    "$PY" -m e2e.dev down --state-dir "$STATE" >/dev/null 2>&1 || "$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
     rm -rf "$STATE"
   fi
   exit $rc
 }
 trap collect_and_delete EXIT
 
-say "[1/6] creating kind cluster $CLUSTER (1 control plane + 2 workers; the node image is built here if it cannot be pulled)"
-bash e2e/kind/build-node.sh >/dev/null  # builds kind itself too; progress on stderr
-"$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
-bash e2e/kind/create-cluster.sh "$CLUSTER" "$KUBECONFIG"
+say "[1/4] make dev on kind (RETEX_DEV_CLUSTER=kind python -m e2e.dev up): the cluster $CLUSTER, retex deployed from images built here, the stub, the examples"
+RETEX_DEV_CLUSTER=kind RETEX_KIND_CLUSTER=$CLUSTER "$PY" -m e2e.dev up --state-dir "$STATE"
 
-say "[2/6] building images (images/Dockerfile) and loading them into the nodes"
-RETEX_IMAGE_TAG=dev bash images/build.sh  # `make images`: BuildKit, the local base where no registry answers
-"$KIND" load docker-image retex-operator:dev retex-worker:dev --name "$CLUSTER"
-
-say "[3/6] applying manifests/overlays/dev and onboarding retex-examples (manifests/tenant)"
-# The overlay's Postgres image, or where no registry serves it, one built here (Debian's
-# PostgreSQL 15 started as the official image starts: e2e/kind/postgres-dev).
-POSTGRES_IMAGE=postgres:17-bookworm
-if ! docker image inspect "$POSTGRES_IMAGE" >/dev/null 2>&1 && ! docker pull -q "$POSTGRES_IMAGE" >/dev/null 2>&1; then
-  POSTGRES_IMAGE=retex-postgres-dev:15-bookworm
-  say "$POSTGRES_IMAGE built from e2e/kind/postgres-dev: no registry serves postgres:17-bookworm"
-  DOCKER_BUILDKIT=1 "$(command -v /usr/bin/docker || command -v docker)" build -q -t "$POSTGRES_IMAGE" e2e/kind/postgres-dev >/dev/null
-fi
-"$KIND" load docker-image "$POSTGRES_IMAGE" --name "$CLUSTER"
-mkdir -p "$STATE/overlay"
-cat >"$STATE/overlay/kustomization.yaml" <<EOF
-apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources: [$(realpath --relative-to="$STATE/overlay" manifests/overlays/dev)]
-images: [{name: postgres, newName: ${POSTGRES_IMAGE%%:*}, newTag: ${POSTGRES_IMAGE#*:}}]
-EOF
-kubectl apply --server-side -k "$STATE/overlay"
-manifests/ledger-tls.sh retex-system  # the ledger endpoint's certificate (the operator mounts it)
-kubectl apply -n retex-examples -k manifests/tenant
-kubectl rollout status -n retex-system statefulset/retex-postgres --timeout=180s
-kubectl rollout status -n retex-system deployment/retex-operator --timeout=180s
-
-say "[4/6] smoke: examples/exec-pipeline.yaml on the deployed operator and images"
-kubectl apply -n retex-examples -f examples/exec-pipeline.yaml
-kubectl wait -n retex-examples --for=condition=Succeeded task/word-count-pipeline --timeout=180s
+say "[2/4] smoke: the examples reach their ends on the deployed operator and images"
+kubectl wait -n retex-examples --for=condition=Succeeded task/word-count-pipeline task/order-1042 --timeout=180s
+kubectl wait -n retex-examples --for=condition=DeadLettered task/notify-partner --timeout=180s
 kubectl get tasks -n retex-examples
 
-say "[5/6] scenario tests against the kind cluster: $TESTS"
+say "[3/4] scenario tests against the kind cluster: $TESTS"
 kubectl scale -n retex-system deployment/retex-operator --replicas=0
 kubectl wait -n retex-system --for=delete pod -l app.kubernetes.io/component=operator --timeout=60s
 # The host's address on the kind network: where the worker pods reach the operator a test runs
@@ -109,4 +80,4 @@ say "pods reach this host at $POD_HOST"
 export RETEX_KUBECONFIG=$KUBECONFIG RETEX_KIND_CLUSTER=$CLUSTER RETEX_POD_HOST=$POD_HOST RETEX_WORKER_IMAGE=retex-worker:dev
 eval "$PY" -m pytest "$TESTS"
 
-say "[6/6] passed"
+say "[4/4] passed"
