@@ -28,6 +28,7 @@ import datetime as dt
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -55,9 +56,19 @@ STUB_PORT = 18089  # the examples' URLs name it
 EXAMPLES_STUB = f"127.0.0.1:{STUB_PORT}"  # where the examples' URLs point: the rig's pods share this host's loopback
 DELAY_SECONDS = 45  # the delayed example's notBefore, from now
 CLUSTERS = ("rig", "kind")  # RETEX_DEV_CLUSTER
-KIND_CLUSTER = os.environ.get("RETEX_KIND_CLUSTER") or "retex-dev"  # `make e2e-kind` names its own
+# Its own name, not RETEX_KIND_CLUSTER: up.sh first deletes a cluster of that name, and that one
+# may be a kept e2e cluster the shell points its tests at. `make e2e-kind` names its own.
+KIND_CLUSTER = os.environ.get("RETEX_DEV_KIND_CLUSTER") or "retex-dev"
 # The shell's settings that are make dev's (and make e2e-kind's) own, not the operator's.
 DEV_SETTINGS = ("RETEX_DEV_", "RETEX_KIND_")
+OPERATOR_SETTINGS = REPO / "operator" / "retex" / "operator" / "settings.py"
+# On kind the operator's wiring comes from the overlay (the DSN Secret, the ledger endpoint and
+# its certificate, ports, images, the election's namespace): only its tunables come from the shell.
+DEPLOYED_WIRING = ("RETEX_DATABASE_", "RETEX_LEDGER_URL", "RETEX_LEDGER_PORT", "RETEX_LEDGER_TLS_", "RETEX_LEDGER_CA_",
+                   "RETEX_METRICS_PORT", "RETEX_OPERATOR_NAMESPACE", "RETEX_WORKER_IMAGE", "RETEX_WORKER_SERVICE_ACCOUNT")
+# The stub's port, opened to the examples' workers on kind (manifests/tenant's NetworkPolicy lets
+# them reach only DNS, the ledger and 443/6443; kindest/node's kindnet enforces it).
+STUB_EGRESS = "retex-dev-stub-egress"
 
 
 def say(message: str) -> None:
@@ -261,7 +272,7 @@ def restart_operator(state: Path) -> int:
     except FileNotFoundError:
         raise SystemExit(f"no `make dev` in {state}: run `make dev` first") from None
     if dev.get("cluster") == "kind":
-        _configure_deployed_operator(Path(dev["kubeconfig"]))
+        _configure_deployed_operator(state)
         return 0
     pids = state / "pids"
     if procs.stop(pids / "operator", grace=20, sig=signal.SIGTERM):
@@ -321,20 +332,28 @@ def up_on_kind(state: Path) -> int:
         say(f"a previous `make dev` in {state}: stopping it first")
         down(state)
     (state / "stub-state.json").unlink(missing_ok=True)
+    if shutil.which("kubectl") is None:
+        raise SystemExit("kubectl is missing: install it (https://kubernetes.io/docs/tasks/tools/)")
     say("[1/5] a Docker engine (images/docker-engine.sh: starts one where none answers)")
     subprocess.run(["bash", str(REPO / "images" / "docker-engine.sh")], check=True)
     say(f"[2/5] kind cluster {KIND_CLUSTER} with retex deployed from images built here (e2e/kind/up.sh)")
     kubeconfig = state / "kubeconfig"
-    subprocess.run(["bash", str(REPO / "e2e" / "kind" / "up.sh"), KIND_CLUSTER, str(kubeconfig), str(state / "kind")],
-                   check=True)
+    # Before the cluster exists: a failure part way leaves `make down` what it needs to delete it.
     (state / "dev.json").write_text(json.dumps({"cluster": "kind", "kind_cluster": KIND_CLUSTER,
                                                 "kubeconfig": str(kubeconfig)}, indent=2) + "\n")
-    _configure_deployed_operator(kubeconfig)
+    subprocess.run(["bash", str(REPO / "e2e" / "kind" / "up.sh"), KIND_CLUSTER, str(kubeconfig), str(state / "kind")],
+                   check=True)
+    _configure_deployed_operator(state)
 
     def kubectl(*args, **kwargs):
         return run_kubectl(kubeconfig, *args, **kwargs)
 
     host = _kind_gateway()
+    kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": STUB_EGRESS, "namespace": EXAMPLES_NAMESPACE},
+        "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}, "policyTypes": ["Egress"],
+                 "egress": [{"to": [{"ipBlock": {"cidr": f"{host}/32"}}], "ports": [{"protocol": "TCP", "port": STUB_PORT}]}]}}))
     say(f"[3/5] starting the counting stub on {host}:{STUB_PORT}, where the pods reach this host")
     if not _port_free(STUB_PORT, host):
         raise SystemExit(f"port {STUB_PORT} is in use on {host}; the examples need it for the stub")
@@ -368,13 +387,26 @@ stop:   make down                                     # deletes the cluster
     return 0
 
 
-def _configure_deployed_operator(kubeconfig: Path) -> None:
-    """The shell's RETEX_* settings on the deployed operator (a rollout when they change), and, on
-    this dev cluster only, a Task's failpoint annotation honoured (the tour's crash demo)."""
-    settings = {"RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1", **_operator_settings()}
+def _configure_deployed_operator(state: Path) -> None:
+    """The shell's tunables (RETEX_* that retex/operator/settings.py reads, not the overlay's
+    wiring) on the deployed operator, exactly: one set before and not now is removed, as the rig's
+    restart drops it. On this dev cluster only, a Task's failpoint annotation is honoured (the
+    tour's crash demo). A rollout when they change."""
+    dev = json.loads((state / "dev.json").read_text())
+    kubeconfig = Path(dev["kubeconfig"])
+    known = set(re.findall(r"RETEX_[A-Z0-9_]+", OPERATOR_SETTINGS.read_text()))
+    given = _operator_settings()
+    tunables = {name: value for name, value in given.items()
+                if (name in known or name.startswith("RETEX_LEADER_")) and not name.startswith(DEPLOYED_WIRING)}
+    if ignored := sorted(set(given) - set(tunables)):
+        say(f"not set on the deployed operator (the overlay's wiring, or not an operator setting): {', '.join(ignored)}")
+    settings = {"RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1", **tunables}
+    dropped = sorted(set(dev.get("operator_settings", [])) - set(settings))
     run_kubectl(kubeconfig, "set", "env", "-n", OPERATOR_NAMESPACE, "deployment/retex-operator",
-                *(f"{name}={value}" for name, value in sorted(settings.items())))
-    say("operator settings: " + ", ".join(f"{name}={value}" for name, value in sorted(settings.items())))
+                *(f"{name}={value}" for name, value in sorted(settings.items())), *(f"{name}-" for name in dropped))
+    (state / "dev.json").write_text(json.dumps({**dev, "operator_settings": sorted(settings)}, indent=2) + "\n")
+    say("operator settings: " + ", ".join(f"{name}={value}" for name, value in sorted(settings.items()))
+        + (f"; removed {', '.join(dropped)}" if dropped else ""))
     run_kubectl(kubeconfig, "rollout", "status", "-n", OPERATOR_NAMESPACE, "deployment/retex-operator",
                 "--timeout=180s", timeout=200)
     say("the operator is rolled out")
@@ -393,7 +425,10 @@ def _kind_gateway() -> str:
     gateways = subprocess.run(["docker", "network", "inspect", "kind", "-f",
                                "{{range .IPAM.Config}}{{if .Gateway}}{{.Gateway}} {{end}}{{end}}"],
                               check=True, capture_output=True, text=True).stdout.split()
-    return next(gateway for gateway in gateways if gateway.count(".") == 3)
+    ipv4 = [gateway for gateway in gateways if gateway.count(".") == 3]
+    if not ipv4:
+        raise SystemExit(f"the docker network `kind` has no IPv4 gateway ({gateways}): the pods cannot reach the stub")
+    return ipv4[0]
 
 
 def main() -> int:
@@ -401,7 +436,7 @@ def main() -> int:
     parser.add_argument("command", choices=["up", "operator", "down"])
     parser.add_argument("--state-dir", type=Path, default=STATE_DIR)
     args = parser.parse_args()
-    return {"up": up, "operator": restart_operator, "down": down}[args.command](args.state_dir)
+    return {"up": up, "operator": restart_operator, "down": down}[args.command](args.state_dir.resolve())
 
 
 if __name__ == "__main__":

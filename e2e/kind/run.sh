@@ -49,12 +49,14 @@ collect_and_delete() {
     kubectl get all,tasks,leases,events -A -o wide >"$ARTIFACTS/objects.txt" 2>&1 || true
     kubectl logs -n retex-system deploy/retex-operator --tail=-1 >"$ARTIFACTS/operator.log" 2>&1 || true
     kubectl logs -n retex-system statefulset/retex-postgres --tail=-1 >"$ARTIFACTS/postgres.log" 2>&1 || true
+    cp "$STATE"/stub.log "$STATE"/stub-state.json "$ARTIFACTS/" 2>/dev/null || true
   fi
   if [[ "${RETEX_KIND_KEEP:-}" == 1 ]]; then
-    say "keeping cluster $CLUSTER (kubeconfig $KUBECONFIG); delete it with: $KIND delete cluster --name $CLUSTER"
+    say "keeping cluster $CLUSTER (kubeconfig $KUBECONFIG) and the examples' stub; stop both with: $PY -m e2e.dev down --state-dir $STATE"
   else
     say "deleting cluster $CLUSTER and stopping the stub"
-    "$PY" -m e2e.dev down --state-dir "$STATE" >/dev/null 2>&1 || "$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true
+    "$PY" -m e2e.dev down --state-dir "$STATE" >/dev/null 2>&1 || true
+    "$KIND" delete cluster --name "$CLUSTER" >/dev/null 2>&1 || true  # also when `up` failed before recording it
     rm -rf "$STATE"
   fi
   exit $rc
@@ -62,7 +64,7 @@ collect_and_delete() {
 trap collect_and_delete EXIT
 
 say "[1/4] make dev on kind (RETEX_DEV_CLUSTER=kind python -m e2e.dev up): the cluster $CLUSTER, retex deployed from images built here, the stub, the examples"
-RETEX_DEV_CLUSTER=kind RETEX_KIND_CLUSTER=$CLUSTER "$PY" -m e2e.dev up --state-dir "$STATE"
+RETEX_DEV_CLUSTER=kind RETEX_DEV_KIND_CLUSTER=$CLUSTER "$PY" -m e2e.dev up --state-dir "$STATE"
 
 say "[2/4] smoke: the examples reach their ends on the deployed operator and images"
 kubectl wait -n retex-examples --for=condition=Succeeded task/word-count-pipeline task/order-1042 --timeout=180s

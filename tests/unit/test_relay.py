@@ -178,6 +178,22 @@ def test_a_record_ending_unsent_whose_job_cannot_be_checked_past_the_limit_ends_
     assert settled["b"][0] == "deferred"
 
 
+def test_a_namespace_not_onboarded_past_the_limit_whose_job_cannot_be_deleted_fails_as_if_its_job_were_left():
+    """The open finding's case: the RoleBinding removed, the create refused (403) past the limit,
+    and the delete refused too."""
+    forbidden = ApiException(status=403, reason="Forbidden")
+    kube = FakeKube({"t-a": live("a")}, refuse={"a": NotPermitted("jobs is forbidden", 403)}, delete_error=forbidden)
+    outcome, reason, _, job = settle([record("a", deferred=DEFER_LIMIT)], kube)["a"]
+    assert (outcome, reason, job) == ("rejected", "NamespaceNotOnboarded", job_of("a"))
+
+
+def test_a_transient_error_on_the_delete_defers_even_a_record_already_past_the_limit():
+    """A record deferred for another reason reaches the delete past the limit: one 503 there must
+    not end it with a Job that could still be deleted."""
+    kube = FakeKube({"t-a": live("a")}, delete_error=ApiException(status=503, reason="Service Unavailable"))
+    assert settle([record("a", cancel="Cancelled", deferred=DEFER_LIMIT)], kube)["a"][0] == "deferred"
+
+
 def test_a_ledger_spec_that_differs_from_the_live_tasks_gets_no_job_and_fails_the_task():
     forged = SPEC | {"steps": [{"name": "only", "exec": {"command": ["sh", "-c", "curl evil"]}}]}
     kube = FakeKube({"t-a": live("a")})

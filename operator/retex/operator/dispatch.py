@@ -99,17 +99,20 @@ class Relay(Loop):
             found = self._kube.delete_job_of(dispatch.namespace, name, dispatch.task_uid)
         except STOPPED_LEADING:
             raise
-        except Exception as exc:  # not knowing whether a Job exists, end nothing yet
-            if (dispatch.deferred_seconds or 0.0) < self._defer_limit:
+        except Exception as exc:
+            # Not knowing whether a Job exists, end nothing yet: the error may clear. One that
+            # lasts (a 403 once the namespace's RoleBinding is gone) must not keep the record for
+            # ever: past the defer limit it ends as if a Job were left, so the attempt keeps its
+            # slot and key until the reaper finds its worker gone; safe whether or not one exists.
+            # A transient error waits on even then: a record deferred for another reason reaches
+            # this call already past the limit, and one 503 must not decide it.
+            if (dispatch.deferred_seconds or 0.0) < self._defer_limit or transient(exc):
                 self._defer(dispatch, outcomes, exc, who)
                 return
-            # A lasting failure (a 403 once the namespace's RoleBinding is gone) must not keep the
-            # record for ever: end it as if a Job were left, so the attempt keeps its slot and key
-            # until the reaper finds its worker gone; safe whether or not the Job exists.
             count_failure(self.name, exc)
-            log_line(log, logging.WARNING, "whether a Job was left is unknown past the defer limit: ending as if one was",
-                     **who, why=f"{type(exc).__name__}: {exc}"[:300])
             found = True
+            log_line(log, logging.WARNING, "whether a Job was left is unknown past the defer limit: ending as if one was",
+                     **who, outcome="dropped" if result.error is None else "rejected", why=f"{type(exc).__name__}: {exc}"[:300])
         left = name if found else None
         if result.error is None:
             outcomes.dropped(dispatch, reason=result.reason, job_name=left)
