@@ -197,18 +197,7 @@ def up_on_rig(state: Path) -> int:
     say(f"up in {time.monotonic() - started:.0f}s")
     print(f"""
 retex is running on the local rig. Next:
-
-  export KUBECONFIG={rig.kubeconfig}
-  export PATH="{Path(sys.executable).parent}:$PATH"         # kubectl retex (the CLI plugin) and retex
-  kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
-  kubectl get tasks.retex.dev -w                        # PHASE, PROGRESS, ATTEMPT as they change
-  kubectl describe tasks.retex.dev order-1042           # conditions, steps, events
-  kubectl wait --for=condition=Succeeded tasks.retex.dev/order-1042 --timeout=120s
-  kubectl wait --for=condition=DeadLettered tasks.retex.dev/notify-partner --timeout=120s
-  kubectl retex history order-1042                      # attempts and steps, as your kubeconfig's user
-  curl -s 127.0.0.1:{STUB_PORT}/counts                        # real executions per idempotency key
-  kubectl apply -f examples/exec-pipeline.yaml          # (after editing metadata.name) run more
-
+{_tour(rig.kubeconfig, EXAMPLES_STUB)}
 logs:   operator {state / 'operator.log'}, stub {state / 'stub.log'},
         worker pods {state / 'rig'}/nodes/<node>/pods/<namespace>_<pod>_<uid>/worker.log
 ledger: psql "{dsn}"
@@ -216,6 +205,22 @@ operator settings: RETEX_MAX_RUNNING=2 make dev-operator   # restarts only the o
 stop:   make down
 """)
     return 0
+
+
+def _tour(kubeconfig: Path, stub: str) -> str:
+    """The commands `up` prints to try the examples, whichever cluster they run on."""
+    return f"""
+  export KUBECONFIG={kubeconfig}
+  export PATH="{Path(sys.executable).parent}:$PATH"         # kubectl retex (the CLI plugin) and retex
+  kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
+  kubectl get tasks.retex.dev -w                        # PHASE, PROGRESS, ATTEMPT as they change
+  kubectl describe tasks.retex.dev order-1042           # conditions, steps, events
+  kubectl wait --for=condition=Succeeded tasks.retex.dev/order-1042 --timeout=120s
+  kubectl wait --for=condition=DeadLettered tasks.retex.dev/notify-partner --timeout=120s
+  kubectl retex history order-1042                      # attempts and steps, as your kubeconfig's user
+  curl -s {stub}/counts                        # real executions per idempotency key
+  kubectl apply -f examples/exec-pipeline.yaml          # (after editing metadata.name) run more
+"""
 
 
 def _apply_examples(kubectl, stub: str) -> None:
@@ -368,17 +373,7 @@ def up_on_kind(state: Path) -> int:
     say(f"up in {time.monotonic() - started:.0f}s")
     print(f"""
 retex is running on kind cluster {KIND_CLUSTER}, deployed from the images built here. Next:
-
-  export KUBECONFIG={kubeconfig}
-  export PATH="{Path(sys.executable).parent}:$PATH"         # kubectl retex (the CLI plugin) and retex
-  kubectl config set-context --current --namespace={EXAMPLES_NAMESPACE}
-  kubectl get tasks.retex.dev -w                        # PHASE, PROGRESS, ATTEMPT as they change
-  kubectl describe tasks.retex.dev order-1042           # conditions, steps, events
-  kubectl wait --for=condition=Succeeded tasks.retex.dev/order-1042 --timeout=120s
-  kubectl wait --for=condition=DeadLettered tasks.retex.dev/notify-partner --timeout=120s
-  kubectl retex history order-1042                      # attempts and steps, as your kubeconfig's user
-  curl -s {host}:{STUB_PORT}/counts                        # real executions per idempotency key
-
+{_tour(kubeconfig, f"{host}:{STUB_PORT}")}
 logs:   kubectl logs -n retex-system deploy/retex-operator; worker pods: kubectl logs -n {EXAMPLES_NAMESPACE} <pod>
 ledger: kubectl exec -it -n retex-system statefulset/retex-postgres -- psql -U retex retex
 operator settings: RETEX_MAX_RUNNING=2 make dev-operator   # sets them on the Deployment (a rollout)
