@@ -107,7 +107,7 @@ def test_a_stop_point_in_a_process_that_is_pid_1_holds_until_frozen_and_resumed_
             return Path(f"/proc/{inner}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
         time.sleep(1)
-        # The hold wakes every 0.2 s, so under load it may be caught running ("R"): held means
+        # The hold wakes every 0.05 s, so under load it may be caught running ("R"): held means
         # not stopped, not exited and nothing printed after the point.
         assert state() in ("S", "R") and proc.poll() is None, "held at the point, not gone on"
         assert select.select([proc.stdout], [], [], 0)[0] == [], "held at the point, not gone on"
@@ -122,6 +122,35 @@ def test_a_stop_point_in_a_process_that_is_pid_1_holds_until_frozen_and_resumed_
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_stop_point_in_pid_1_goes_on_whichever_line_of_its_hold_the_sigcont_lands_on():
+    """The SIGCONT's handler runs between two bytecodes of whatever the hold is doing. Here it is
+    made pending at the k-th traced line after the point's line, for every k over the hold's loop:
+    a handler that took a lock the hold can be holding (an Event's) deadlocked at one of them."""
+    code = """
+import signal, sys
+class Stderr:
+    written = False
+    def write(self, text): Stderr.written = True
+    def flush(self): pass
+sys.stderr = Stderr()
+for k in range(1, 20):
+    Stderr.written, lines = False, 0
+    def trace(frame, event, arg):
+        global lines
+        if event == "line" and Stderr.written:
+            lines += 1
+            if lines == k:
+                os.kill(os.getpid(), signal.SIGCONT)
+        return trace
+    sys.settrace(trace)
+    failpoint('after-effect', 'notify', task='t', uid='u')
+    sys.settrace(None)
+    print('went on after line', k, flush=True)
+"""
+    done = _run_as_pid_1("after-effect:notify=stop", code)
+    assert done.stdout.splitlines() == [f"went on after line {k}" for k in range(1, 20)] + ["survived"], done.stdout
 
 
 def test_a_pid_1_stop_goes_on_when_its_sigcont_lands_on_another_thread():
