@@ -42,8 +42,9 @@ import re
 import signal
 import sys
 import threading
-import time
 from dataclasses import dataclass
+
+from retex.signalflag import SignalFlag
 
 POINTS = frozenset({
     # operator
@@ -106,15 +107,8 @@ def arm(spec: str, *, pid: int) -> Armed | None:
     may install one; importing happens there)."""
     armed = parse(spec)
     if armed is not None and armed.action == "stop" and pid == 1:
-        signal.signal(signal.SIGCONT, _on_continued)
+        signal.signal(signal.SIGCONT, lambda signum, frame: _CONTINUED.set())
     return armed
-
-
-def _on_continued(signum: int, frame: object) -> None:
-    # Only an assignment: a handler runs between two bytecodes of the interrupted code, so one
-    # taking a lock (an Event's) deadlocks when that code holds it.
-    global _continued
-    _continued = True
 
 
 def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | None) -> str:
@@ -123,7 +117,7 @@ def fired_line(armed: Armed, *, step: str | None, task: str | None, uid: str | N
 
 
 # Set by SIGCONT in a process that is PID 1 with a stop armed: frozen from outside and resumed.
-_continued = False
+_CONTINUED = SignalFlag()
 _ARMED = arm(os.environ.get("RETEX_FAILPOINT", ""), pid=os.getpid())
 # The exit status a container runtime reports for a process killed by SIGKILL.
 _KILLED_STATUS = 128 + signal.SIGKILL
@@ -139,8 +133,7 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
     """Die (or freeze) here if this point is armed for this step and task."""
     if _ARMED is None or not _ARMED.matches(point, step, task, uid):
         return
-    global _continued
-    _continued = False
+    _CONTINUED.clear()
     print(fired_line(_ARMED, step=step, task=task, uid=uid), file=sys.stderr, flush=True)
     if _ARMED.action == "hang":
         threading.Event().wait()
@@ -151,8 +144,7 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
             # For the SIGSTOP and SIGCONT of whoever read the line. Polled: Python runs a handler
             # in the main thread only, and a SIGCONT the kernel handed to another thread (the main
             # one had a SIGTERM pending) interrupts no sleep there.
-            while not _continued:
-                time.sleep(0.05)
+            _CONTINUED.wait()
             return
         os._exit(_KILLED_STATUS)
     os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import threading
 import time
+
+from retex.signalflag import SignalFlag
 
 
 class Drain:
     def __init__(self, seconds: float):
         self.seconds = seconds
-        self.requested = threading.Event()
+        self.requested = SignalFlag()  # set by the SIGTERM handler
         self._deadline: float | None = None
 
     def begin(self) -> None:
