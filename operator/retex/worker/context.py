@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
+
+from retex.signalflag import SignalFlag
 
 
 class PermanentError(Exception):
@@ -25,7 +26,8 @@ class StepContext:
     """The call context of a python step (and of a python verify).
 
     `cancelled` is set when the worker gives up on the call (its timeout, or the pod's drain
-    deadline); the process is killed shortly after, so long-running code should check it.
+    deadline); the process is killed shortly after, so long-running code should check it. It has
+    an Event's `is_set()` and `wait(timeout)`, but takes no lock: a SIGTERM handler sets it.
     """
 
     idempotency_key: str
@@ -34,4 +36,4 @@ class StepContext:
     attempt: int
     payload: dict[str, Any]
     results: dict[str, Any]
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: SignalFlag = field(default_factory=SignalFlag)
