@@ -76,8 +76,13 @@ class FakeLedger:
 
 
 class FakeKube:
-    def __init__(self, *, leases=None, pods=(), failing=()):
+    """`job`: what every Job GET answers (one with a pod still active, by default); `delete_refused`:
+    the API error every Job delete raises."""
+
+    def __init__(self, *, leases=None, pods=(), failing=(), job=None, delete_refused=None):
         self.leases, self.pods, self.failing = leases or {}, list(pods), set(failing)
+        self.job = job if job is not None else {"status": {"active": 1}}
+        self.delete_refused = delete_refused
         self.deleted = []
 
     def get_lease(self, namespace, name):
@@ -86,7 +91,7 @@ class FakeKube:
         return self.leases.get(name)
 
     def get_job(self, namespace, name):
-        return {"status": {"active": 1}}
+        return self.job
 
     def job_pods(self, namespace, job):
         return self.pods
@@ -95,6 +100,8 @@ class FakeKube:
         return []
 
     def delete_job(self, namespace, name):
+        if self.delete_refused is not None:
+            raise self.delete_refused
         self.deleted.append(name)
 
 
@@ -316,3 +323,48 @@ def test_an_attempt_its_worker_ended_before_the_replace_is_left_alone_with_its_j
     r.round()
     assert ledger.calls == [("replace_attempt", "u1", 1, "disruption")]
     assert kube.deleted == []
+
+
+def ended_and_dead(**kube):
+    """An attempt the operator ended (a timeout, say), whose lease the watch and the GET both show
+    expired: known dead."""
+    clock, leases = stale_watch("u1")
+    kube = FakeKube(leases={name_of("u1"): leases[0]}, **kube)
+    ledger = FakeLedger([attempt("u1", current=False, job="job-1")])
+    return ledger, kube, reaper(ledger, kube, leases, clock)
+
+
+def test_an_ended_attempt_known_dead_is_settled_and_its_unfinished_job_deleted():
+    """Its Job has not finished (a pod Pending for good, or a Job the relay was told may be left when
+    it ended the attempt unsent): left, it would hold a pod of the quota until its
+    activeDeadlineSeconds, or for ever without one."""
+    ledger, kube, r = ended_and_dead()
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+    assert kube.deleted == ["job-1"]
+
+
+def test_an_ended_attempt_whose_job_finished_is_settled_and_the_job_left_to_its_ttl():
+    """A finished Job goes by its ttlSecondsAfterFinished; until then its pod keeps the worker's log."""
+    ledger, kube, r = ended_and_dead(job={"status": {"conditions": [{"type": "Failed", "status": "True"}], "failed": 1}})
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+    assert kube.deleted == []
+
+
+def test_a_job_delete_refused_for_good_does_not_keep_a_dead_attempt_holding_its_slot():
+    """A 403 (the namespace's RoleBinding removed) is the same every round: the attempt is settled
+    all the same and the refusal logged."""
+    ledger, kube, r = ended_and_dead(delete_refused=ApiException(status=403, reason="Forbidden"))
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+
+
+def test_a_job_delete_failing_for_now_leaves_the_attempt_to_the_next_round():
+    ledger, kube, r = ended_and_dead(delete_refused=ApiException(status=503, reason="Service Unavailable"))
+    r.round()
+    assert ledger.calls == []
+    kube.delete_refused = None
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+    assert kube.deleted == ["job-1"]

@@ -16,7 +16,7 @@ For the current attempt of a Running task:
   - cancel or delete requested and E holds no lease — Cancelled now (no worker will reach a
     step boundary).
 For an attempt the operator already ended (task timeout, deletion): settled once known dead, which
-frees its slot and key.
+frees its slot and key, and its Job deleted if it has not finished.
 
 Every verdict is confirmed with a GET of the Lease first, so a stalled watch or a paused operator
 cannot condemn live workers. The old Job is deleted with background propagation; a pod stuck
@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from retex.kube.errors import transient
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
 from retex.kube.operator_calls import KubeCalls
@@ -67,6 +68,11 @@ def hold_of(seen: LeaseObservation | None, epoch: int, now: float) -> Hold:
     if seen is not None and seen.released_by(epoch):
         return Hold.RELEASED
     return Hold.NEVER
+
+
+def _job_finished(job: dict[str, Any]) -> bool:
+    conditions = (job.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in conditions)
 
 
 def _job_failed(job: dict[str, Any] | None) -> bool:
@@ -165,10 +171,30 @@ class Reaper(Loop):
             pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
             if any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed") for p in pods):
                 return
+        self._delete_unfinished_job(attempt)
         log_line(log, logging.INFO, "ended attempt is known dead: its slot and key are free", uid=attempt.uid,
                  namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, hold=hold.value)
         self._ledger.settle_attempt(attempt.uid, attempt.epoch)
         self._on_replaced()
+
+    def _delete_unfinished_job(self, attempt: WatchedAttempt) -> None:
+        """A dead attempt's Job that has not finished (a pod Pending for good; a Job the relay was
+        told may be left) would hold its pod of the quota until its activeDeadlineSeconds, or for
+        ever; a finished one goes by its TTL, its pod keeping the worker's log until then. A
+        failure that may clear waits for the next round; a refusal for good (403) is logged and
+        the attempt settled all the same, or it would hold its slot for ever."""
+        job = self._job(attempt)
+        try:
+            found = self._kube.get_job(attempt.namespace, job)
+            if found is not None and not _job_finished(found):
+                self._kube.delete_job(attempt.namespace, job)
+        except Exception as exc:
+            if transient(exc):
+                raise
+            count_failure(self.name, exc)
+            log_line(log, logging.WARNING, "the dead attempt's unfinished Job could not be deleted; settled all the same",
+                     uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, job=job,
+                     error=f"{type(exc).__name__}: {exc}")
 
     def _observed(self, attempt: WatchedAttempt) -> Hold:
         return hold_of(self._seen(attempt), attempt.epoch, time.monotonic())
