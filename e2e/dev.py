@@ -354,6 +354,8 @@ def up_on_kind(state: Path) -> int:
         return run_kubectl(kubeconfig, *args, **kwargs)
 
     host = _kind_gateway()
+    dev = json.loads((state / "dev.json").read_text())
+    (state / "dev.json").write_text(json.dumps({**dev, "pod_host": host}, indent=2) + "\n")  # for e2e/kind/run.sh
     kubectl("apply", "-f", "-", input=json.dumps({
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": STUB_EGRESS, "namespace": EXAMPLES_NAMESPACE},
@@ -408,11 +410,9 @@ def _configure_deployed_operator(state: Path) -> None:
 
 
 def _kind() -> str:
-    """kind: the one on PATH, else the one e2e/kind/build-node.sh built into the cache."""
-    version = next(line.split("=", 1)[1] for line in (REPO / "e2e" / "kind" / "build-node.sh").read_text().splitlines()
-                   if line.startswith("KIND_VERSION="))
-    cache = Path(os.environ.get("RETEX_CACHE", Path.home() / ".cache" / "retex"))
-    return shutil.which("kind") or str(cache / "bin" / f"kind-{version}" / "kind")
+    """The kind that e2e/kind/build-node.sh built (e2e/kind/kind-path.sh names it)."""
+    return subprocess.run(["bash", str(REPO / "e2e" / "kind" / "kind-path.sh")], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
 def _kind_gateway() -> str:

@@ -19,7 +19,7 @@ cache=${RETEX_CACHE:-$HOME/.cache/retex}
 log() { echo "[kind-cluster $(date +%H:%M:%S)] $*" >&2; }
 
 image=$(bash "$here/build-node.sh")
-kind=$cache/bin/kind-$(sed -n 's/^KIND_VERSION=//p' "$here/build-node.sh")/kind  # build-node.sh built it
+kind=$(bash "$here/kind-path.sh")  # build-node.sh built it
 
 patched=$(mktemp /tmp/retex-kind-config.XXXXXX.yaml)
 trap 'rm -f "$patched"' EXIT

@@ -39,8 +39,7 @@ if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then
   exit 0
 fi
 
-# kind: the one on PATH, else the one e2e/kind/build-node.sh builds into the cache (step 1's up.sh).
-KIND=$(command -v kind || echo "${RETEX_CACHE:-$HOME/.cache/retex}/bin/kind-$(sed -n 's/^KIND_VERSION=//p' e2e/kind/build-node.sh)/kind")
+KIND=$(bash e2e/kind/kind-path.sh)  # built by step 1 (e2e/kind/build-node.sh)
 STATE=$(mktemp -d /tmp/retex-kind-XXXX)
 export KUBECONFIG=$STATE/kubeconfig
 collect_and_delete() {
@@ -77,9 +76,9 @@ kubectl get tasks -n retex-examples
 say "[3/4] scenario tests against the kind cluster: $TESTS"
 kubectl scale -n retex-system deployment/retex-operator --replicas=0
 kubectl wait -n retex-system --for=delete pod -l app.kubernetes.io/component=operator --timeout=60s
-# The host's address on the kind network: where the worker pods reach the operator a test runs
-# and the stubs.
-POD_HOST=$(docker network inspect kind -f '{{range .IPAM.Config}}{{if .Gateway}}{{.Gateway}} {{end}}{{end}}' | tr ' ' '\n' | grep -m1 -E '^[0-9.]+$')
+# The host's address on the kind network, where step 1 put the stub: where the worker pods reach
+# the operator a test runs and the stubs.
+POD_HOST=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["pod_host"])' "$STATE/dev.json")
 say "pods reach this host at $POD_HOST"
 # eval: RETEX_KIND_TESTS is pytest's command line, quotes included.
 export RETEX_KUBECONFIG=$KUBECONFIG RETEX_KIND_CLUSTER=$CLUSTER RETEX_POD_HOST=$POD_HOST RETEX_WORKER_IMAGE=retex-worker:dev

@@ -15,8 +15,7 @@ cd "$(dirname "$0")/../.."
 CLUSTER=${1:?cluster name}
 export KUBECONFIG=${2:?kubeconfig path}
 STATE=${3:?work directory}
-# kind: the one on PATH, else the one e2e/kind/build-node.sh builds into the cache (step 1).
-KIND=$(command -v kind || echo "${RETEX_CACHE:-$HOME/.cache/retex}/bin/kind-$(sed -n 's/^KIND_VERSION=//p' e2e/kind/build-node.sh)/kind")
+KIND=$(bash e2e/kind/kind-path.sh)  # built by step 1's build-node.sh
 say() { echo "[kind-up $(date +%H:%M:%S)] $*"; }
 
 say "[1/3] creating kind cluster $CLUSTER (1 control plane + 2 workers; the node image is built here if it cannot be pulled)"
