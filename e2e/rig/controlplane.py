@@ -640,12 +640,24 @@ class Rig:
 
 def run_kubectl(kubeconfig: Path, *args: str, input: str | None = None, check: bool = True,
                 timeout: float = 60) -> subprocess.CompletedProcess:
-    """kubectl with the given kubeconfig, text mode, output captured."""
+    """kubectl with the given kubeconfig, text mode, output captured. A `--timeout=` of kubectl's
+    own (`wait`) outlasts `timeout`: kubectl then answers by its own deadline."""
     cmd = ["kubectl", f"--kubeconfig={kubeconfig}", *args]
-    result = subprocess.run(cmd, input=input, text=True, capture_output=True, timeout=timeout)
+    result = subprocess.run(cmd, input=input, text=True, capture_output=True,
+                            timeout=max(timeout, kubectl_timeout_seconds(args) + 10))
     if check and result.returncode != 0:
         raise subprocess.CalledProcessError(result.returncode, cmd, result.stdout, result.stderr)
     return result
+
+
+def kubectl_timeout_seconds(args: tuple[str, ...]) -> float:
+    """The seconds of a `--timeout=90s` (or `2m`, `1m30s`) among kubectl's arguments; 0 without one."""
+    for arg in args:
+        if arg.startswith("--timeout="):
+            parts = re.fullmatch(r"(?:(\d+)m)?(?:(\d+)s)?", arg.removeprefix("--timeout="))
+            if parts is not None:
+                return 60 * int(parts[1] or 0) + int(parts[2] or 0)
+    return 0
 
 
 def sweep_orphans(parent: Path | None = None) -> None:
