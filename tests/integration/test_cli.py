@@ -241,3 +241,17 @@ def test_a_task_that_exhausted_its_disruption_cap_shows_the_losses_against_the_c
     assert "disruptions 4 (cap 3 exceeded)" in text
     table = ok(retex(dsn, "dead-letters", "-n", "shop"))
     assert "4/3" not in table and "4 (cap 3 exceeded)" in table
+
+
+def test_on_the_ledger_the_namespace_is_the_kubeconfig_contexts_unless_given(ledger, dsn, tmp_path):
+    """As kubectl and the user mode do: `-n`, else the current context's namespace, else `default`."""
+    uid = dead_lettered_after_a_lost_attempt(ledger)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "shop",
+        "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+        "users": [{"name": "u", "user": {}}],
+        "contexts": [{"name": "shop", "context": {"cluster": "c", "user": "u", "namespace": "shop"}}]}))
+    assert f"uid {uid}" in ok(retex(dsn, "history", "order-1042", "--kubeconfig", str(kubeconfig)))
+    assert "order-1042" in ok(retex(dsn, "dead-letters", "--kubeconfig", str(kubeconfig)))
+    assert "order-1042" not in ok(retex(dsn, "dead-letters", "--kubeconfig", str(tmp_path / "none")))

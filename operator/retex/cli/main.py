@@ -36,7 +36,6 @@ from retex.machine import IllegalTransition
 if TYPE_CHECKING:
     from kubernetes.client import ApiClient
 
-DEFAULT_NAMESPACE = "default"
 _UID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -152,7 +151,7 @@ def cmd_dead_letters(args: argparse.Namespace) -> int:
         print(render.dumps(shown) if args.output == "json" else render.tasks_text(shown))
         return 0
     with _ledger(args) as ledger:
-        tasks = ledger.dead_letters(None if args.all_namespaces else (args.namespace or DEFAULT_NAMESPACE))
+        tasks = ledger.dead_letters(None if args.all_namespaces else _ledger_namespace(args))
     if args.output == "json":
         print(render.dumps([{k: v for k, v in render.task_json(t).items() if k != "steps"} for t in tasks]))
     else:
@@ -177,6 +176,11 @@ def actor() -> str:
 def _direct(args: argparse.Namespace) -> bool:
     """The administrators' mode: a DSN given, the ledger used directly."""
     return bool(args.database_url or os.environ.get("RETEX_DATABASE_URL"))
+
+
+def _ledger_namespace(args: argparse.Namespace) -> str:
+    """On the ledger too: -n, else the kubeconfig context's namespace, else "default"."""
+    return str(args.namespace or humans.context_namespace(args.kubeconfig, args.context))
 
 
 def _cluster(args: argparse.Namespace) -> tuple[ApiClient, str]:
@@ -224,7 +228,7 @@ class _ledger:
 
 
 def _task(ledger: Ledger, args: argparse.Namespace) -> TaskRecord:
-    args.namespace = args.namespace or DEFAULT_NAMESPACE
+    args.namespace = _ledger_namespace(args)
     task = ledger.find(args.namespace, args.task)
     if task is None and _UID.match(args.task):
         try:
@@ -307,8 +311,7 @@ def _common_options(parser: argparse.ArgumentParser) -> None:
     not overwritten and one given before it is not reset; the top-level parser's set_defaults
     supplies the defaults."""
     parser.add_argument("-n", "--namespace", default=argparse.SUPPRESS,
-                        help="the task's namespace (default: the kubeconfig context's; with --database-url: "
-                             f"{DEFAULT_NAMESPACE})")
+                        help="the task's namespace (default: the kubeconfig context's, else default)")
     parser.add_argument("-o", "--output", choices=["table", "json"], default=argparse.SUPPRESS,
                         help="output format (default: table)")
     parser.add_argument("--database-url", default=argparse.SUPPRESS,

@@ -53,6 +53,17 @@ class Session:
     namespace: str  # the kubeconfig context's namespace, or "default"
 
 
+def context_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:
+    """The namespace of the kubeconfig's context (the current one unless named), as kubectl picks
+    it; "default" when it names none or there is no usable kubeconfig. Reads the file only."""
+    try:
+        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
+    except (ConfigException, OSError):
+        return "default"
+    chosen = next((c for c in contexts if c["name"] == context), None) if context else active
+    return ((chosen or {}).get("context") or {}).get("namespace") or "default"
+
+
 def session(kubeconfig: str | None = None, context: str | None = None) -> Session:
     """The person's kubeconfig ($KUBECONFIG, else ~/.kube/config; or the one named) and the
     namespace of its current context."""
