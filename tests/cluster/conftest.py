@@ -15,6 +15,7 @@ from kubernetes import client
 from e2e.stub import serve
 from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.ledger import Ledger
+from tests.cluster.gates import served_gates
 
 _namespaces = itertools.count()
 
@@ -81,6 +82,13 @@ class Stub:
         request = urllib.request.Request(f"{self.url}/effects/{effect}", headers={"Idempotency-Key": key})
         with urllib.request.urlopen(request, timeout=5) as answer:
             return json.load(answer)
+
+
+@pytest.fixture
+def gates(rig):
+    """Makes step gates where the pods reach this host (tests/cluster/gates.py)."""
+    with served_gates(rig.pod_host) as gate:
+        yield gate
 
 
 @pytest.fixture(scope="module")

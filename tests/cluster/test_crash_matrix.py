@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
-import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import psycopg
 import pytest
@@ -26,6 +23,7 @@ import yaml
 from e2e.rig.controlplane import PodEnd
 from e2e.system import POLICY_NOT_CONFIGURED, request_requeue, task_manifest, wait_for
 from retex.kube.objects import job_name
+from tests.cluster.gates import gate_step
 from tests.cluster.test_operator import status, task
 
 pytestmark = pytest.mark.slow
@@ -62,52 +60,6 @@ def order_steps(payments, notifier, **overrides) -> list[dict]:
 def exec_step(name: str, seconds: float) -> dict:
     return {"name": name, "exec": {"command": ["sh", "-c", f"sleep {seconds}"]}, "idempotent": True,
             "timeoutSeconds": max(STEP_TIMEOUT, int(seconds) + 5)}
-
-
-class Gate:
-    """A step's gate, served where the pods reach this host (the rig's loopback, the kind network's
-    gateway): its URL answers 404 until the test opens it, then 200."""
-
-    def __init__(self, url: str, opened: set[str]):
-        self.url, self._opened = url, opened
-
-    def open(self) -> None:
-        self._opened.add(self.url.rsplit("/", 1)[1])
-
-
-def gate_step(gate: Gate) -> dict:
-    """Holds the task Running until the test opens `gate`."""
-    wait = ("import time, urllib.request\nwhile True:\n    try:\n"
-            f"        urllib.request.urlopen({gate.url!r}, timeout=2)\n        break\n"
-            "    except Exception:\n        time.sleep(0.2)")
-    return {"name": "gate", "exec": {"command": ["python3", "-c", wait]}, "idempotent": True, "timeoutSeconds": 120}
-
-
-@pytest.fixture
-def gates(rig):
-    """Gates over HTTP (a pod sees no file of this host on kind), closed when made unless asked."""
-    opened: set[str] = set()
-
-    class Answer(BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path.strip("/") in opened else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer((rig.pod_host, 0), Answer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-
-    def gate(opened_now: bool) -> Gate:
-        made = Gate(f"http://{rig.pod_host}:{server.server_address[1]}/{uuid.uuid4().hex}", opened)
-        if opened_now:
-            made.open()
-        return made
-
-    yield gate
-    server.shutdown()
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import yaml
 
 from e2e.system import LEADER_ELECTION_FOR_TESTS, request_requeue, task_manifest, wait_for
+from tests.cluster.gates import exit_until_open
 from tests.cluster.test_operator import apply, phase_is, sh, status, task
 
 
@@ -21,9 +20,9 @@ def running_names(system) -> set[str]:
     return {task.name for task in system.ledger.running()}
 
 
-def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it_again(retex):
-    marker = Path(f"/tmp/retex-requeue-{uuid.uuid4().hex}")
-    apply(retex, "flaky", [sh("only", f"test -f {marker} || exit 7", retryableExitCodes=[7])],
+def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it_again(retex, gates):
+    fixed = gates(opened_now=False)  # what was wrong outside, until the test fixes it
+    apply(retex, "flaky", [{"name": "only", "exec": {"command": exit_until_open(fixed, 7)}, "retryableExitCodes": [7]}],
           retry={"maxAttempts": 2, "backoff": {"initialSeconds": 0.1, "maxSeconds": 0.2}})
     wait_for(lambda: phase_is(retex, "flaky", "Failed"), timeout=90, what="Failed")
     shown = status(retex, "flaky")
@@ -33,12 +32,9 @@ def test_exhausted_retries_dead_letter_the_task_and_a_requeue_annotation_runs_it
     assert (shown["attempt"], shown["retries"]) == (2, 2)
     wait_for(lambda: "flaky" in retex.kubectl("get", "tasks", "-l", "retex.dev/dead-letter=true", "-o", "name").stdout,
              timeout=10, what="dead-letter label")
-    marker.touch()
-    try:
-        admin = request_requeue(retex.kubectl, "flaky", "first")
-        wait_for(lambda: phase_is(retex, "flaky", "Succeeded"), timeout=60, what="Succeeded after requeue")
-    finally:
-        marker.unlink()
+    fixed.open()
+    admin = request_requeue(retex.kubectl, "flaky", "first")
+    wait_for(lambda: phase_is(retex, "flaky", "Succeeded"), timeout=60, what="Succeeded after requeue")
     record = retex.ledger.find(retex.namespace, "flaky")
     assert (f"kube:{admin}", "requeue") in [(h.actor, h.event) for h in retex.ledger.history(record.uid)]
     assert retex.kubectl("get", "tasks", "-l", "retex.dev/dead-letter=true", "-o", "name").stdout.strip() == ""

@@ -10,16 +10,15 @@ import json
 import os
 import signal
 import time
-import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
 from e2e.system import wait_for
 from retex.kube.objects import job_name, lease_name
+from tests.cluster.gates import ask_once, beat_until_killed
 from tests.cluster.test_crash_matrix import submit, worker_died_at
-from tests.cluster.test_operator import apply, phase_is, sh, status, task
+from tests.cluster.test_operator import apply, jobs_of, phase_is, sh, status, task
 
 START_DEADLINE = 8  # RETEX_WORKER_START_DEADLINE_SECONDS for these tests
 
@@ -199,20 +198,35 @@ def test_a_dispatch_into_a_terminating_namespace_ends_the_task_as_deleted_not_fa
              timeout=150, what="namespace gone")
 
 
-def test_a_timed_out_task_keeps_its_concurrency_key_until_its_old_attempt_is_known_dead(retex):
-    # Under /tmp, not pytest's root-only tree: pods may run as another user.
-    marker = uuid.uuid4().hex
-    alive, started = Path(f"/tmp/retex-slow-alive-{marker}"), Path(f"/tmp/retex-next-started-{marker}")
+def test_a_timed_out_task_keeps_its_concurrency_key_until_its_old_attempt_is_known_dead(retex, gates):
+    alive, started = gates(opened_now=True), gates(opened_now=True)
     # The slow step beats until it is killed (the Job's deadline, 10 s after the Timeout); 15 s
     # leaves a slow rig the time to start its pod before the Timeout.
-    apply(retex, "slow", [sh("only", f"while true; do date +%s.%N > {alive}; sleep 0.2; done", idempotent=True)],
+    apply(retex, "slow", [{"name": "only", "exec": {"command": beat_until_killed(alive)}, "idempotent": True}],
           timeoutSeconds=15, concurrencyKey="k", lease={"durationSeconds": 5})
-    wait_for(lambda: alive.exists(), timeout=60, what="slow step running")
-    apply(retex, "next", [sh("only", f"date +%s.%N > {started}")], concurrencyKey="k")
+    wait_for(lambda: alive.last_asked(), timeout=60, what="slow step running")
+    apply(retex, "next", [{"name": "only", "exec": {"command": ask_once(started)}}], concurrencyKey="k")
     wait_for(lambda: phase_is(retex, "next", "Succeeded"), timeout=120, what="next Succeeded")
     assert retex.ledger.find(retex.namespace, "slow").reason == "Timeout"
-    last_beat, next_start = float(alive.read_text()), float(started.read_text())
-    assert next_start > last_beat, f"next started {last_beat - next_start:.1f}s before the old step stopped"
+    last_beat, next_start = alive.last_asked(), started.last_asked()
+    assert next_start is not None and next_start > last_beat, \
+        f"next started {last_beat - (next_start or 0):.1f}s before the old step stopped"
+
+
+def test_a_timed_out_task_whose_pod_never_started_loses_its_job_once_its_attempt_is_settled(retex):
+    """No node has the label its worker needs: the pod stays Pending and the Lease is never taken.
+    Once the Timeout ended the attempt, the reaper knows it dead and deletes the unfinished Job,
+    whose pod would otherwise hold the namespace's quota until the Job's own deadline (10 s
+    later) and the Job stay for its TTL (600 s)."""
+    apply(retex, "unplaced", [sh("only", "echo never")], timeoutSeconds=5,
+          worker={"nodeSelector": {"retex.dev/test": "nowhere"}})
+    wait_for(lambda: jobs_of(retex, "unplaced"), timeout=60, what="Job created")
+    wait_for(lambda: phase_is(retex, "unplaced", "Failed"), timeout=60, what="Failed")
+    assert retex.ledger.find(retex.namespace, "unplaced").reason == "Timeout"
+    pods = json.loads(retex.kubectl("get", "pods", "-l", f"retex.dev/task-uid={task(retex, 'unplaced')['metadata']['uid']}",
+                                    "-o", "json").stdout)["items"]
+    assert [p["status"]["phase"] for p in pods] in ([], ["Pending"]), "the fault: the worker never ran"
+    wait_for(lambda: not jobs_of(retex, "unplaced"), timeout=30, what="Job deleted")
 
 
 def test_an_operator_paused_longer_than_a_lease_condemns_no_live_worker(retex):
