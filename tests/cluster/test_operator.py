@@ -145,7 +145,7 @@ def test_a_ledger_ca_rotated_while_the_operator_runs_reaches_the_jobs_dispatched
     a Job dispatched after it carries the new CA, and its worker verifies the new serving pair."""
     apply(retex, "before", [sh("only", "echo before")])
     wait_for(lambda: phase_is(retex, "before", "Succeeded"), timeout=90, what="before Succeeded")
-    served, rotated = retex.operator.ledger_tls, pkilib.ledger_serving(tmp_path / "rotated")
+    served, rotated = retex.operator.ledger_tls, pkilib.ledger_serving(tmp_path / "rotated", retex.rig.pod_host)
     later = time.time() + 5  # a new mtime, whatever the clock's grain
     for mounted, new in ((served.crt("ledger"), rotated.crt("ledger")), (served.key("ledger"), rotated.key("ledger")),
                          (served.ca_crt, rotated.ca_crt)):  # the kubelet swaps a Secret's files at once

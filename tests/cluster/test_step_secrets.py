@@ -19,8 +19,9 @@ from e2e.system import task_manifest
 
 
 @pytest.fixture
-def capture():
-    """An http destination that records the Authorization header of every request."""
+def capture(rig):
+    """An http destination that records the Authorization header of every request, where the
+    cluster's pods reach this host."""
     seen: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -34,9 +35,9 @@ def capture():
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = http.server.ThreadingHTTPServer((rig.pod_host, 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    yield f"http://{rig.pod_host}:{server.server_address[1]}", seen
     server.shutdown()
 
 
