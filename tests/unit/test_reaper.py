@@ -99,6 +99,9 @@ class FakeKube:
     def job_events(self, namespace, job):
         return []
 
+    def node_labelled(self, selector):
+        return True
+
     def delete_job(self, namespace, name):
         if self.delete_refused is not None:
             raise self.delete_refused

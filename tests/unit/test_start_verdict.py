@@ -6,7 +6,7 @@ import pytest
 from retex.operator.starting import start_verdict
 
 
-def pod(*, waiting=None, scheduled=None, phase="Pending", init_waiting=None):
+def pod(*, waiting=None, scheduled=None, phase="Pending", init_waiting=None, node_selector=None):
     status = {"phase": phase}
     if waiting:
         status["containerStatuses"] = [{"name": "worker", "state": {"waiting": dict(zip(("reason", "message"), waiting, strict=True))}}]
@@ -15,7 +15,8 @@ def pod(*, waiting=None, scheduled=None, phase="Pending", init_waiting=None):
     if scheduled:
         status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                  "message": scheduled}]
-    return {"metadata": {"name": "job-abc"}, "status": status}
+    return {"metadata": {"name": "job-abc"}, "spec": {"nodeSelector": node_selector} if node_selector else {},
+            "status": status}
 
 
 def failed_create(message, at="2026-01-01T00:00:00Z"):
@@ -114,3 +115,30 @@ def test_a_job_with_no_pod_and_no_word_why_is_slow():
     assert start_verdict([], []) == start_verdict([], [{"reason": "SuccessfulCreate"}])
     assert start_verdict([], []).why == "no pod of the Job started"
     assert not start_verdict([], []).stuck
+
+
+# kind, kubeadm and most clusters: the control plane's node is tainted, and the scheduler names the
+# first filter a node fails, so it never says whether that node matched the selector.
+BESIDE_A_TAINTED_CONTROL_PLANE = ("0/3 nodes are available: 1 node(s) had untolerated taint(s), 2 node(s) didn't "
+                                  "match Pod's node affinity/selector. preemption: 0/3 nodes are available: 3 "
+                                  "Preemption is not helpful for scheduling.")
+
+
+def test_a_node_selector_no_node_has_is_stuck_even_where_a_tainted_node_hides_the_mismatch():
+    asked = []
+
+    def labelled(selector):
+        asked.append(selector)
+        return False
+
+    verdict = start_verdict([pod(scheduled=BESIDE_A_TAINTED_CONTROL_PLANE, node_selector={"disk": "nvme"})], [],
+                            node_labelled=labelled)
+    assert verdict.stuck, verdict.why
+    assert "no node is labelled disk=nvme" in verdict.why
+    assert asked == [{"disk": "nvme"}]
+
+
+def test_a_node_selector_some_node_has_leaves_a_tainted_or_full_cluster_slow():
+    verdict = start_verdict([pod(scheduled=BESIDE_A_TAINTED_CONTROL_PLANE, node_selector={"disk": "nvme"})], [],
+                            node_labelled=lambda selector: True)
+    assert not verdict.stuck

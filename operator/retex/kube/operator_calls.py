@@ -268,6 +268,12 @@ class KubeCalls:
                                                 _request_timeout=self._timeout)
         return self._plain(listed).get("items") or []
 
+    def node_labelled(self, selector: dict[str, str]) -> bool:
+        """Whether any node carries all these labels (one LIST by label selector, at most one item)."""
+        found = self._core.list_node(label_selector=",".join(f"{k}={v}" for k, v in selector.items()), limit=1,
+                                     _request_timeout=self._timeout)
+        return bool(found.items)
+
     def job_events(self, namespace: str, job: str) -> list[dict[str, Any]]:
         """Events about the Job (FailedCreate: a pod the API server refused, e.g. by quota)."""
         listed = self._core.list_namespaced_event(

@@ -255,7 +255,7 @@ class Reaper(Loop):
     def _not_started(self, attempt: WatchedAttempt) -> None:
         job = self._job(attempt)
         verdict = start_verdict(self._kube.job_pods(attempt.namespace, job),
-                                self._kube.job_events(attempt.namespace, job))
+                                self._kube.job_events(attempt.namespace, job), node_labelled=self._kube.node_labelled)
         why = verdict.why
         if not verdict.stuck:
             if (attempt.uid, attempt.epoch) not in self._slow:

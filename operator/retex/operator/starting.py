@@ -11,6 +11,7 @@ for it exactly as for a full node, and an autoscaler may add a bigger one.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,13 @@ class StartVerdict:
     why: str  # what Kubernetes says, for lastError and the log
 
 
-def start_verdict(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> StartVerdict:
+def start_verdict(pods: list[dict[str, Any]], events: list[dict[str, Any]], *,
+                  node_labelled: Callable[[dict[str, str]], bool] = lambda selector: True) -> StartVerdict:
     """Judge a Job whose worker has not taken its lease by the start deadline, from its pods and
-    the Job's events as the kubelet, the scheduler and the Job controller report them."""
+    the Job's events as the kubelet, the scheduler and the Job controller report them.
+    `node_labelled(selector)`: whether any node carries all those labels. The scheduler's message
+    alone cannot say it where a node is tainted (a control plane's, in most clusters): it names
+    only the first filter a node fails."""
     stuck: list[str] = []
     slow: list[str] = []
     for pod in pods:
@@ -49,7 +54,12 @@ def start_verdict(pods: list[dict[str, Any]], events: list[dict[str, Any]]) -> S
             if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
                 message = condition.get("message") or ""
                 said = _said(condition.get("reason") or "Unschedulable", message)
-                (stuck if _no_node_matches(message) else slow).append(said)
+                selector = (pod.get("spec") or {}).get("nodeSelector") or {}
+                if selector and not node_labelled(selector):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
+                    stuck.append(f"{said} (no node is labelled {labels})")
+                else:
+                    (stuck if _no_node_matches(message) else slow).append(said)
     if not pods:
         refusal = _latest_failed_create(events)
         if refusal is not None:
