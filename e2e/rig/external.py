@@ -130,6 +130,12 @@ class ExternalCluster:
     def restart_node(self, node: str, wait: bool = True) -> None:
         self._unavailable("restart_node")
 
+    def partition_node(self, node: str) -> None:
+        self._unavailable("partition_node")
+
+    def heal_node(self, node: str) -> None:
+        self._unavailable("heal_node")
+
     def pause_pod(self, namespace: str, name: str) -> None:
         self._unavailable("pause_pod")
 
@@ -144,6 +150,12 @@ class ExternalCluster:
 
     def restart_controller_manager(self) -> None:
         self._unavailable("restart_controller_manager")
+
+    def stop_controller_manager(self) -> None:
+        self._unavailable("stop_controller_manager")
+
+    def start_controller_manager(self) -> None:
+        self._unavailable("start_controller_manager")
 
 
 class KindCluster(ExternalCluster):
@@ -167,6 +179,16 @@ class KindCluster(ExternalCluster):
         subprocess.run(["docker", "start", node], check=True, capture_output=True, timeout=60)
         if wait:
             wait_for(f"node {node} Ready", lambda: self._ready(node), 180)
+
+    def partition_node(self, node: str) -> None:
+        """Freeze the node's container (`docker pause`: its kubelet and its pods' processes stop,
+        its heartbeats with them): a node cut off, alive, that comes back as it was."""
+        subprocess.run(["docker", "pause", node], check=True, capture_output=True, timeout=60)
+        say(f"partitioned node {node} (docker pause of its container)")
+
+    def heal_node(self, node: str) -> None:
+        subprocess.run(["docker", "unpause", node], check=True, capture_output=True, timeout=60)
+        say(f"healed node {node} (docker unpause)")
 
     def _ready(self, node: str) -> bool:
         from kubernetes import client
@@ -202,21 +224,39 @@ class KindCluster(ExternalCluster):
 
     def restart_apiserver(self, hard: bool = False) -> None:
         """Stop kube-apiserver (SIGTERM, SIGKILL 5 s later; or SIGKILL at once if `hard`) and
-        start it again; wait ready. Its static pod's manifest is moved out of kubelet's directory
-        and back: a new pod at once, not a container restart behind CrashLoopBackOff. The stop is
-        the container runtime's, not kubelet's: kubelet's graceful pod deletion let kubeadm's API
-        server drain for over 28 s here, longer than a lease's renew deadline, which is not the
-        outage R16 is about."""
-        manifest, aside = "/etc/kubernetes/manifests/kube-apiserver.yaml", "/etc/kubernetes/kube-apiserver.yaml"
+        start it again; wait ready. The stop is the container runtime's, not kubelet's: kubelet's
+        graceful pod deletion let kubeadm's API server drain for over 28 s here, longer than a
+        lease's renew deadline, which is not the outage R16 is about."""
         say(f"restarting kube-apiserver on {self._control_plane}{' (SIGKILL)' if hard else ''}")
-        self._on_control_plane(f"mv {manifest} {aside}")
-        self._on_control_plane("crictl ps -q --name kube-apiserver "
-                               f"| xargs -r crictl stop --timeout {0 if hard else 5} >/dev/null")
-        wait_for("kube-apiserver's container to stop",
-                 lambda: not self._on_control_plane("crictl ps -q --name kube-apiserver"), 120)
-        self._on_control_plane(f"mv {aside} {manifest}")
+        self._stop_static_pod("kube-apiserver", grace_seconds=0 if hard else 5)
+        self._start_static_pod("kube-apiserver")
         wait_for("kube-apiserver ready",
                  lambda: self.kubectl("get", "--raw", "/readyz", "--request-timeout=5s", check=False).returncode == 0, 180)
+
+    def stop_controller_manager(self) -> None:
+        """No controller runs until `start_controller_manager` (Jobs get no pods, a deleted
+        namespace stays Terminating with its contents)."""
+        say(f"stopping kube-controller-manager on {self._control_plane}")
+        self._stop_static_pod("kube-controller-manager", grace_seconds=5)
+
+    def start_controller_manager(self) -> None:
+        self._start_static_pod("kube-controller-manager")
+        wait_for("kube-controller-manager running",
+                 lambda: self._on_control_plane("crictl ps -q --state running --name kube-controller-manager"), 120)
+
+    def restart_controller_manager(self) -> None:
+        self.stop_controller_manager()
+        self.start_controller_manager()
+
+    # A static pod's manifest moved out of kubelet's directory stops the pod, and moved back starts
+    # a new one at once (not a container restart behind CrashLoopBackOff).
+    def _stop_static_pod(self, name: str, grace_seconds: int) -> None:
+        self._on_control_plane(f"mv /etc/kubernetes/manifests/{name}.yaml /etc/kubernetes/{name}.yaml")
+        self._on_control_plane(f"crictl ps -q --name {name} | xargs -r crictl stop --timeout {grace_seconds} >/dev/null")
+        wait_for(f"{name}'s container to stop", lambda: not self._on_control_plane(f"crictl ps -q --name {name}"), 120)
+
+    def _start_static_pod(self, name: str) -> None:
+        self._on_control_plane(f"mv /etc/kubernetes/{name}.yaml /etc/kubernetes/manifests/{name}.yaml")
 
     def _on_control_plane(self, script: str) -> str:
         done = subprocess.run(["docker", "exec", self._control_plane, "sh", "-c", script],
