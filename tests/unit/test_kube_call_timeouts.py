@@ -34,6 +34,7 @@ EVERY_CALL = {
     "get_lease": lambda c: c.get_lease("shop", "order-1"),
     "job_pods": lambda c: c.job_pods("shop", "order-1-1"),
     "job_events": lambda c: c.job_events("shop", "order-1-1"),
+    "node_labelled": lambda c: c.node_labelled({"disk": "nvme"}),
 }
 WRITES = {"create_lease", "create_job", "delete_job", "patch_task_status", "patch_task_labels", "post_event"}
 
