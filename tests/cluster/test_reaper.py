@@ -68,11 +68,12 @@ def _pod_quota(retex):
 
 
 @pytest.mark.parametrize("cause, make, expected", [
-    ("missing worker ServiceAccount", _missing_service_account, ('serviceaccount "retex-worker" not found',)),
+    pytest.param("missing worker ServiceAccount", _missing_service_account, ['serviceaccount "retex-worker" not found'],
+                 id="ServiceAccount"),
     # A kubelet says ErrImagePull at first, ImagePullBackOff between its retries.
-    ("image pull", _unpullable_image, ("ErrImagePull", "ImagePullBackOff")),
-    ("unschedulable", _unschedulable, ("Unschedulable",)),
-    ("pod quota", _pod_quota, ("FailedCreate",)),
+    pytest.param("image pull", _unpullable_image, ["ErrImagePull", "ImagePullBackOff"], id="ImagePullBackOff"),
+    pytest.param("unschedulable", _unschedulable, ["Unschedulable"], id="Unschedulable"),
+    pytest.param("pod quota", _pod_quota, ["FailedCreate"], id="FailedCreate"),
 ])
 def test_a_worker_pod_that_never_starts_fails_its_attempt_with_the_reason_kubernetes_gives(
         retex, cause, make, expected):
@@ -81,10 +82,11 @@ def test_a_worker_pod_that_never_starts_fails_its_attempt_with_the_reason_kubern
     apply(retex, "stuck", [sh("only", "echo never")], retry={"maxAttempts": 1}, **spec)
     wait_for(lambda: phase_is(retex, "stuck", "Failed"), timeout=START_DEADLINE + 60, what=f"Failed ({cause})")
     shown = status(retex, "stuck")
-    assert any(reason in shown["lastError"] for reason in expected), shown["lastError"]
+    said = [reason for reason in expected if reason in shown["lastError"]]
+    assert said, shown["lastError"]
     assert {c["type"]: c["reason"] for c in shown["conditions"]}["Failed"] == "RetriesExhausted"
     described = retex.kubectl("describe", "task", "stuck").stdout
-    assert any(reason in described for reason in expected)
+    assert said[0] in described, described
     record = retex.ledger.find(retex.namespace, "stuck")
     assert [a.outcome for a in retex.ledger.attempts(record.uid)] == ["failed"]
     assert not retex.ledger.running()  # its run slot is free
