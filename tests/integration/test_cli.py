@@ -255,3 +255,8 @@ def test_on_the_ledger_the_namespace_is_the_kubeconfig_contexts_unless_given(led
     assert f"uid {uid}" in ok(retex(dsn, "history", "order-1042", "--kubeconfig", str(kubeconfig)))
     assert "order-1042" in ok(retex(dsn, "dead-letters", "--kubeconfig", str(kubeconfig)))
     assert "order-1042" not in ok(retex(dsn, "dead-letters", "--kubeconfig", str(tmp_path / "none")))
+    # a context that is not there, or a kubeconfig that is not YAML: said, never another namespace
+    assert "no context 'shopp'" in refused(retex(dsn, "history", "order-1042", "--kubeconfig", str(kubeconfig),
+                                                 "--context", "shopp"), code=2)
+    (tmp_path / "broken").write_text("clusters: [")
+    assert "kubeconfig" in refused(retex(dsn, "history", "order-1042", "--kubeconfig", str(tmp_path / "broken")), code=2)

@@ -147,6 +147,7 @@ for k in range(1, 20):
     sys.settrace(trace)
     failpoint('after-effect', 'notify', task='t', uid='u')
     sys.settrace(None)
+    assert Stderr.written, 'the point did not fire'
     print('went on after line', k, flush=True)
 """
     done = _run_as_pid_1("after-effect:notify=stop", code)

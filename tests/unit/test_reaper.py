@@ -83,6 +83,7 @@ class FakeKube:
         self.leases, self.pods, self.failing = leases or {}, list(pods), set(failing)
         self.job = job if job is not None else {"status": {"active": 1}}
         self.delete_refused = delete_refused
+        self.nodes_forbidden = False
         self.deleted = []
 
     def get_lease(self, namespace, name):
@@ -100,7 +101,9 @@ class FakeKube:
         return []
 
     def node_labelled(self, selector):
-        return True
+        if self.nodes_forbidden:
+            raise ApiException(status=403, reason="Forbidden")
+        return False
 
     def delete_job(self, namespace, name):
         if self.delete_refused is not None:
@@ -371,3 +374,35 @@ def test_a_job_delete_failing_for_now_leaves_the_attempt_to_the_next_round():
     r.round()
     assert ledger.calls == [("settle_attempt", "u1", 1)]
     assert kube.deleted == ["job-1"]
+
+
+UNLABELLED = ("0/3 nodes are available: 1 node(s) had untolerated taint(s), 2 node(s) didn't match Pod's node "
+              "affinity/selector.")
+
+
+def unscheduled_pod():
+    return {"metadata": {"name": "job-1-x"}, "spec": {"nodeSelector": {"disk": "nvme"}},
+            "status": {"phase": "Pending", "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": UNLABELLED}]}}
+
+
+def test_a_selector_no_node_carries_fails_the_attempt_past_the_start_deadline():
+    ledger = FakeLedger([attempt("u1", dispatched=500.0)])
+    r = reaper(ledger, FakeKube(pods=[unscheduled_pod()]), [])
+    r.round()
+    assert ledger.calls == [("fail_unstarted", "u1", 1)]
+
+
+def test_nodes_the_operator_may_not_list_leave_the_verdict_to_the_schedulers_message(caplog):
+    """A ClusterRole from before the nodes rule (an upgrade that kept it): a 403 on the LIST must not
+    fail the judging every round; the message alone then says slow here."""
+    ledger = FakeLedger([attempt("u1", dispatched=500.0)])
+    kube = FakeKube(pods=[unscheduled_pod()])
+    kube.nodes_forbidden = True
+    r = reaper(ledger, kube, [])
+    with caplog.at_level("INFO", logger="retex.operator.reaper"):
+        r.round()
+    said = [record.getMessage() for record in caplog.records]
+    assert ledger.calls == []
+    assert not any("judging an attempt failed" in line for line in said), said
+    assert any("only slow" in line for line in said), said

@@ -142,3 +142,18 @@ def test_a_node_selector_some_node_has_leaves_a_tainted_or_full_cluster_slow():
     verdict = start_verdict([pod(scheduled=BESIDE_A_TAINTED_CONTROL_PLANE, node_selector={"disk": "nvme"})], [],
                             node_labelled=lambda selector: True)
     assert not verdict.stuck
+
+
+@pytest.mark.parametrize("message", [
+    "no nodes available to schedule pods",  # none at all for now
+    "0/3 nodes are available: 1 node(s) had untolerated taint(s), 2 Insufficient cpu.",  # capacity
+    "0/2 nodes are available: 2 node(s) had untolerated taint(s).",  # a pool tainted, or not ready
+])
+def test_a_node_selector_no_node_has_now_is_slow_where_the_scheduler_names_no_mismatch(message):
+    """No node of those labels now, but none was excluded for a mismatch either: an empty cluster,
+    a pool being replaced or scaled from zero by an autoscaler. Nodes are not even asked for."""
+    asked = []
+    verdict = start_verdict([pod(scheduled=message, node_selector={"disk": "nvme"})], [],
+                            node_labelled=lambda selector: asked.append(selector) or False)
+    assert not verdict.stuck, verdict.why
+    assert asked == []

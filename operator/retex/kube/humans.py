@@ -12,9 +12,11 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
 
 import urllib3
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
@@ -55,12 +57,19 @@ class Session:
 
 def context_namespace(kubeconfig: str | None = None, context: str | None = None) -> str:
     """The namespace of the kubeconfig's context (the current one unless named), as kubectl picks
-    it; "default" when it names none or there is no usable kubeconfig. Reads the file only."""
+    it; "default" when it names none or there is no kubeconfig. Reads the file only. A context
+    named and not there, or a file that is not a kubeconfig, is NoCluster: never another namespace."""
     try:
         contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
-    except (ConfigException, OSError):
+    except (ConfigException, OSError) as exc:
+        if context is not None or (kubeconfig is not None and Path(kubeconfig).exists()):
+            raise NoCluster(f"no usable kubeconfig ({exc}); pass -n for the namespace") from None
         return "default"
+    except yaml.YAMLError as exc:
+        raise NoCluster(f"the kubeconfig is not YAML ({type(exc).__name__}); pass -n for the namespace") from None
     chosen = next((c for c in contexts if c["name"] == context), None) if context else active
+    if context and chosen is None:
+        raise NoCluster(f"no context {context!r} in the kubeconfig")
     return ((chosen or {}).get("context") or {}).get("namespace") or "default"
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from retex.kube.errors import transient
+from retex.kube.errors import forbidden, transient
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
 from retex.kube.operator_calls import KubeCalls
@@ -106,6 +106,7 @@ class Reaper(Loop):
         self._job_checked: dict[tuple[str, int], float] = {}
         self._slow: set[tuple[str, int]] = set()  # past the start deadline, only slow: logged once
         self._pod_looks_left = POD_LOOKS_PER_ROUND
+        self._nodes_forbidden_said = False
 
     def round(self) -> float:
         if not self._leases.synced.is_set():
@@ -255,7 +256,7 @@ class Reaper(Loop):
     def _not_started(self, attempt: WatchedAttempt) -> None:
         job = self._job(attempt)
         verdict = start_verdict(self._kube.job_pods(attempt.namespace, job),
-                                self._kube.job_events(attempt.namespace, job), node_labelled=self._kube.node_labelled)
+                                self._kube.job_events(attempt.namespace, job), node_labelled=self._node_labelled)
         why = verdict.why
         if not verdict.stuck:
             if (attempt.uid, attempt.epoch) not in self._slow:
@@ -271,6 +272,21 @@ class Reaper(Loop):
                  namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, why=why)
         self._kube.delete_job(attempt.namespace, job)
         self._on_replaced()
+
+    def _node_labelled(self, selector: dict[str, str]) -> bool:
+        """Whether any node carries these labels; True (not known otherwise) where the operator may
+        not list nodes (a ClusterRole kept from before that rule), so the scheduler's message
+        decides as it did then, rather than no verdict at all every round."""
+        try:
+            return self._kube.node_labelled(selector)
+        except Exception as exc:
+            if not forbidden(exc):
+                raise
+            if not self._nodes_forbidden_said:
+                self._nodes_forbidden_said = True
+                log_line(log, logging.WARNING, "may not list nodes: an unschedulable worker's nodeSelector is judged "
+                         "by the scheduler's message alone (apply the ClusterRole of this release)", error=str(exc))
+            return True
 
     def _cancel(self, attempt: WatchedAttempt) -> None:
         log_line(log, logging.INFO, "cancel requested and no worker holds the lease: cancelled now", uid=attempt.uid,

@@ -55,11 +55,13 @@ def start_verdict(pods: list[dict[str, Any]], events: list[dict[str, Any]], *,
                 message = condition.get("message") or ""
                 said = _said(condition.get("reason") or "Unschedulable", message)
                 selector = (pod.get("spec") or {}).get("nodeSelector") or {}
-                if selector and not node_labelled(selector):
+                if _no_node_matches(message):
+                    stuck.append(said)
+                elif selector and _taints_may_hide_a_mismatch(message) and not node_labelled(selector):
                     labels = ",".join(f"{k}={v}" for k, v in sorted(selector.items()))
                     stuck.append(f"{said} (no node is labelled {labels})")
                 else:
-                    (stuck if _no_node_matches(message) else slow).append(said)
+                    slow.append(said)
     if not pods:
         refusal = _latest_failed_create(events)
         if refusal is not None:
@@ -80,10 +82,27 @@ def _no_node_matches(message: str) -> bool:
     """True when the scheduler excluded every node for a selector or affinity mismatch, e.g.
     "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector. preemption: ...".
     Any other reason on any node (capacity, a taint, a cordon, no nodes at all) may clear."""
+    reasons = _per_node_reasons(message)
+    return bool(reasons) and all(_mismatch(r) for r in reasons)
+
+
+def _taints_may_hide_a_mismatch(message: str) -> bool:
+    """Some nodes excluded for a mismatch, every other one for a taint: the scheduler names only the
+    first filter a node fails, so a tainted node may mismatch too (a control plane's, usually).
+    Whether any node has the labels then decides; an empty cluster, or one where a node is only
+    full or cordoned, stays slow (an autoscaler may add a node)."""
+    reasons = _per_node_reasons(message)
+    return any(_mismatch(r) for r in reasons) and all(_mismatch(r) or "taint" in r for r in reasons)
+
+
+def _per_node_reasons(message: str) -> list[str]:
     verdict = message.split("preemption:")[0]
     _, _, per_node = verdict.partition("nodes are available:")
-    reasons = [r.strip() for r in per_node.strip().rstrip(".").split(",") if r.strip()]
-    return bool(reasons) and all(any(m in r for m in _NODE_MISMATCH) for r in reasons)
+    return [r.strip() for r in per_node.strip().rstrip(".").split(",") if r.strip()]
+
+
+def _mismatch(reason: str) -> bool:
+    return any(m in reason for m in _NODE_MISMATCH)
 
 
 def _latest_failed_create(events: list[dict[str, Any]]) -> str | None:
