@@ -550,7 +550,11 @@ def test_R11_a_zombie_frozen_after_its_effect_is_fenced_when_it_resumes_after_th
     zombie = wait_for(lambda: next((p for p in attempt_pods(retex, crash, 1) if p.exit_code is not None), None),
                       timeout=60, what="the zombie to exit")
     assert zombie.exit_code == 3, f"exit {zombie.exit_code}, not 3 (stale):\n{zombie.log[-3000:]}"
-    assert '"msg": "fenced: stopping at once"' in zombie.log, zombie.log[-3000:]
+    # On kind the replaced attempt's pod is already being deleted: once its container exits the
+    # kubelet may remove it, and its log, before the pod watch reads it (seen once in CI). Then
+    # exit 3 and the unchanged ledger below are the proof.
+    if not zombie.log.startswith("unable to retrieve container logs"):
+        assert '"msg": "fenced: stopping at once"' in zombie.log, zombie.log[-3000:]
     assert notifier.for_task(crash.uid)["notify"] == {"deliveries": 1, "executions": 1}, "no second effect"
     assert retex.ledger.get(crash.uid).version == version, "the zombie wrote nothing"
     assert retex.ledger.history(crash.uid) == history
