@@ -22,13 +22,13 @@ cd "$(dirname "$0")/../.."
 CLUSTER=${RETEX_KIND_CLUSTER:-retex-e2e}
 ARTIFACTS=${RETEX_KIND_ARTIFACTS:-/tmp/retex-kind-artifacts}
 # The scenarios that run on kind (docs/dev.md, "What runs on kind"): the manifests and Task API,
-# the whole crash matrix, the bounded chaos run and the deployed one (nemeses as pods), the
-# operator, its HA and probes, policies, the reaper, RBAC, tenancy, the status mirror, the relay,
-# step secrets, metrics and the CLI as a user.
+# the whole crash matrix, the bounded chaos run and the deployed one (nemeses as pods), the dev
+# Postgres's forced delete, the operator, its HA and probes, policies, the reaper, RBAC, tenancy,
+# the status mirror, the relay, step secrets, metrics and the CLI as a user.
 DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py tests/cluster/test_crash_matrix.py
-  tests/cluster/test_chaos.py tests/cluster/test_deployed_chaos.py tests/cluster/test_operator.py
-  tests/cluster/test_operator_ha.py tests/cluster/test_operator_probes.py tests/cluster/test_policies.py
-  tests/cluster/test_reaper.py tests/cluster/test_rbac.py tests/cluster/test_tenancy_rbac.py
+  tests/cluster/test_chaos.py tests/cluster/test_deployed_chaos.py tests/cluster/test_dev_postgres.py
+  tests/cluster/test_operator.py tests/cluster/test_operator_ha.py tests/cluster/test_operator_probes.py
+  tests/cluster/test_policies.py tests/cluster/test_reaper.py tests/cluster/test_rbac.py tests/cluster/test_tenancy_rbac.py
   tests/cluster/test_tenancy.py tests/cluster/test_tenancy_policy.py tests/cluster/test_status_mirror.py
   tests/cluster/test_relay.py tests/cluster/test_step_secrets.py tests/cluster/test_metrics.py
   tests/cluster/test_cli_as_user.py'

@@ -3,6 +3,7 @@
 # is initialised with POSTGRES_USER/POSTGRES_PASSWORD, the init scripts run once, then Postgres
 # serves every address with password authentication.
 set -eu
+[ "$*" = postgres ] || { echo "usage: docker-entrypoint.sh postgres (the dev image serves Postgres only)" >&2; exit 2; }
 : "${POSTGRES_USER:?}" "${POSTGRES_PASSWORD:?}" "${PGDATA:?}"
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
   echo "postgres-dev: initialising $PGDATA"
