@@ -358,6 +358,17 @@ def test_an_ended_attempt_whose_job_finished_is_settled_and_the_job_left_to_its_
     assert kube.deleted == []
 
 
+@pytest.mark.parametrize("condition", ["FailureTarget", "SuccessCriteriaMet"])
+def test_an_ended_attempt_whose_job_is_ending_keeps_the_job_and_its_log(condition):
+    """Kubernetes 1.31+ sets FailureTarget (SuccessCriteriaMet) the moment a Job's outcome is
+    decided, and Failed (Complete) only once its pods are gone: in between the Job is ending by
+    itself, and deleting it would take the worker's log with its pod."""
+    ledger, kube, r = ended_and_dead(job={"status": {"conditions": [{"type": condition, "status": "True"}]}})
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+    assert kube.deleted == []
+
+
 def test_a_job_delete_refused_for_good_does_not_keep_a_dead_attempt_holding_its_slot():
     """A 403 (the namespace's RoleBinding removed) is the same every round: the attempt is settled
     all the same and the refusal logged."""

@@ -70,9 +70,14 @@ def hold_of(seen: LeaseObservation | None, epoch: int, now: float) -> Hold:
     return Hold.NEVER
 
 
+# FailureTarget and SuccessCriteriaMet (Kubernetes 1.31+) come first, when the Job's outcome is
+# decided; Failed and Complete only once its pods are gone. Either way the Job is ending by itself.
+_JOB_ENDING = ("Complete", "Failed", "FailureTarget", "SuccessCriteriaMet")
+
+
 def _job_finished(job: dict[str, Any]) -> bool:
     conditions = (job.get("status") or {}).get("conditions") or []
-    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in conditions)
+    return any(c.get("type") in _JOB_ENDING and c.get("status") == "True" for c in conditions)
 
 
 def _job_failed(job: dict[str, Any] | None) -> bool:
