@@ -261,6 +261,51 @@ def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():
     assert [uid for uid, _, _ in kube.written] == ["behind"]
 
 
+def ahead_of_ledger() -> float:
+    return REGISTRY.get_sample_value("retex_tasks_ahead_of_ledger") or 0.0
+
+
+def test_a_task_whose_status_is_ahead_of_the_ledger_is_announced_once_and_counted_while_it_lasts(caplog):
+    """A shown ledgerVersion above the ledger's: the ledger forgot commits it acknowledged (or was
+    restored from an older backup), and steps it forgot may run again. Nothing is written over
+    the status (the CRD refuses a lower version anyway); people are told, once per Task."""
+    ledger = FakeLedger(rec("ahead", version=5), rec("current", version=7))
+    kube = FakeKube(task_object("ahead", shown_version=9), task_object("current", shown_version=7))
+    m = mirror(ledger, kube)
+    with caplog.at_level(logging.ERROR, logger="retex.operator.status"):
+        m.round()
+        m.resync_next_round()
+        m.round()
+    assert ahead_of_ledger() == 1
+    assert kube.events == ["LedgerBehindStatus"], "one Warning Event, not one per resync"
+    assert [r.getMessage() for r in caplog.records].count("the ledger is behind the Task's status") == 1
+    assert kube.written == []
+    m.may_write = lambda: False
+    assert ahead_of_ledger() == 0, "a standby's last resync may be from long ago: it counts nothing"
+    m.may_write = lambda: True
+    ledger.records["ahead"] = rec("ahead", version=10)  # the ledger moved past it
+    m.resync_next_round()
+    m.round()
+    assert ahead_of_ledger() == 0
+
+
+def test_a_status_written_while_the_resync_reads_is_not_taken_for_a_ledger_behind_it():
+    """The resync lists the Tasks before it reads the ledger's versions: a status written between
+    the two (a replica handing over) is then never newer than the versions read."""
+    ledger = FakeLedger(rec("u", version=5))
+    kube = FakeKube(task_object("u", shown_version=5))
+    listed = kube.list_tasks
+
+    def a_write_lands_meanwhile():
+        ledger.records["u"] = rec("u", version=6)
+        kube.tasks["t-u"]["status"] = {"ledgerVersion": 6}
+        return listed()
+
+    kube.list_tasks = a_write_lands_meanwhile
+    mirror(ledger, kube).round()
+    assert ahead_of_ledger() == 0 and kube.events == []
+
+
 def test_the_resync_marks_a_task_whose_dead_letter_label_disagrees_though_its_status_is_current():
     """A label patch lost as the leader stopped leading (its mark dropped): the next leader's
     resync must find it, or `kubectl get tasks -l retex.dev/dead-letter=true` misses it for good."""

@@ -28,7 +28,7 @@ from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.operator.loop import Loop
-from retex.operator.metrics import MIRROR_LAG, MIRROR_PENDING, count_failure
+from retex.operator.metrics import MIRROR_LAG, MIRROR_PENDING, TASKS_AHEAD_OF_LEDGER, count_failure
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,9 @@ class StatusMirror(Loop):
         self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay) after a failed write
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
+        self._announced_ahead: set[str] = set()  # Tasks ahead of the ledger, as the last resync found them
         MIRROR_PENDING.set_function(self.oldest_pending_seconds)
+        TASKS_AHEAD_OF_LEDGER.set_function(self.tasks_ahead_of_ledger)
 
     def oldest_pending_seconds(self) -> float:
         """How long the oldest mark not yet settled (written, or found nothing to write) has waited,
@@ -198,6 +200,10 @@ class StatusMirror(Loop):
         with self._lock:
             oldest = min(self._marked_at.values(), default=None)
         return 0.0 if oldest is None or not self.may_write() else self._clock() - oldest
+
+    def tasks_ahead_of_ledger(self) -> int:
+        """As the last resync found them; 0 on a standby, whose last resync may be from long ago."""
+        return len(self._announced_ahead) if self.may_write() else 0
 
     def _settled(self, uid: str) -> float | None:
         """The mark of `uid` needs no more writing: when it was made."""
@@ -341,15 +347,41 @@ class StatusMirror(Loop):
 
     def _mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
-        label disagrees with it (a label patch lost with a leadership), is marked for a write."""
+        label disagrees with it (a label patch lost with a leadership), is marked for a write.
+        A Task showing a version the ledger has not reached is announced (`_ahead_of_ledger`)."""
+        tasks = self._kube.list_tasks()  # before the versions: a status written meanwhile is not ahead of them
         ledger_versions, dead = self._ledger.versions(), self._ledger.dead_lettered_uids()
-        for task in self._kube.list_tasks():
+        ahead = []
+        for task in tasks:
             uid = task["metadata"]["uid"]
             if uid not in ledger_versions:
                 continue
-            behind = (task.get("status") or {}).get("ledgerVersion", -1) < ledger_versions[uid]
-            if behind or _labelled_dead(task) != (uid in dead):
+            shown = (task.get("status") or {}).get("ledgerVersion", -1)
+            if shown > ledger_versions[uid]:
+                ahead.append((task, shown, ledger_versions[uid]))
+            if shown < ledger_versions[uid] or _labelled_dead(task) != (uid in dead):
                 self.mark(uid)
+        self._ahead_of_ledger(ahead)
+
+    def _ahead_of_ledger(self, ahead: list[tuple[dict[str, Any], int, int]]) -> None:
+        """The ledger is behind what a Task's status showed of it: it lost commits it had
+        acknowledged (two servers on one data directory, a failover to an asynchronous replica)
+        or was restored from an older backup. Steps it no longer records may run again, and the
+        status is not written until the ledger passes the version shown (the CRD refuses a
+        lower one). Counted while it lasts; announced once per Task (an ERROR line, a Warning
+        Event), again only if it recurs after clearing."""
+        uids = {task["metadata"]["uid"] for task, _, _ in ahead}
+        for task, shown, version in ahead:
+            meta = task["metadata"]
+            if meta["uid"] in self._announced_ahead:
+                continue
+            log_line(log, logging.ERROR, "the ledger is behind the Task's status", uid=meta["uid"],
+                     namespace=meta["namespace"], name=meta["name"], shown_version=shown, ledger_version=version)
+            self.warn(task, "LedgerBehindStatus",
+                      f"the ledger holds version {version} of this task, its status showed {shown}: the ledger "
+                      "lost commits it had acknowledged or was restored from an older backup, and steps it no "
+                      "longer records as done may run again")
+        self._announced_ahead = uids
 
     def mirror(self, uid: str) -> None:
         """Write the status of one task if the ledger is ahead of what the Task shows."""
