@@ -1,15 +1,19 @@
 """The status mirror against the rig's real API server: a Task whose status write the API server
 keeps refusing, not as stale (a ValidatingAdmissionPolicy answering 403, as after a tenant's
 RoleBinding is removed, or 422, as a CEL rule other than the ledgerVersion one), holds up no other
-Task's status, is logged with the API server's words, and is written once the refusal is gone."""
+Task's status, is logged with the API server's words, and is written once the refusal is gone. A
+ledger that forgot commits a Task's status showed is announced (log line, Event, metric)."""
 
 from __future__ import annotations
 
 import json
 
+import psycopg
 import pytest
 
 from e2e.system import task_manifest, wait_for
+from tests.cluster.test_metrics import scrape
+from tests.cluster.test_policies import events_of
 
 # Several refused Tasks: in the one-round mirror whichever came first in its pending set failed the
 # round, so the fine Task's mark was written only if it happened to come before all of them.
@@ -94,3 +98,29 @@ def test_a_task_whose_status_write_is_refused_holds_up_no_other_tasks_status_and
     # Each refused Task waits out what is left of its backoff (at most 60 s), then its status is written.
     wait_for(lambda: all(status(retex, name).get("phase") == "Succeeded" for name in REFUSED), timeout=75,
              what="the refused Tasks shown Succeeded once allowed")
+
+
+def test_a_ledger_that_forgot_commits_a_tasks_status_showed_is_announced_and_counted(retex):
+    retex.kubectl("apply", "-f", "-", input=task_manifest("remembered", echo("done")))
+    wait_for(lambda: status(retex, "remembered").get("phase") == "Succeeded", timeout=60, what="remembered Succeeded")
+    uid, shown = uid_of(retex, "remembered"), status(retex, "remembered")["ledgerVersion"]
+    # The fault: the ledger forgets its last commits of the task (as two Postgres servers on one data
+    # directory made it; a restore from an older backup looks the same).
+    with psycopg.connect(retex.dsn, autocommit=True) as conn:
+        conn.execute("UPDATE retex.tasks SET version = %s WHERE uid = %s", (shown - 2, uid))
+    assert retex.ledger.get(uid).version == shown - 2
+    try:
+        announced = wait_for(lambda: events_of(retex, "remembered", "LedgerBehindStatus"), timeout=30,
+                             what="a LedgerBehindStatus Event (the resync runs every 5 s here)")
+        assert announced[0]["type"] == "Warning"
+        assert f"holds version {shown - 2} of this task, its status showed {shown}" in announced[0]["message"]
+        assert scrape(retex)[("retex_tasks_ahead_of_ledger", ())] == 1
+        lines = [json.loads(line) for line in retex.operator.log_tail(10**8).splitlines() if line.startswith("{")]
+        said = [line for line in lines if line.get("msg") == "the ledger is behind the Task's status"]
+        assert [(line["uid"], line["shown_version"], line["ledger_version"], line["level"]) for line in said] == [
+            (uid, shown, shown - 2, "error")], "announced once, however many resyncs saw it"
+        assert status(retex, "remembered")["ledgerVersion"] == shown, "nothing written over the status"
+    finally:
+        with psycopg.connect(retex.dsn, autocommit=True) as conn:  # the ledger past the status again
+            conn.execute("UPDATE retex.tasks SET version = %s WHERE uid = %s", (shown + 1, uid))
+    wait_for(lambda: scrape(retex)[("retex_tasks_ahead_of_ledger", ())] == 0, timeout=30, what="the count cleared")
