@@ -8,6 +8,7 @@ into one write per task; a periodic resync repairs anything missed, including af
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -353,12 +354,14 @@ class StatusMirror(Loop):
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
         label disagrees with it (a label patch lost with a leadership), is marked for a write.
         A Task showing a version the ledger has not reached is announced (`_ahead_of_ledger`)."""
-        # Read whole before the versions (list_tasks pages lazily): a status written meanwhile is then
-        # never ahead of the versions read.
-        tasks = list(self._kube.list_tasks())
+        # The first page before the versions: the LIST is a snapshot of when that page was served (the
+        # later pages continue it), so a status written meanwhile is never ahead of the versions read.
+        # list_tasks pages lazily, and only a page at a time is held (5,000 Tasks at scale).
+        pages = self._kube.list_tasks()
+        first = next(pages, None)
         ledger_versions, dead = self._ledger.versions(), self._ledger.dead_lettered_uids()
         ahead = []
-        for task in tasks:
+        for task in itertools.chain([first], pages) if first is not None else ():
             uid = task["metadata"]["uid"]
             if uid not in ledger_versions:
                 continue
