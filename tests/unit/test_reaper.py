@@ -369,6 +369,22 @@ def test_an_ended_attempt_whose_job_is_ending_keeps_the_job_and_its_log(conditio
     assert kube.deleted == []
 
 
+def test_an_ended_attempt_whose_pod_ended_before_its_job_says_so_keeps_the_job_and_its_log():
+    """The Job controller writes its condition a moment after the pod's end: a pod the kubelet
+    reported terminated is as good as a finished Job."""
+    ledger, kube, r = ended_and_dead(job={"status": {"active": 1}}, pods=[KILLED])
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+    assert kube.deleted == []
+
+
+def test_an_ended_attempt_whose_pod_is_only_marked_failed_loses_its_job():
+    """PodGC's Failed for a pod of a deleted Node: its processes may still run; the Job goes."""
+    ledger, kube, r = ended_and_dead(job={"status": {"active": 1}}, pods=[MARKED_FAILED])
+    r.round()
+    assert kube.deleted == ["job-1"]
+
+
 def test_a_job_delete_refused_for_good_does_not_keep_a_dead_attempt_holding_its_slot():
     """A 403 (the namespace's RoleBinding removed) is the same every round: the attempt is settled
     all the same and the refusal logged."""

@@ -17,7 +17,7 @@ from retex.kube.operator_calls import EventNotPosted, StatusNotWritten
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
-from retex.operator.status import DEAD_LETTER_LABEL, WRITE_BATCH, StatusMirror
+from retex.operator.status import ANNOUNCED_PER_RESYNC, DEAD_LETTER_LABEL, WRITE_BATCH, StatusMirror
 from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
@@ -64,7 +64,7 @@ class FakeKube:
         return self.tasks.get(name)
 
     def list_tasks(self):
-        return list(self.tasks.values())
+        yield from list(self.tasks.values())  # KubeCalls.list_tasks pages lazily: nothing is read until iterated
 
     def patch_task_status(self, namespace, name, uid, status):
         if self.patch_error and self.patch_error[0] == uid:
@@ -271,10 +271,9 @@ def test_a_task_whose_status_is_ahead_of_the_ledger_is_announced_once_and_counte
     the status (the CRD refuses a lower version anyway); people are told, once per Task."""
     ledger = FakeLedger(rec("ahead", version=5), rec("current", version=7))
     kube = FakeKube(task_object("ahead", shown_version=9), task_object("current", shown_version=7))
-    m = mirror(ledger, kube)
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=0)  # a resync every round
     with caplog.at_level(logging.ERROR, logger="retex.operator.status"):
         m.round()
-        m.resync_next_round()
         m.round()
     assert ahead_of_ledger() == 1
     assert kube.events == ["LedgerBehindStatus"], "one Warning Event, not one per resync"
@@ -284,9 +283,53 @@ def test_a_task_whose_status_is_ahead_of_the_ledger_is_announced_once_and_counte
     assert ahead_of_ledger() == 0, "a standby's last resync may be from long ago: it counts nothing"
     m.may_write = lambda: True
     ledger.records["ahead"] = rec("ahead", version=10)  # the ledger moved past it
-    m.resync_next_round()
     m.round()
     assert ahead_of_ledger() == 0
+
+
+def test_a_replica_that_leads_again_finds_and_announces_the_tasks_ahead_afresh():
+    """What it found when it last led may be long gone: it counts nothing until its first resync,
+    and announces what that finds, though it announced the same Task before."""
+    ledger = FakeLedger(rec("ahead", version=5))
+    kube = FakeKube(task_object("ahead", shown_version=9))
+    m = mirror(ledger, kube)
+    m.round()
+    m.may_write = lambda: False  # stood by, then leads again
+    m.may_write = lambda: True
+    m.resync_next_round()
+    assert ahead_of_ledger() == 0
+    m.round()
+    assert ahead_of_ledger() == 1 and kube.events == ["LedgerBehindStatus"] * 2
+
+
+def test_tasks_announced_before_an_event_post_failed_are_not_announced_again():
+    ledger = FakeLedger(rec("a", version=5), rec("b", version=5))
+    kube = FakeKube(task_object("a", shown_version=9), task_object("b", shown_version=9))
+    posted = []
+
+    def post_event(task, *, reason, message, warning):
+        if task["metadata"]["uid"] == "b" and not posted.count("b"):
+            posted.append("b")
+            raise ConnectionResetError("the API server went away")
+        kube.events.append(task["metadata"]["uid"])
+
+    kube.post_event = post_event
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=0)
+    with pytest.raises(ConnectionResetError):
+        m.round()
+    m.round()
+    assert kube.events == ["a", "b"], "a announced once, b once its Event could be posted"
+
+
+def test_a_restore_that_puts_many_tasks_behind_is_announced_a_bounded_number_per_resync(caplog):
+    count = ANNOUNCED_PER_RESYNC + 5
+    ledger = FakeLedger(*(rec(f"u{n}", version=1) for n in range(count)))
+    kube = FakeKube(*(task_object(f"u{n}", shown_version=4) for n in range(count)))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=0)
+    m.round()
+    assert ahead_of_ledger() == count and len(kube.events) == ANNOUNCED_PER_RESYNC
+    m.round()
+    assert len(kube.events) == count, "the rest at the next resync, none twice"
 
 
 def test_a_status_written_while_the_resync_reads_is_not_taken_for_a_ledger_behind_it():
@@ -296,10 +339,10 @@ def test_a_status_written_while_the_resync_reads_is_not_taken_for_a_ledger_behin
     kube = FakeKube(task_object("u", shown_version=5))
     listed = kube.list_tasks
 
-    def a_write_lands_meanwhile():
+    def a_write_lands_meanwhile():  # as the first page is fetched
         ledger.records["u"] = rec("u", version=6)
         kube.tasks["t-u"]["status"] = {"ledgerVersion": 6}
-        return listed()
+        yield from listed()
 
     kube.list_tasks = a_write_lands_meanwhile
     mirror(ledger, kube).round()

@@ -186,13 +186,14 @@ class Reaper(Loop):
     def _delete_unfinished_job(self, attempt: WatchedAttempt) -> None:
         """A dead attempt's Job that has not finished (a pod Pending for good; a Job the relay was
         told may be left) would hold its pod of the quota until its activeDeadlineSeconds, or for
-        ever; a finished one goes by its TTL, its pod keeping the worker's log until then. A
+        ever; a finished one, or one whose pods have ended, goes by its TTL, its pod keeping the
+        worker's log until then. A
         failure that may clear waits for the next round; a refusal for good (403) is logged and
         the attempt settled all the same, or it would hold its slot for ever."""
         job = self._job(attempt)
         try:
             found = self._kube.get_job(attempt.namespace, job)
-            if found is not None and not _job_finished(found):
+            if found is not None and not _job_finished(found) and not self._pods_ended(attempt.namespace, job):
                 self._kube.delete_job(attempt.namespace, job)
         except Exception as exc:
             if transient(exc):
@@ -201,6 +202,11 @@ class Reaper(Loop):
             log_line(log, logging.WARNING, "the dead attempt's unfinished Job could not be deleted; settled all the same",
                      uid=attempt.uid, namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, job=job,
                      error=f"{type(exc).__name__}: {exc}")
+
+    def _pods_ended(self, namespace: str, job: str) -> bool:
+        """Its pods ended, as the kubelet reported: the Job controller's condition follows."""
+        pods = self._kube.job_pods(namespace, job)
+        return bool(pods) and all(_containers_terminated(p) for p in pods)
 
     def _observed(self, attempt: WatchedAttempt) -> Hold:
         return hold_of(self._seen(attempt), attempt.epoch, time.monotonic())

@@ -8,6 +8,7 @@ into one write per task; a periodic resync repairs anything missed, including af
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -44,6 +45,8 @@ WRITE_RETRY_MAX_SECONDS = 60.0
 # Tasks written per round, about a second of writes: marks made meanwhile are ordered with the rest
 # at the next round, so a backlog (thousands of first statuses) holds up no task doing something.
 WRITE_BATCH = 20
+# Tasks found ahead of the ledger announced (log line, Event) per resync; the rest at the next ones.
+ANNOUNCED_PER_RESYNC = 20
 
 # (phase) -> (Event reason, warning?) posted when a task enters the phase.
 _PHASE_EVENTS = {
@@ -190,7 +193,8 @@ class StatusMirror(Loop):
         self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay) after a failed write
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
-        self._announced_ahead: set[str] = set()  # Tasks ahead of the ledger, as the last resync found them
+        self._ahead: set[str] = set()  # Tasks ahead of the ledger, as the last resync found them
+        self._announced: set[str] = set()  # those of them announced since they went ahead
         MIRROR_PENDING.set_function(self.oldest_pending_seconds)
         TASKS_AHEAD_OF_LEDGER.set_function(self.tasks_ahead_of_ledger)
 
@@ -203,7 +207,7 @@ class StatusMirror(Loop):
 
     def tasks_ahead_of_ledger(self) -> int:
         """As the last resync found them; 0 on a standby, whose last resync may be from long ago."""
-        return len(self._announced_ahead) if self.may_write() else 0
+        return len(self._ahead) if self.may_write() else 0
 
     def _settled(self, uid: str) -> float | None:
         """The mark of `uid` needs no more writing: when it was made."""
@@ -250,6 +254,7 @@ class StatusMirror(Loop):
         pending gauge says how long this leader has not written a change, not how long it stood by."""
         with self._lock:
             self._marked_at = dict.fromkeys(self._marked_at, self._clock())
+        self._ahead, self._announced = set(), set()  # as found when this replica last led: found again
         self._next_resync = 0.0
 
     def round(self) -> float:
@@ -349,10 +354,14 @@ class StatusMirror(Loop):
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
         label disagrees with it (a label patch lost with a leadership), is marked for a write.
         A Task showing a version the ledger has not reached is announced (`_ahead_of_ledger`)."""
-        tasks = self._kube.list_tasks()  # before the versions: a status written meanwhile is not ahead of them
+        # The first page before the versions: the LIST is a snapshot of when that page was served (the
+        # later pages continue it), so a status written meanwhile is never ahead of the versions read.
+        # list_tasks pages lazily, and only a page at a time is held (5,000 Tasks at scale).
+        pages = self._kube.list_tasks()
+        first = next(pages, None)
         ledger_versions, dead = self._ledger.versions(), self._ledger.dead_lettered_uids()
         ahead = []
-        for task in tasks:
+        for task in itertools.chain([first], pages) if first is not None else ():
             uid = task["metadata"]["uid"]
             if uid not in ledger_versions:
                 continue
@@ -364,24 +373,28 @@ class StatusMirror(Loop):
         self._ahead_of_ledger(ahead)
 
     def _ahead_of_ledger(self, ahead: list[tuple[dict[str, Any], int, int]]) -> None:
-        """The ledger is behind what a Task's status showed of it: it lost commits it had
-        acknowledged (two servers on one data directory, a failover to an asynchronous replica)
-        or was restored from an older backup. Steps it no longer records may run again, and the
-        status is not written until the ledger passes the version shown (the CRD refuses a
-        lower one). Counted while it lasts; announced once per Task (an ERROR line, a Warning
-        Event), again only if it recurs after clearing."""
-        uids = {task["metadata"]["uid"] for task, _, _ in ahead}
-        for task, shown, version in ahead:
+        """The ledger is behind what a Task's status showed of it: it lost commits (two servers on
+        one data directory, a failover to an asynchronous replica) or was restored from an older
+        backup. Steps it no longer records may run again, and the status is not written until
+        the ledger passes the version shown (the CRD refuses a lower one). Counted while it
+        lasts; announced once per Task while it lasts and this replica leads (an ERROR line, a
+        Warning Event), at most `ANNOUNCED_PER_RESYNC` a resync: a restore puts thousands behind
+        at once, and the Events would hold up the status writes."""
+        self._ahead = {task["metadata"]["uid"] for task, _, _ in ahead}
+        self._announced &= self._ahead  # one that cleared is announced again if it recurs
+        unannounced = [found for found in ahead if found[0]["metadata"]["uid"] not in self._announced]
+        for task, shown, version in unannounced[:ANNOUNCED_PER_RESYNC]:
             meta = task["metadata"]
-            if meta["uid"] in self._announced_ahead:
-                continue
             log_line(log, logging.ERROR, "the ledger is behind the Task's status", uid=meta["uid"],
                      namespace=meta["namespace"], name=meta["name"], shown_version=shown, ledger_version=version)
             self.warn(task, "LedgerBehindStatus",
                       f"the ledger holds version {version} of this task, its status showed {shown}: the ledger "
-                      "lost commits it had acknowledged or was restored from an older backup, and steps it no "
-                      "longer records as done may run again")
-        self._announced_ahead = uids
+                      "lost commits or was restored from an older backup, and steps it no longer records as "
+                      "done may run again")
+            self._announced.add(meta["uid"])
+        if len(unannounced) > ANNOUNCED_PER_RESYNC:
+            log_line(log, logging.ERROR, "more Tasks are behind the ledger; announced at the next resyncs",
+                     count=len(unannounced) - ANNOUNCED_PER_RESYNC)
 
     def mirror(self, uid: str) -> None:
         """Write the status of one task if the ledger is ahead of what the Task shows."""
