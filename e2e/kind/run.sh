@@ -83,8 +83,9 @@ kubectl wait -n retex-system --for=delete pod -l app.kubernetes.io/component=ope
 # the operator a test runs and the stubs.
 POD_HOST=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1]))["pod_host"])' "$STATE/dev.json")
 say "pods reach this host at $POD_HOST"
-# eval: RETEX_KIND_TESTS is pytest's command line, quotes included.
+# eval: RETEX_KIND_TESTS is pytest's command line, quotes included; the default list's newlines
+# become spaces, or eval would end the command at each (tests/unit/test_kind_run_script.py).
 export RETEX_KUBECONFIG=$KUBECONFIG RETEX_KIND_CLUSTER=$CLUSTER RETEX_POD_HOST=$POD_HOST RETEX_WORKER_IMAGE=retex-worker:dev
-eval "$PY" -m pytest "$TESTS"
+eval "$PY" -m pytest "${TESTS//$'\n'/ }"
 
 say "[4/4] passed"
