@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -31,6 +30,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from e2e.ports import free_port
 from e2e.rig import pki as pkilib
 from e2e.rig import procs
 
@@ -138,20 +138,6 @@ def create_namespace(api_client, name: str, timeout: float = 30) -> None:
         except client.ApiException as e:
             return False, e.reason
     wait_for(f"service account {name}/default", has_default, timeout)
-
-
-def _free_ports(count: int) -> list[int]:
-    # All sockets stay open until every port is chosen, so the ports are distinct.
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +254,7 @@ class Rig:
 
     def _start_control_plane(self, bins: dict[str, Path]) -> None:
         names = ("etcd", "etcd-peer", "apiserver", "controller-manager", "scheduler")
-        self.ports = dict(zip(names, _free_ports(len(names)), strict=True))
+        self.ports = dict(zip(names, [free_port() for _ in names], strict=True))
         self._save()
         self._write_kubeconfigs()
         self._start_etcd(bins)
