@@ -187,9 +187,9 @@ class Reaper(Loop):
         """A dead attempt's Job that has not finished (a pod Pending for good; a Job the relay was
         told may be left) would hold its pod of the quota until its activeDeadlineSeconds, or for
         ever; a finished one, or one whose pods have ended, goes by its TTL, its pod keeping the
-        worker's log until then. A
-        failure that may clear waits for the next round; a refusal for good (403) is logged and
-        the attempt settled all the same, or it would hold its slot for ever."""
+        worker's log until then. A failure that may clear waits for the next round; a refusal for
+        good (403) is logged and the attempt settled all the same, or it would hold its slot for
+        ever."""
         job = self._job(attempt)
         try:
             found = self._kube.get_job(attempt.namespace, job)
