@@ -32,7 +32,8 @@ def stat_fields(pid: int) -> list[str]:
 def group_stopped(pgid: int) -> tuple[bool, str]:
     """Whether no process of the group can run: each is stopped (T), or is a shell waiting in
     vfork (D) for a child that the same SIGSTOP stopped before it could exec — dash starts `sleep`
-    by vfork, and under load the signal lands in that window (39 of 1,500 stops here)."""
+    by vfork, and under load the signal lands in that window (39 of 1,500 stops here). An exited
+    process (a zombie `sleep` whose parent stopped before reaping it) runs nothing either."""
     states = {}
     for entry in Path("/proc").iterdir():
         try:
@@ -44,8 +45,11 @@ def group_stopped(pgid: int) -> tuple[bool, str]:
     stopped = {pid for pid, (state, _) in states.items() if state == "T"}
     waiting_on_stopped = {parent for pid, (_, parent) in states.items() if pid in stopped}
     runnable = {pid: state for pid, (state, _) in states.items()
-                if pid not in stopped and not (state == "D" and pid in waiting_on_stopped)}
-    return bool(states) and not runnable, f"not stopped: {runnable}"
+                if pid not in stopped and state not in ("Z", "X")  # an exited `sleep` runs nothing
+                and not (state == "D" and pid in waiting_on_stopped)}
+    if not stopped:
+        return False, f"no stopped process in process group {pgid}: {states}"
+    return not runnable, f"not stopped: {runnable}"
 
 
 def test_paused_pod_is_stopped_until_resumed(rig, apis, tmp_path):
