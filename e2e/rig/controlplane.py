@@ -15,6 +15,7 @@ State directory layout (everything the rig writes lives here):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -161,6 +162,7 @@ class Rig:
         self.nodes = list(nodes)
         self.timing = timing or Timing()
         self.ports: dict[str, int] = {}
+        self._node_masks: dict[int, set[int]] = {}  # agent thread → its CPUs before confine_nodes
 
     # ----- paths -------------------------------------------------------------------------------
 
@@ -491,6 +493,34 @@ class Rig:
             f"--lease-renew-seconds={t.lease_renew_seconds}",
             f"--status-heartbeat-seconds={t.status_heartbeat_seconds}",
         ], cwd=REPO, env=env)
+
+    def confine_nodes(self, cpus: set[int]) -> None:
+        """Run the node agents, and every pod they start from now on, on `cpus` only (benchmarks:
+        as if the pods ran on machines apart from the control plane's) until `release_nodes`.
+        Each thread of an agent is set, since a pod inherits the mask of the thread that spawned
+        it; the main thread first, so a thread it starts meanwhile is found by the next listing."""
+        for node in self.nodes:
+            pid = procs.recorded_pid(self._agent_record(node))
+            seen: set[int] = set()
+            while pid is not None:
+                threads: list[int] = []
+                with contextlib.suppress(FileNotFoundError):  # the agent exited meanwhile
+                    threads = sorted({int(tid) for tid in os.listdir(f"/proc/{pid}/task")} - seen,
+                                     key=lambda tid: tid != pid)
+                if not threads:
+                    break
+                for tid in threads:
+                    with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                        self._node_masks.setdefault(tid, os.sched_getaffinity(tid))
+                        os.sched_setaffinity(tid, cpus)
+                seen.update(threads)
+
+    def release_nodes(self) -> None:
+        """Undo `confine_nodes` for the agents' threads (pods started meanwhile keep their mask)."""
+        masks, self._node_masks = self._node_masks, {}
+        for tid, mask in masks.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, mask)
 
     def _kill_node_processes(self, node: str) -> bool:
         # The agent first, so it does not observe (and report) its pods dying.
