@@ -31,7 +31,7 @@ DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py te
   tests/cluster/test_policies.py tests/cluster/test_reaper.py tests/cluster/test_rbac.py tests/cluster/test_tenancy_rbac.py
   tests/cluster/test_tenancy.py tests/cluster/test_tenancy_policy.py tests/cluster/test_status_mirror.py
   tests/cluster/test_relay.py tests/cluster/test_step_secrets.py tests/cluster/test_metrics.py
-  tests/cluster/test_cli_as_user.py'
+  tests/cluster/test_cli_as_user.py tests/cluster/test_worker_lease.py tests/cluster/test_kube_calls_paging.py'
 TESTS=${RETEX_KIND_TESTS:-$DEFAULT_TESTS}
 PY=.venv/bin/python
 say() { echo "[e2e-kind $(date +%H:%M:%S)] $*"; }
