@@ -1,7 +1,8 @@
 """An existing cluster behind the `rig` interface (RETEX_KUBECONFIG): how the same scenarios run
-on kind. Clients yes; the rig's process-level nemeses no, except what kind's node containers
-allow (a node's loss and return through `docker kill` / `docker start`; a pod frozen and
-resumed by signals sent from its node's container).
+on kind. Clients yes; the rig's process-level nemeses as far as kind's node containers allow
+them (a node's loss and return through `docker kill` / `docker start`, its partition by `docker
+pause`, a pod frozen and resumed by signals sent from its node's container, the API server and
+controller manager stopped through the control-plane node's container runtime; not etcd).
 
 Its pods are containers: they reach the host's services (the operator a test runs, the stubs)
 at RETEX_POD_HOST, the host's address on the cluster's network, run RETEX_WORKER_IMAGE, and their
