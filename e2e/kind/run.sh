@@ -14,7 +14,7 @@
 # Knobs: RETEX_KIND_CLUSTER (default retex-e2e), RETEX_KIND_KEEP=1 (keep the cluster),
 # RETEX_KIND_ARTIFACTS (default /tmp/retex-kind-artifacts), RETEX_KIND_TESTS (pytest arguments).
 #
-# Without a Docker engine this prints why and exits 0 having run nothing. See docs/dev.md for what
+# Without a Docker engine this prints why and fails (exit 1) having run nothing. See docs/dev.md for what
 # the scenario suite can and cannot do on kind today.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,9 +37,9 @@ PY=.venv/bin/python
 say() { echo "[e2e-kind $(date +%H:%M:%S)] $*"; }
 
 if ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then
-  say "SKIPPED: no Docker engine answers (docker info fails); images/docker-engine.sh installs and starts one"
+  say "no Docker engine answers (docker info fails); images/docker-engine.sh installs and starts one"
   say "make e2e-kind needs a running Docker engine: nothing was run. make test runs the cluster scenarios on the local rig."
-  exit 0
+  exit 1
 fi
 
 KIND=$(bash e2e/kind/kind-path.sh)  # built by step 1 (e2e/kind/build-node.sh)

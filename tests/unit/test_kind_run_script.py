@@ -32,3 +32,13 @@ def test_the_default_list_reaches_pytest_whole_as_existing_files():
 def test_a_chosen_list_keeps_its_quotes():
     assert pytest_arguments('tests/cluster/test_crash_matrix.py -k "R5_ or R7_"') == [
         "tests/cluster/test_crash_matrix.py", "-k", "R5_ or R7_"]
+
+
+def test_without_a_docker_engine_it_fails_saying_nothing_ran(tmp_path):
+    # Green for nothing would read as "passed on kind".
+    (tmp_path / "docker").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "docker").chmod(0o755)
+    result = subprocess.run(["bash", str(RUN_SH)], capture_output=True, text=True, cwd=ROOT,
+                            env={"PATH": f"{tmp_path}:/usr/bin:/bin"}, timeout=60)
+    assert result.returncode != 0
+    assert "nothing was run" in result.stdout
