@@ -12,22 +12,26 @@ import time
 from pathlib import Path
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat from field 3 (state) on: [0] state, [1] parent, [2] process group,
+    [19] start time. The command name (field 2) may contain spaces, so split after its ')'.
+    OSError once the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def start_time(pid: int) -> str | None:
     """The kernel's start time of `pid` (clock ticks since boot), or None if it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(pid)[19]
     except OSError:
         return None
-    # Field 22; the command name (field 2) may contain spaces, so split after its ')'.
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def is_zombie(pid: int) -> bool:
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(pid)[0] == "Z"
     except OSError:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def record(path: Path, pid: int) -> None:

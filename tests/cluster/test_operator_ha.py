@@ -25,6 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.rig import pki as pkilib
+from e2e.rig.procs import stat_fields
 from e2e.service import RoundRobinService
 from e2e.system import (
     LEADER_ELECTION_FOR_TESTS,
@@ -176,7 +177,7 @@ def assert_each_ended_once(pair: Pair, stub, names: list[str]) -> None:
 
 def process_state(pid: int) -> str:
     """The state letter of /proc/<pid>/stat: T once a SIGSTOP has taken effect."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return stat_fields(pid)[0]
 
 
 def wait_leader(pair: Pair, timeout: float = 30) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from e2e.rig.controlplane import wait_for
+from e2e.rig.procs import stat_fields
 from e2e.rig.waits import container_pid, wait_job_finished, wait_pod_phase
 
 pytestmark = pytest.mark.skipif(bool(os.environ.get("RETEX_KUBECONFIG")),
@@ -22,11 +23,6 @@ def waiting_pod(name: str, go_file: str) -> dict:
         "restartPolicy": "Never",
         "containers": [{"name": "main", "image": "retex", "command": [
             "sh", "-c", f'while [ ! -e "{go_file}" ]; do sleep 0.1; done']}]}}
-
-
-def stat_fields(pid: int) -> list[str]:
-    """/proc/<pid>/stat from field 3 (state) on; the command name may contain spaces."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def group_stopped(pgid: int) -> tuple[bool, str]:
