@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A Docker engine on a machine that has none (docs/dev.md, "Docker engine"). Idempotent: when
 # `docker info` already answers, it does nothing. Otherwise, as root: installs Debian's docker.io
-# (and debootstrap, which images/build.sh needs when no registry serves a Python base), starts
+# (and debootstrap, which images/build.sh needs when no registry serves a Python base, and jq), starts
 # dockerd in the background (these machines have no systemd) with its log in
 # $RETEX_DOCKERD_LOG, and waits until `docker info` answers.
 set -euo pipefail
@@ -23,10 +23,11 @@ if [[ $(id -u) -ne 0 ]]; then
   exit 1
 fi
 
-if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then
-  log "installing docker.io and debootstrap from Debian (apt-get)"
+# jq: images/runc-capbnd, the runtime wrapper below, edits OCI specs with it.
+if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null || ! command -v jq >/dev/null; then
+  log "installing docker.io, debootstrap and jq from Debian (apt-get)"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap jq >/dev/null
 fi
 
 # Only on hosts whose capability bounding set is reduced: a --privileged container asks for every

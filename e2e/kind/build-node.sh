@@ -31,7 +31,7 @@ etcd_version=$(awk '$1=="require" && $2=="go.etcd.io/etcd/server/v3" {print $3}'
 key=k8s-$k8s_version-containerd-$CONTAINERD_VERSION-crictl-$CRICTL_VERSION-cni-$CNI_PLUGINS_VERSION-kind-$KIND_VERSION
 out=$cache/kind-node-$key
 # The images are rebuilt when what goes into them here changes (the binaries are keyed by version).
-recipe=$(cat "$here"/{build-node.sh,Dockerfile.base,node-cni.sh,node-cni.service,pause.c} "$repo/images/runc-capbnd" | sha256sum | cut -c1-12)
+recipe=$(cat "$here"/{build-node.sh,Dockerfile.base,node-cni.sh,node-cni.service,pause.c} | sha256sum | cut -c1-12)
 kind_dir=$cache/bin/kind-$KIND_VERSION
 NODE_IMAGE=retex-kind-node:$k8s_version
 BASE_IMAGE=retex-kind-base:$k8s_version
@@ -159,7 +159,6 @@ if [[ $(docker image inspect -f '{{index .Config.Labels "dev.retex.kind-node"}}'
   install -m 0644 "$here/node-cni.service" "$ctx/kind-files/etc/systemd/system/node-cni.service"
   install -m 0755 "$out"/containerd/* "$out"/crictl/* "$ctx/bin/"
   install -m 0755 "$out"/cni/* "$ctx/cni/"
-  install -m 0755 "$repo/images/runc-capbnd" "$ctx/runc-capbnd"
   "$DOCKER" build --progress=plain -f "$here/Dockerfile.base" \
     --build-arg "BASE_IMAGE=$PYTHON_BASE" --label "dev.retex.kind-node=$key-$recipe" -t "$BASE_IMAGE" "$ctx" 2>&1 \
     | { grep --line-buffered -E '^#[0-9]+ (\[|DONE|CACHED|ERROR)|ERROR|error' || true; } >&2

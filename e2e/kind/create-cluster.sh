@@ -7,15 +7,17 @@
 #   - cgroup v1 host: kubelet >= 1.35 refuses cgroup v1 unless `failCgroupV1: false`;
 #   - no CAP_SYS_RESOURCE in the capability bounding set: containerd must not lower
 #     oom_score_adj (`restrict_oom_score_adj`, else every sandbox fails with "can't get final
-#     child's PID from pipe: EOF"), and privileged pods need runc-capbnd as containerd's runc;
+#     child's PID from pipe: EOF"), and privileged pods need images/runc-capbnd as containerd's
+#     runc: mounted into every node (`extraMounts`), since no node image has it, kind's own
+#     included;
 #   - the locally built image has no kindnetd: kind's default CNI is off and the image's
 #     node-cni service (e2e/kind/node-cni.sh) provides the pod network.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
 name=${1:?cluster name}
 kubeconfig=${2:?kubeconfig path}
 config=${3:-$here/cluster.yaml}
-cache=${RETEX_CACHE:-$HOME/.cache/retex}
 log() { echo "[kind-cluster $(date +%H:%M:%S)] $*" >&2; }
 
 image=$(bash "$here/build-node.sh")
@@ -31,11 +33,25 @@ if [[ ! -f /sys/fs/cgroup/cgroup.controllers ]]; then
 fi
 bounding=$((16#$(awk '/^CapBnd:/ {print $2}' /proc/self/status)))
 if (( bounding != (1 << ($(cat /proc/sys/kernel/cap_last_cap) + 1)) - 1 )); then
-  log "capability bounding set $(printf '%x' "$bounding") is reduced: containerd restrict_oom_score_adj, runc-capbnd"
+  log "capability bounding set $(printf '%x' "$bounding") is reduced: containerd restrict_oom_score_adj, runc-capbnd mounted"
   containerd_patches+=('[plugins."io.containerd.grpc.v1.cri"]'
     '  restrict_oom_score_adj = true'
     '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]'
     '  BinaryName = "/usr/local/sbin/runc-capbnd"')
+  if grep -q 'extraMounts:' "$config"; then
+    log "$config has extraMounts of its own: add $repo/images/runc-capbnd at /usr/local/sbin/runc-capbnd to each node's yourself"
+    exit 1
+  fi
+  # After each `- role:` line, at its keys' indentation.
+  awk -v wrapper="$repo/images/runc-capbnd" '
+    { print }
+    match($0, /^ *- role:/) {
+      pad = sprintf("%" (RLENGTH - length("- role:") + 2) "s", "")
+      print pad "extraMounts:"
+      print pad "  - hostPath: " wrapper
+      print pad "    containerPath: /usr/local/sbin/runc-capbnd"
+      print pad "    readOnly: true"
+    }' "$config" >"$patched"
 fi
 local_image=false
 [[ $image == retex-kind-node:* ]] && local_image=true
