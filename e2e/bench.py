@@ -1,11 +1,17 @@
-"""`make bench`: retex measured side by side with what users would run instead, on the local rig.
+"""`make bench`: retex measured side by side with what users would run instead, on the local rig or kind.
 
     python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
         measures: checkpoint latency throughput recovery profile ledger writes scale
 
+On the local rig it starts by default; with RETEX_KUBECONFIG (and RETEX_KIND_CLUSTER, RETEX_POD_HOST,
+RETEX_WORKER_IMAGE), the variables the scenario tests run on kind with (e2e/kind/run.sh), it runs on
+that cluster instead: the operator and Postgres stay processes of this host, as in those tests.
+
 Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
 it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
-ratio means much). Results go to bench/results.json, charts to docs/benchmarks/*.png; a target
+ratio means much). Results go to bench/results.json, charts to docs/benchmarks/*.png (on kind:
+bench/results-kind.json, docs/benchmarks/kind/); the results name the cluster. A measure the
+cluster cannot run (a nemesis only the rig has) is listed under `not_measured` with why. A target
 missed prints FALL SHORT but never fails: targets are for people, not CI. docs/benchmarks.md
 explains each figure. `--quick` runs tiny sizes (the smoke that `make test` runs so this does not rot).
 """
@@ -28,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +43,7 @@ from kubernetes import client, watch
 
 from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
+from e2e.rig.external import ExternalCluster, RigUnavailable, from_environment
 from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.api import GROUP, PLURAL, VERSION
 from retex.ledger import Ledger, TaskAdmission
@@ -105,12 +113,58 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(ordered, n=100, method="inclusive")[int(q) - 1]
 
 
-class BenchSystem:
-    """retex on the rig for benchmarks: its own ledger database, namespace and operator. Uses a rig
-    and Postgres it is given (the smoke test's session ones) or starts its own."""
+class Markers:
+    """When each marker command started (its `date`, host clock: kind's nodes share this host's
+    clock), sent over HTTP where the cluster's pods reach this host: on kind a pod sees no file of
+    this host."""
 
-    def __init__(self, rig: Rig, postgres: PostgresServer, *, markers: Path):
-        self.rig, self.postgres, self.markers = rig, postgres, markers
+    def __init__(self, host: str):
+        self._starts: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+        starts, lock = self._starts, self._lock
+
+        class Record(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # /<name>/<seconds>
+                name, _, stamp = self.path.strip("/").rpartition("/")
+                try:
+                    at = float(stamp)
+                except ValueError:
+                    self.send_response(400)
+                else:
+                    with lock:
+                        starts.setdefault(name, []).append(at)
+                    self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer((host, 0), Record)
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def command(self, name: str, then: str = "") -> list[str]:
+        """A command that records the moment it starts under `name`, then runs `then`."""
+        send = "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)"
+        return ["sh", "-c", f"t=$(date +%s.%N); python3 -c '{send}' {self.url}/{name}/$t{'; ' + then if then else ''}"]
+
+    def starts(self, name: str) -> list[float]:
+        with self._lock:
+            return sorted(self._starts.get(name, []))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class BenchSystem:
+    """retex on a cluster for benchmarks: its own ledger database, namespace and operator. Uses a
+    cluster (the local rig or kind) and Postgres it is given (the smoke test's session ones) or
+    starts its own."""
+
+    def __init__(self, rig: Rig | ExternalCluster, postgres: PostgresServer, *, workdir: Path):
+        self.rig, self.postgres = rig, postgres
+        self.markers = Markers(rig.pod_host)
         self.namespace = f"bench-{uuid.uuid4().hex[:6]}"
         database = self.namespace.replace("-", "_")
         with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
@@ -118,7 +172,7 @@ class BenchSystem:
         self.dsn = postgres.dsn(dbname=database)
         install_crd(rig.kubectl)
         prepare_namespace(rig.kubectl, self.namespace)
-        self.operator_log = markers / "operator.log"
+        self.operator_log = workdir / "operator.log"
         self.operator = OperatorProcess.on(rig, self.dsn, self.operator_log, extra_env={"RETEX_NAMESPACES": self.namespace})
         self.operator.start()
         self.ledger = Ledger(self.dsn).open()
@@ -129,17 +183,17 @@ class BenchSystem:
         self.operator.kill()
         self.ledger.close()
         self._api.close()
+        self.markers.close()
         discard_namespace(self.rig.kubectl, self.namespace)
 
     # -- what both sides run -----------------------------------------------------------------
 
     def marker_command(self, name: str, then: str = "") -> list[str]:
-        """A command that appends the moment it starts (host clock) to a marker file of its own."""
-        return ["sh", "-c", f"date +%s.%N >> {self.markers / name}{'; ' + then if then else ''}"]
+        """A command that records the moment it starts (host clock) under `name`."""
+        return self.markers.command(name, then)
 
     def starts(self, name: str) -> list[float]:
-        path = self.markers / name
-        return [float(line) for line in path.read_text().split()] if path.exists() else []
+        return self.markers.starts(name)
 
     def create_task(self, name: str, steps: list[dict[str, Any]], *, labels: dict[str, str] | None = None,
                     **spec: Any) -> str:
@@ -148,8 +202,9 @@ class BenchSystem:
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)["metadata"]["uid"]
 
     def create_job(self, name: str, command: list[str], *, backoff_limit: int = 0) -> None:
-        """The bare Job a user would write instead: the same command, nothing else."""
-        container = {"name": "main", "image": "busybox", "command": command}
+        """The bare Job a user would write instead: the same command, nothing else, in the image
+        retex's steps run in (on kind loaded on the nodes, so no pull is timed; the rig has no images)."""
+        container = {"name": "main", "image": self.rig.worker_image, "command": command}
         body = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
                 "spec": {"backoffLimit": backoff_limit,
                          "template": {"metadata": {"labels": {"bench": name}},
@@ -170,9 +225,11 @@ class BenchSystem:
             return conn.execute("SELECT count(*) FROM retex.tasks WHERE uid = ANY(%s) AND phase = 'Succeeded'",
                                 (uids,)).fetchone()[0]
 
+    def pods(self, selector: str) -> list[Any]:
+        return client.CoreV1Api(self._api).list_namespaced_pod(self.namespace, label_selector=selector).items
+
     def running_pods(self, selector: str) -> list[str]:
-        pods = client.CoreV1Api(self._api).list_namespaced_pod(self.namespace, label_selector=selector).items
-        return [p.metadata.name for p in pods if p.status.phase == "Running"]
+        return [p.metadata.name for p in self.pods(selector) if p.status.phase == "Running"]
 
 
 # -- measures ------------------------------------------------------------------------------------
@@ -340,7 +397,8 @@ def measure_profile(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     return [Figure(measure=f"profile, create → Succeeded of a no-op {PROFILE_STEPS}-step task, p50", unit="s",
                    retex=r, baseline=b, baseline_name="bare Job `true; true; true`: create → Complete",
                    ratio=r / b, target="reported (where the time goes)", met=True,
-                   detail={"samples": len(retex), "timeline": [list(t) for t in timeline]})]
+                   detail={"samples": len(retex), "timeline": [list(t) for t in timeline],
+                           "timeline_sources": sorted({source for _, source, _ in timeline})})]
 
 
 def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[float, str, str]]:
@@ -348,12 +406,10 @@ def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[
               for h in system.ledger.history(uid)]
     for line in _lines_with(system.operator_log, uid):
         events.append((_iso_seconds(line["ts"]), "operator", line["msg"]))
-    pods = sorted(system.rig.state_dir.glob(f"nodes/*/pods/{system.namespace}_*"))
-    for log_file in (pod / "worker.log" for pod in pods):
-        lines = _lines_with(log_file, uid)
-        if lines:
-            events += [(_iso_seconds(line["ts"]), "worker", line["msg"]) for line in lines]
-            pod = log_file.parent.name.split("_")[1]
+    for pod in (p.metadata.name for p in system.pods(f"retex.dev/task-uid={uid}")):
+        lines = _json_lines_with(system.rig.pod_log(system.namespace, pod, "worker"), uid)
+        events += [(_iso_seconds(line["ts"]), "worker", line["msg"]) for line in lines]
+        if lines and system.rig.state_dir is not None:  # the rig's node agents log when a container started
             for agent_log in system.rig.state_dir.glob("logs/*.log"):
                 for text in agent_log.read_text(errors="replace").splitlines():
                     if f"/{pod} container worker " in text:
@@ -364,14 +420,17 @@ def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[
 
 def _lines_with(path: Path, uid: str) -> list[dict[str, Any]]:
     """The JSON log lines of `path` that name the task `uid`."""
+    return _json_lines_with(path.read_text(errors="replace"), uid) if path.exists() else []
+
+
+def _json_lines_with(log: str, uid: str) -> list[dict[str, Any]]:
     found = []
-    if path.exists():
-        for text in path.read_text(errors="replace").splitlines():
-            if uid in text and text.startswith("{"):
-                try:
-                    found.append(json.loads(text))
-                except ValueError:
-                    continue
+    for text in log.splitlines():
+        if uid in text and text.startswith("{"):
+            try:
+                found.append(json.loads(text))
+            except ValueError:
+                continue
     return found
 
 
@@ -788,15 +847,35 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
 }
 
 
-def run(rig: Rig, postgres: PostgresServer, measures: list[str], sizes: Sizes) -> dict[str, Any]:
-    markers = Path(tempfile.mkdtemp(prefix="retex-bench-"))
-    markers.chmod(0o777)  # pods run as other users and write their markers here
+def measure(name: str, system: BenchSystem, sizes: Sizes) -> tuple[list[Figure], dict[str, str] | None]:
+    """One measure's figures; or none and why, when the cluster lacks a nemesis it needs (never a
+    silent skip: the reason goes into the results)."""
+    try:
+        return MEASURES[name](system, sizes), None
+    except RigUnavailable as exc:
+        say(f"  {name}: NOT MEASURED on {system.rig.cluster_type}: {exc}")
+        return [], {"measure": name, "reason": str(exc)}
+
+
+def cluster_record(rig: Rig | ExternalCluster) -> dict[str, Any]:
+    """Which cluster ran the measures: rig, kind or external, and its Kubernetes."""
+    with rig.api_client() as api:
+        version = client.VersionApi(api).get_code().git_version
+    return {"type": rig.cluster_type, "kubernetes": version, "schedulable_nodes": len(rig.nodes),
+            "worker_image": rig.worker_image}
+
+
+def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str], sizes: Sizes) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="retex-bench-"))
     figures: list[Figure] = []
-    system = BenchSystem(rig, postgres, markers=markers)
+    not_measured: list[dict[str, str]] = []
+    system = BenchSystem(rig, postgres, workdir=workdir)
     try:
         for name in measures:
             say(f"measuring {name}")
-            for figure in MEASURES[name](system, sizes):
+            taken, missing = measure(name, system, sizes)
+            not_measured += [missing] if missing else []
+            for figure in taken:
                 verdict = "PASS" if figure.met else "FALL SHORT"
                 say(f"  {figure.measure}: retex {figure.retex:.3g} {figure.unit}, {figure.baseline_name} "
                     f"{figure.baseline:.3g}; ratio {figure.ratio:.2f} (target {figure.target}): {verdict}")
@@ -804,8 +883,17 @@ def run(rig: Rig, postgres: PostgresServer, measures: list[str], sizes: Sizes) -
     finally:
         system.close()
     return {"machine": {"cores": os.cpu_count(), "memory_gib": _memory_gib(), "platform": platform.platform()},
+            "cluster": cluster_record(rig),
             "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS},
-            "figures": [asdict(f) for f in figures]}
+            "figures": [asdict(f) for f in figures], "not_measured": not_measured}
+
+
+def default_outputs(cluster_type: str) -> tuple[Path, Path]:
+    """Where results and charts go by default: the rig's where they always went, another cluster's
+    beside them (bench/results-kind.json, docs/benchmarks/kind/), so neither overwrites the other."""
+    if cluster_type == "rig":
+        return RESULTS, CHARTS
+    return RESULTS.with_name(f"results-{cluster_type}.json"), CHARTS / cluster_type
 
 
 def _memory_gib() -> float:
@@ -843,8 +931,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every measure")
     parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
                         help="override one size (of the full sizes, or of --quick's), e.g. latency_tasks=10")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--charts", type=Path, default=CHARTS)
+    parser.add_argument("--out", type=Path, help=f"default {RESULTS.relative_to(REPO)} (kind: results-kind.json)")
+    parser.add_argument("--charts", type=Path, help=f"default {CHARTS.relative_to(REPO)} (kind: its kind/)")
     args = parser.parse_args(argv)
     unknown = set(args.measures) - set(MEASURES)
     if unknown:
@@ -853,21 +941,34 @@ def main(argv: list[str] | None = None) -> int:
         sizes = (Sizes.quick() if args.quick else Sizes()).with_overrides(args.size)
     except ValueError as exc:
         parser.error(str(exc))
-    state = Path(tempfile.mkdtemp(prefix="retex-bench-rig-"))
-    say(f"starting the local rig and Postgres (state in {state})")
-    rig, postgres = Rig(state / "rig"), PostgresServer()
-    rig.up(owner_pid=os.getpid())
+    if os.environ.get("RETEX_KUBECONFIG") and not os.environ.get("RETEX_POD_HOST"):
+        parser.error("RETEX_KUBECONFIG needs RETEX_POD_HOST: where the cluster's pods reach this host (e2e/kind/run.sh)")
+    external = from_environment()
+    postgres = PostgresServer()
+    rig: Rig | ExternalCluster
+    if external is None:
+        state = Path(tempfile.mkdtemp(prefix="retex-bench-rig-"))
+        say(f"starting the local rig and Postgres (state in {state})")
+        rig = Rig(state / "rig")
+        rig.up(owner_pid=os.getpid())
+    else:
+        rig = external
+        say(f"on the {rig.cluster_type} cluster of {rig.kubeconfig} (its pods reach this host at {rig.pod_host}); "
+            "starting Postgres")
+    out, chart_dir = default_outputs(rig.cluster_type)
+    out, chart_dir = args.out or out, args.charts or chart_dir
     postgres.start()
     try:
         results = run(rig, postgres, args.measures or list(MEASURES), sizes)
     finally:
         postgres.destroy()
-        rig.down()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    for path in charts(results, args.charts):
+        if isinstance(rig, Rig):  # started here; another cluster is left as it was
+            rig.down()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    for path in charts(results, chart_dir):
         say(f"chart {path}")
-    say(f"results {args.out}")
+    say(f"results {out}")
     return 0
 
 

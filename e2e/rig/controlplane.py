@@ -155,6 +155,7 @@ class Rig:
     # endpoint, the tests' stubs) on the loopback, and run the installed project for this image.
     pod_host = "127.0.0.1"
     worker_image = "retex-worker:local"
+    cluster_type = "rig"  # what ran a benchmark (e2e/bench.py): rig, kind or external
 
     def __init__(self, state_dir: Path, nodes: tuple[str, ...] = ("rig-node-1", "rig-node-2"),
                  timing: Timing | None = None):

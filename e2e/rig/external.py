@@ -24,6 +24,15 @@ class RigUnavailable(RigError):
     """A nemesis was asked of an external cluster that only the rig has."""
 
 
+def from_environment() -> ExternalCluster | None:
+    """The cluster RETEX_KUBECONFIG names (a KindCluster when RETEX_KIND_CLUSTER is set too), or
+    None: the local rig. How the tests' `rig` fixture and `make bench` choose."""
+    kubeconfig = os.environ.get("RETEX_KUBECONFIG")
+    if not kubeconfig:
+        return None
+    return (KindCluster if os.environ.get("RETEX_KIND_CLUSTER") else ExternalCluster)(Path(kubeconfig))
+
+
 class _PodEnds:
     """Every pod's end as it happens (exit code and output), from a watch of all pods: kept after
     the pod is deleted."""
@@ -78,6 +87,17 @@ class _PodEnds:
         return PodEnd(pod.metadata.name, _exit_code(pod), log), complete
 
 
+def pod_cgroup_patterns(pod, containers_only: bool = False) -> list[str]:
+    """What names a pod's processes in their /proc/<pid>/cgroup: the pod's cgroup names its uid
+    (with underscores under the systemd cgroup driver); or, `containers_only`, the id of each
+    container the kubelet has started (the sandbox's own process left out)."""
+    if containers_only:
+        statuses = (pod.status.container_statuses if pod.status else None) or []
+        return [s.container_id.split("://", 1)[-1] for s in statuses if s.container_id]
+    uid = pod.metadata.uid
+    return [f"pod{uid}", f"pod{uid.replace('-', '_')}"]
+
+
 def _exit_code(pod) -> int | None:
     for status in (pod.status.container_statuses or []) if pod.status else []:
         if status.state and status.state.terminated:
@@ -89,6 +109,7 @@ class ExternalCluster:
     """The `rig` interface over an existing cluster."""
 
     state_dir = None
+    cluster_type = "external"  # what ran a benchmark (e2e/bench.py): rig, kind or external
 
     def __init__(self, kubeconfig: Path):
         from kubernetes import client
@@ -137,6 +158,9 @@ class ExternalCluster:
     def heal_node(self, node: str) -> None:
         self._unavailable("heal_node")
 
+    def kill_pod(self, namespace: str, name: str) -> None:
+        self._unavailable("kill_pod")
+
     def pause_pod(self, namespace: str, name: str) -> None:
         self._unavailable("pause_pod")
 
@@ -158,16 +182,25 @@ class ExternalCluster:
     def start_controller_manager(self) -> None:
         self._unavailable("start_controller_manager")
 
+    def confine_nodes(self, cpus: set[int]) -> None:
+        self._unavailable("confine_nodes")
+
+    def release_nodes(self) -> None:
+        self._unavailable("release_nodes")
+
 
 class KindCluster(ExternalCluster):
     """A kind cluster (RETEX_KIND_CLUSTER names it): each node is a Docker container, so a node
     is lost by killing its container and comes back when the container starts again, and a pod's
     processes can be signalled from there (an ancestor of the pod's PID namespace)."""
 
+    cluster_type = "kind"
+
     def __init__(self, kubeconfig: Path):
         from kubernetes import client
 
         super().__init__(kubeconfig)
+        self._node_cpusets: dict[str, str] = {}
         with self.api_client() as api:
             self._control_plane = client.CoreV1Api(api).list_node(
                 label_selector="node-role.kubernetes.io/control-plane").items[0].metadata.name
@@ -198,6 +231,11 @@ class KindCluster(ExternalCluster):
             conditions = client.CoreV1Api(api).read_node(node).status.conditions or []
         return any(c.type == "Ready" and c.status == "True" for c in conditions)
 
+    def kill_pod(self, namespace: str, name: str) -> None:
+        """SIGKILL the processes of the pod's containers, as the rig's kill_pod: they die, the pod
+        object and its sandbox stay, and the kubelet reports the containers' exit (137)."""
+        self._signal_pod(namespace, name, "KILL", containers_only=True)
+
     def pause_pod(self, namespace: str, name: str) -> None:
         """SIGSTOP every process of the pod (a hung process: alive, but doing nothing). Sent from
         its node's container, so it reaches the container's PID 1 too, which could not stop itself."""
@@ -206,16 +244,36 @@ class KindCluster(ExternalCluster):
     def resume_pod(self, namespace: str, name: str) -> None:
         self._signal_pod(namespace, name, "CONT")
 
-    def _signal_pod(self, namespace: str, name: str, signal_name: str) -> None:
+    def confine_nodes(self, cpus: set[int]) -> None:
+        """Run the schedulable nodes' containers (kubelet, runtime and every pod) on `cpus` only
+        (benchmarks, as the rig's confine_nodes) until `release_nodes`."""
+        for node in self.nodes:
+            self._node_cpusets.setdefault(node, self._docker("inspect", "-f", "{{.HostConfig.CpusetCpus}}", node))
+            self._docker("update", "--cpuset-cpus", ",".join(map(str, sorted(cpus))), node)
+        say(f"nodes {', '.join(self.nodes)} confined to CPUs {sorted(cpus)} (docker update)")
+
+    def release_nodes(self) -> None:
+        saved, self._node_cpusets = self._node_cpusets, {}
+        for node, cpuset in saved.items():  # none set (empty) is every CPU of the machine
+            self._docker("update", "--cpuset-cpus", cpuset or f"0-{os.cpu_count() - 1}", node)
+
+    @staticmethod
+    def _docker(*args: str) -> str:
+        return subprocess.run(["docker", *args], check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+
+    def _signal_pod(self, namespace: str, name: str, signal_name: str, containers_only: bool = False) -> None:
         from kubernetes import client
 
         with self.api_client() as api:
             pod = client.CoreV1Api(api).read_namespaced_pod(name, namespace)
-        uid = pod.metadata.uid
-        # The pod's processes are those in its cgroup, whose path names its uid (with underscores
-        # under the systemd cgroup driver).
-        script = (f"pids=$(grep -l -e 'pod{uid}' -e 'pod{uid.replace('-', '_')}' /proc/[0-9]*/cgroup 2>/dev/null "
-                  f"| cut -d/ -f3); test -n \"$pids\" && kill -{signal_name} $pids && echo $pids")
+        found = pod_cgroup_patterns(pod, containers_only)
+        if not found:
+            raise RigError(f"SIG{signal_name} to pod {namespace}/{name}: no running container")
+        patterns = " ".join(f"-e '{p}'" for p in found)
+        # A SIGKILL may take a process whose parent it killed first: one already gone is no failure.
+        tolerate = " 2>/dev/null; true" if signal_name == "KILL" else ""
+        script = (f"pids=$(grep -l {patterns} /proc/[0-9]*/cgroup 2>/dev/null "
+                  f"| cut -d/ -f3); test -n \"$pids\" && {{ kill -{signal_name} $pids{tolerate}; }} && echo $pids")
         done = subprocess.run(["docker", "exec", pod.spec.node_name, "sh", "-c", script],
                               capture_output=True, text=True, timeout=60)
         if done.returncode != 0:

@@ -23,15 +23,15 @@ from pathlib import Path
 import pytest
 
 from e2e.rig.controlplane import Rig, say, sweep_orphans
-from e2e.rig.external import ExternalCluster, KindCluster
+from e2e.rig.external import from_environment
 
 
 @pytest.fixture(scope="session")
 def rig(request):
     """The local cluster (e2e.rig.controlplane.Rig), or ExternalCluster under RETEX_KUBECONFIG."""
-    external = os.environ.get("RETEX_KUBECONFIG")
-    if external:
-        yield (KindCluster if os.environ.get("RETEX_KIND_CLUSTER") else ExternalCluster)(Path(external))
+    external = from_environment()
+    if external is not None:
+        yield external
         return
     # Start-up and teardown progress goes to the terminal, not into pytest's captured output:
     # nobody should stare at a silent terminal while the rig (or a cold build) starts.

@@ -15,4 +15,6 @@ def test_every_bench_measure_runs_at_tiny_sizes_and_reports_retex_beside_its_bas
         assert figure["retex"] > 0 and figure["baseline"] > 0, figure
         assert math.isfinite(figure["ratio"]) and figure["ratio"] > 0, figure
     assert results["machine"]["cores"] and results["settings"]["recovery_lease_seconds"]
+    # The rig and kind have every nemesis the measures need: nothing may go unmeasured there.
+    assert results["cluster"]["type"] == rig.cluster_type and results["not_measured"] == [], results["not_measured"]
     assert len(charts(results, tmp_path)) == len(results["figures"])

@@ -1,0 +1,81 @@
+"""`make bench` on the rig or on kind, without a cluster: the markers pods send over HTTP (a pod on
+kind sees no file of this host), where each cluster's results go, a measure the cluster cannot run
+reported as not measured with its reason, and no start on another cluster without RETEX_POD_HOST."""
+
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from e2e import bench
+from e2e.rig import external
+from e2e.rig.external import RigUnavailable
+
+
+def test_a_marker_command_records_when_it_started_on_this_hosts_clock_then_runs_the_rest(tmp_path):
+    markers = bench.Markers("127.0.0.1")
+    try:
+        before = time.time()
+        subprocess.run(markers.command("task-1", f"touch {tmp_path / 'then'}"), check=True, timeout=30)
+        subprocess.run(markers.command("task-1"), check=True, timeout=30)
+        after = time.time()
+        starts = markers.starts("task-1")
+        assert len(starts) == 2 and before <= starts[0] <= starts[1] <= after, (before, starts, after)
+        assert (tmp_path / "then").exists()
+        assert markers.starts("task-2") == []
+    finally:
+        markers.close()
+
+
+def test_a_marker_without_a_time_is_refused_and_not_recorded():
+    markers = bench.Markers("127.0.0.1")
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{markers.url}/task-1/now", timeout=5)
+        assert refused.value.code == 400 and markers.starts("task-1") == []
+    finally:
+        markers.close()
+
+
+def test_the_rigs_results_go_where_they_always_went_and_kinds_beside_them():
+    assert bench.default_outputs("rig") == (bench.RESULTS, bench.CHARTS)
+    results, charts = bench.default_outputs("kind")
+    assert results == bench.RESULTS.parent / "results-kind.json" and charts == bench.CHARTS / "kind"
+
+
+def test_a_measure_needing_a_nemesis_the_cluster_lacks_is_reported_not_measured_with_why(monkeypatch):
+    def needs_the_rig(system, sizes):
+        system.rig.kill_pod("ns", "pod")
+
+    def fails(system, sizes):
+        raise RuntimeError("a real failure")
+
+    class Cluster:
+        cluster_type = "external"
+
+        def kill_pod(self, namespace, name):
+            raise RigUnavailable("kill_pod needs the local rig")
+
+    figure = bench.Figure(measure="m", unit="s", retex=1, baseline=1, baseline_name="b", ratio=1, target="t", met=True)
+    monkeypatch.setitem(bench.MEASURES, "needs-rig", needs_the_rig)
+    monkeypatch.setitem(bench.MEASURES, "fine", lambda system, sizes: [figure])
+    monkeypatch.setitem(bench.MEASURES, "fails", fails)
+    system = SimpleNamespace(rig=Cluster())
+    assert bench.measure("needs-rig", system, bench.Sizes.quick()) == (
+        [], {"measure": "needs-rig", "reason": "kill_pod needs the local rig"})
+    assert bench.measure("fine", system, bench.Sizes.quick()) == ([figure], None)
+    with pytest.raises(RuntimeError, match="a real failure"):  # only a missing nemesis is not measured
+        bench.measure("fails", system, bench.Sizes.quick())
+
+
+def test_the_bench_on_another_cluster_refuses_to_start_without_where_its_pods_reach_this_host(monkeypatch, capsys):
+    monkeypatch.setenv("RETEX_KUBECONFIG", "/tmp/kc")
+    monkeypatch.delenv("RETEX_POD_HOST", raising=False)
+    monkeypatch.setattr(external, "KindCluster", lambda path: pytest.fail("no cluster is contacted"))
+    monkeypatch.setattr(external, "ExternalCluster", lambda path: pytest.fail("no cluster is contacted"))
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--quick"])
+    assert refused.value.code == 2 and "RETEX_POD_HOST" in capsys.readouterr().err
