@@ -33,6 +33,11 @@ def from_environment() -> ExternalCluster | None:
     return (KindCluster if os.environ.get("RETEX_KIND_CLUSTER") else ExternalCluster)(Path(kubeconfig))
 
 
+# A kind node's cpuset cgroups: its own subtree, where kind mounts it (cgroup v1); the unified
+# hierarchy on a cgroup v2 host (not tried: these hosts are v1).
+_CPUSET_ROOT = "$(test -d /sys/fs/cgroup/cpuset && echo /sys/fs/cgroup/cpuset || echo /sys/fs/cgroup)"
+
+
 class _PodEnds:
     """Every pod's end as it happens (exit code and output), from a watch of all pods: kept after
     the pod is deleted."""
@@ -247,19 +252,34 @@ class KindCluster(ExternalCluster):
     def confine_nodes(self, cpus: set[int]) -> None:
         """Run the schedulable nodes' containers (kubelet, runtime and every pod) on `cpus` only
         (benchmarks, as the rig's confine_nodes) until `release_nodes`."""
+        wanted = ",".join(map(str, sorted(cpus)))
         for node in self.nodes:
-            self._node_cpusets.setdefault(node, self._docker("inspect", "-f", "{{.HostConfig.CpusetCpus}}", node))
-            self._docker("update", "--cpuset-cpus", ",".join(map(str, sorted(cpus))), node)
-        say(f"nodes {', '.join(self.nodes)} confined to CPUs {sorted(cpus)} (docker update)")
+            self._node_cpusets.setdefault(node, self._on_node(node, f"cat {_CPUSET_ROOT}/cpuset.cpus"))
+            self._write_cpusets(node, wanted, deepest_first=True)
+        say(f"nodes {', '.join(self.nodes)} confined to CPUs {wanted} (their cpuset cgroups)")
 
     def release_nodes(self) -> None:
         saved, self._node_cpusets = self._node_cpusets, {}
-        for node, cpuset in saved.items():  # none set (empty) is every CPU of the machine
-            self._docker("update", "--cpuset-cpus", cpuset or f"0-{os.cpu_count() - 1}", node)
+        for node, cpuset in saved.items():
+            self._write_cpusets(node, cpuset, deepest_first=False)
 
-    @staticmethod
-    def _docker(*args: str) -> str:
-        return subprocess.run(["docker", *args], check=True, capture_output=True, text=True, timeout=60).stdout.strip()
+    def _write_cpusets(self, node: str, cpus: str, *, deepest_first: bool) -> None:
+        """Every cpuset cgroup of the node (kind mounts the node's own subtree), children before
+        their parent when shrinking and after it when growing: a cgroup v1 cpuset must stay within
+        its parent's, so `docker update --cpuset-cpus` of the node alone is refused ("device or
+        resource busy") while its pods' cgroups use other CPUs. A pod's cgroup created meanwhile can
+        refuse its parent's write once: the whole pass is tried again."""
+        order = "-rn" if deepest_first else "-n"
+        script = (f"for f in $(find {_CPUSET_ROOT} -name cpuset.cpus | awk -F/ '{{print NF, $0}}' | sort {order} "
+                  f"| cut -d' ' -f2-); do echo {cpus} > $f 2>/dev/null || test ! -e $f || exit 1; done; "
+                  f"test \"$(cat {_CPUSET_ROOT}/cpuset.cpus)\" = {cpus}")
+        for tried in range(3):
+            try:
+                self._on_node(node, script)
+                return
+            except RigError:
+                if tried == 2:
+                    raise
 
     def _signal_pod(self, namespace: str, name: str, signal_name: str, containers_only: bool = False) -> None:
         from kubernetes import client
@@ -318,8 +338,11 @@ class KindCluster(ExternalCluster):
         self._on_control_plane(f"mv /etc/kubernetes/{name}.yaml /etc/kubernetes/manifests/{name}.yaml")
 
     def _on_control_plane(self, script: str) -> str:
-        done = subprocess.run(["docker", "exec", self._control_plane, "sh", "-c", script],
-                              capture_output=True, text=True, timeout=60)
+        return self._on_node(self._control_plane, script)
+
+    @staticmethod
+    def _on_node(node: str, script: str) -> str:
+        done = subprocess.run(["docker", "exec", node, "sh", "-c", script], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
-            raise RigError(f"on {self._control_plane}: {script!r} failed (exit {done.returncode}): {done.stderr.strip()}")
+            raise RigError(f"on {node}: {script!r} failed (exit {done.returncode}): {done.stderr.strip()}")
         return done.stdout.strip()

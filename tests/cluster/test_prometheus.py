@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import urllib.parse
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import yaml
 
 from e2e.postgres import free_port
 from e2e.system import wait_for
+from tests.cluster.gates import Gate, exit_until_open
 from tests.cluster.test_operator import apply, phase_is, sh, status
 from tests.unit.test_alert_rules import RULES_FILE, rules
 from tests.unit.test_dashboard import DASHBOARD
@@ -85,6 +85,12 @@ def prometheus(retex, tmp_path):
         print(f"--- prometheus log tail ---\n{server.log_tail()}")
 
 
+def sleep_until_open(gate: Gate) -> list[str]:
+    """A step's command that ends at once if `gate` is open, else sleeps two minutes."""
+    return ["python3", "-c", f"import time, urllib.request\ntry:\n    urllib.request.urlopen({gate.url!r}, timeout=2)\n"
+                             "except Exception:\n    time.sleep(120)"]
+
+
 def dashboard_queries() -> list[str]:
     return [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
 
@@ -94,31 +100,32 @@ def value(prometheus: Prometheus, expr: str) -> float:
     return float(result[0]["value"][1]) if result else float("nan")
 
 
-def test_every_dashboard_query_and_alert_rule_works_against_a_real_prometheus(retex, prometheus):
+def test_every_dashboard_query_and_alert_rule_works_against_a_real_prometheus(retex, prometheus, gates):
     # Scraped before anything happens: an increase() needs the counters' values from before.
     wait_for(lambda: value(prometheus, "max(retex_tasks_submitted_total)") == 0, timeout=60,
              what="Prometheus scraping the operator")
     print("==> tasks: one succeeds, one retries then succeeds, one is dead-lettered, one loses a frozen worker")
-    # Markers in /tmp, not tmp_path: the workers run as another user (as test_policies.py's do).
-    retried, frozen = Path(f"/tmp/retex-retried-{uuid.uuid4().hex}"), Path(f"/tmp/retex-frozen-{uuid.uuid4().hex}")
-    quick = {"backoff": {"initialSeconds": 0.1, "maxSeconds": 0.2}}
+    # Gates served where the pods reach this host, not files: a pod on kind sees none of this host's.
+    fixed, thawed = gates(opened_now=False), gates(opened_now=False)
     apply(retex, "ok", [sh("a", "echo a"), sh("b", "echo b")])
-    apply(retex, "flaky", [sh("only", f"test -f {retried} || {{ touch {retried}; exit 7; }}", retryableExitCodes=[7])],
-          retry={"maxAttempts": 3, **quick})
-    apply(retex, "doomed", [sh("only", "exit 7", retryableExitCodes=[7])], retry={"maxAttempts": 2, **quick})
-    apply(retex, "frozen", [sh("slow", f"test -f {frozen} || {{ touch {frozen}; sleep 120; }}; echo done",
-                               idempotent=True)], lease={"durationSeconds": 5})
+    # Its retry waits 3 s: time for the test to open the gate the first try found closed.
+    apply(retex, "flaky", [{"name": "only", "exec": {"command": exit_until_open(fixed, 7)}, "retryableExitCodes": [7]}],
+          retry={"maxAttempts": 3, "backoff": {"initialSeconds": 3, "maxSeconds": 3}})
+    apply(retex, "doomed", [sh("only", "exit 7", retryableExitCodes=[7])],
+          retry={"maxAttempts": 2, "backoff": {"initialSeconds": 0.1, "maxSeconds": 0.2}})
+    apply(retex, "frozen", [{"name": "slow", "exec": {"command": sleep_until_open(thawed)}, "idempotent": True}],
+          lease={"durationSeconds": 5})
+    wait_for(fixed.last_asked, timeout=60, what="flaky's first try")
+    fixed.open()
     wait_for(lambda: (status(retex, "frozen").get("lease") or {}).get("holder"), timeout=60, what="frozen's lease taken")
+    wait_for(thawed.last_asked, timeout=60, what="frozen's step running")
     pod = status(retex, "frozen")["lease"]["holder"].rsplit(":", 1)[0]
     # Frozen, not killed: a death the kubelet reports is replaced before the lease expires
     # (docs/operator.md); a hung worker is a silent loss, found by the lease's expiry.
     retex.rig.pause_pod(retex.namespace, pod)
-    try:
-        for name, phase in (("ok", "Succeeded"), ("flaky", "Succeeded"), ("doomed", "Failed"), ("frozen", "Succeeded")):
-            wait_for(lambda n=name, p=phase: phase_is(retex, n, p), timeout=120, what=f"{name} {phase}")
-    finally:
-        retried.unlink(missing_ok=True)
-        frozen.unlink(missing_ok=True)
+    thawed.open()  # the next attempt's step ends at once
+    for name, phase in (("ok", "Succeeded"), ("flaky", "Succeeded"), ("doomed", "Failed"), ("frozen", "Succeeded")):
+        wait_for(lambda n=name, p=phase: phase_is(retex, n, p), timeout=120, what=f"{name} {phase}")
     assert retex.ledger.find(retex.namespace, "doomed").dead_lettered
     assert status(retex, "frozen")["attempt"] >= 2, "the frozen worker's attempt was replaced"
 

@@ -89,32 +89,3 @@ def test_on_failure_pod_is_restarted_in_place_and_then_succeeds(rig, apis):
     status = pod.status.container_statuses[0]
     assert status.restart_count == 1
     assert status.last_state.terminated.exit_code == 1
-
-
-def cpus_allowed(out_file) -> set[int]:
-    """The CPUs of a `Cpus_allowed_list:\t0,2-3` line."""
-    cpus: set[int] = set()
-    for part in out_file.read_text().split(":")[1].strip().split(","):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="confining to one core needs two")
-def test_confined_nodes_start_pods_on_those_cpus_only_until_released(rig, apis, tmp_path):
-    core, batch = apis
-    every = os.sched_getaffinity(0)
-    last = max(every)
-    command = lambda out: {"command": ["sh", "-c", f"grep Cpus_allowed_list /proc/self/status > {out}"]}  # noqa: E731
-
-    try:
-        rig.confine_nodes({last})
-        batch.create_namespaced_job(NAMESPACE, job("confined", command(tmp_path / "confined")))
-        assert wait_job_finished(batch, NAMESPACE, "confined", timeout=60) == "Complete"
-    finally:
-        rig.release_nodes()
-    batch.create_namespaced_job(NAMESPACE, job("released", command(tmp_path / "released")))
-    assert wait_job_finished(batch, NAMESPACE, "released", timeout=60) == "Complete"
-
-    assert cpus_allowed(tmp_path / "confined") == {last}
-    assert cpus_allowed(tmp_path / "released") == every

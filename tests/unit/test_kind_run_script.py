@@ -29,6 +29,14 @@ def test_the_default_list_reaches_pytest_whole_as_existing_files():
     assert [f for f in files if not (ROOT / f).is_file()] == []
 
 
+def test_the_default_list_is_every_scenario_file_but_those_proving_the_rig_itself():
+    """kind runs the same scenario suite as the rig: a new file in tests/cluster joins it unless it
+    proves the local rig (test_rig_*) or `make dev` on the rig (test_dev.py)."""
+    scenarios = {f"tests/cluster/{path.name}" for path in (ROOT / "tests" / "cluster").glob("test_*.py")
+                 if not path.name.startswith("test_rig_") and path.name != "test_dev.py"}
+    assert set(pytest_arguments()) == scenarios
+
+
 def test_a_chosen_list_keeps_its_quotes():
     assert pytest_arguments('tests/cluster/test_crash_matrix.py -k "R5_ or R7_"') == [
         "tests/cluster/test_crash_matrix.py", "-k", "R5_ or R7_"]
