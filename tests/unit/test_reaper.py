@@ -275,6 +275,23 @@ def test_a_lease_renewed_on_time_costs_no_pod_list():
     assert (listed, ledger.calls) == ([], [])
 
 
+def test_a_late_holder_whose_pod_was_not_yet_reported_terminated_is_looked_at_again_the_next_round(monkeypatch):
+    """A kubelet reports a killed container a second or two after the kill, so the first look can
+    come too early: the next is the next round's, not JOB_CHECK_SECONDS later (recovery from an
+    observed death, docs/benchmarks.md)."""
+    clock, kube = late_renewal("u1", [RUNNING])
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == []
+    kube.pods = [KILLED]
+    a_round_later = time.monotonic() + 1.1
+    monkeypatch.setattr(time, "monotonic", lambda: a_round_later)
+    r.round()
+    assert ledger.calls == [("replace_attempt", "u1", 1, "disruption")]
+
+
 def test_a_terminated_pod_that_is_not_the_holder_is_no_verdict():
     """Two pods for one attempt (crash-matrix R10): the duplicate exited, the holder runs on."""
     duplicate = {**KILLED, "metadata": {"name": "pod-b"}}
@@ -315,6 +332,25 @@ def test_a_round_looks_at_no_more_than_a_bounded_number_of_late_holders_pods():
     assert len(listed) == REAPER_POD_LOOKS
     r.round()  # within JOB_CHECK_SECONDS: those looked at wait their turn
     assert sorted(listed) == sorted(f"job-{u}" for u in uids), "the next round looks at the ones left"
+
+
+def test_late_holders_beyond_a_rounds_looks_take_turns_with_those_looked_at_before(monkeypatch):
+    """Looked at again each round, the first attempts would take every look of every round in a
+    brownout; the least recently looked at go first."""
+    uids = [f"u{i}" for i in range(2 * REAPER_POD_LOOKS + 5)]
+    clock, kube = late_renewal(uids[0], [RUNNING])
+    kube.leases = {name_of(u): lease(u, R1, "pod-a:1") for u in uids}
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or [RUNNING]
+    ledger = FakeLedger([attempt(u, job=f"job-{u}") for u in uids])
+    r = reaper(ledger, kube, [lease(u, R1, "pod-a:1") for u in uids], clock)
+    clock.ago = 0.0
+    start = time.monotonic()
+    for round_number in range(3):
+        monkeypatch.setattr(time, "monotonic", lambda n=round_number: start + 1.1 * n)
+        r.round()
+    assert len(listed) == 3 * REAPER_POD_LOOKS
+    assert set(listed) == {f"job-{u}" for u in uids}, "every late holder was looked at within three rounds"
 
 
 def test_an_attempt_its_worker_ended_before_the_replace_is_left_alone_with_its_job():
