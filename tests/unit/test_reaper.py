@@ -14,6 +14,8 @@ from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import lease_name
 from retex.kube.operator_calls import NotLeading
 from retex.ledger import NotLeader, WatchedAttempt
+from retex.operator.reaper import JOB_CHECK_SECONDS as JOB_CHECK
+from retex.operator.reaper import LATE_RENEWAL_FRACTION as LATE_FRACTION
 from retex.operator.reaper import POD_LOOKS_PER_ROUND as REAPER_POD_LOOKS
 from retex.operator.reaper import Reaper
 
@@ -235,6 +237,10 @@ RUNNING = holder_pod("Running", {"running": {"startedAt": "2026-12-03T09:00:00Z"
 MARKED_FAILED = holder_pod("Failed", {"running": {"startedAt": "2026-12-03T09:00:00Z"}})
 
 
+# A renewal missed a moment ago: the reaper's first seconds of looking at the holder's pod.
+JUST_LATE = DURATION * LATE_FRACTION + 0.1
+
+
 def late_renewal(uid, pods):
     """The watch last saw a renewal 40% of the lease duration ago (a worker renews every fifth of
     its renew deadline or sooner), and the GET shows none since: the lease is held, not expired."""
@@ -280,6 +286,7 @@ def test_a_late_holder_whose_pod_was_not_yet_reported_terminated_is_looked_at_ag
     come too early: the next is the next round's, not JOB_CHECK_SECONDS later (recovery from an
     observed death, docs/benchmarks.md)."""
     clock, kube = late_renewal("u1", [RUNNING])
+    clock.ago = JUST_LATE
     ledger = FakeLedger([attempt("u1")])
     r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
     clock.ago = 0.0
@@ -290,6 +297,22 @@ def test_a_late_holder_whose_pod_was_not_yet_reported_terminated_is_looked_at_ag
     monkeypatch.setattr(time, "monotonic", lambda: a_round_later)
     r.round()
     assert ledger.calls == [("replace_attempt", "u1", 1, "disruption")]
+
+
+def test_a_holder_late_for_longer_is_looked_at_every_few_seconds_only(monkeypatch):
+    """A frozen worker holds its lease unrenewed until it expires, and an API brownout makes every
+    renewal late: past the first seconds of lateness a pod LIST a round would only load the API."""
+    clock, kube = late_renewal("u1", [RUNNING])
+    clock.ago = DURATION * LATE_FRACTION + JOB_CHECK + 0.5
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or [RUNNING]
+    r = reaper(FakeLedger([attempt("u1")]), kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    start = time.monotonic()
+    for seconds_later in (0.0, 1.1, 2.2, JOB_CHECK + 0.1):
+        monkeypatch.setattr(time, "monotonic", lambda s=seconds_later: start + s)
+        r.round()
+    assert len(listed) == 2, "looked at on the first round and again once JOB_CHECK_SECONDS had passed"
 
 
 def test_a_terminated_pod_that_is_not_the_holder_is_no_verdict():
@@ -343,6 +366,7 @@ def test_late_holders_beyond_a_rounds_looks_take_turns_with_those_looked_at_befo
     listed = []
     kube.job_pods = lambda namespace, job: listed.append(job) or [RUNNING]
     ledger = FakeLedger([attempt(u, job=f"job-{u}") for u in uids])
+    clock.ago = JUST_LATE
     r = reaper(ledger, kube, [lease(u, R1, "pod-a:1") for u in uids], clock)
     clock.ago = 0.0
     start = time.monotonic()

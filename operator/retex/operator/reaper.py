@@ -50,9 +50,10 @@ JOB_CHECK_SECONDS = 3.0
 # A worker renews every fifth of its renew deadline or sooner: a lease unrenewed for a quarter of
 # its duration has missed a renewal, and its holder's pod is worth a look.
 LATE_RENEWAL_FRACTION = 0.25
-# A late holder's pod is looked at again after this long (a round): a kubelet reports a killed
-# container a second or two after the kill, so a first look can come too early, and each second
-# waited then is a second more before the next attempt.
+# In its first JOB_CHECK_SECONDS of lateness a holder's pod is looked at again after this long (a
+# round): a kubelet reports a killed container a second or two after the kill, so a first look can
+# come too early, and each second waited then is a second more before the next attempt. Later
+# (a frozen worker, an API brownout), every JOB_CHECK_SECONDS.
 LATE_HOLDER_LOOK_SECONDS = 1.0
 # Pod LISTs for late holders in one round, at most: in an API brownout every renewal is late, and a
 # LIST per running attempt would stretch the round past the liveness probe's wedge floor. The
@@ -222,10 +223,13 @@ class Reaper(Loop):
         the lease to expire. The caller's GET must then show that same observation: a renewal the
         watch missed, or the attempt's other pod holding the lease now (R10), is a live holder."""
         seen = self._seen(attempt)
-        if seen is None or seen.holder_pod is None or \
-                time.monotonic() - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
+        if seen is None or seen.holder_pod is None:
             return None
-        if self._pod_looks_left <= 0 or not self._due_for_a_look(attempt, LATE_HOLDER_LOOK_SECONDS):
+        late_for = time.monotonic() - seen.changed_at - seen.duration_seconds * LATE_RENEWAL_FRACTION
+        if late_for < 0:
+            return None
+        every = LATE_HOLDER_LOOK_SECONDS if late_for < JOB_CHECK_SECONDS else JOB_CHECK_SECONDS
+        if self._pod_looks_left <= 0 or not self._due_for_a_look(attempt, every):
             return None
         self._pod_looks_left -= 1
         pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
