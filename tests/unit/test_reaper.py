@@ -14,6 +14,8 @@ from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import lease_name
 from retex.kube.operator_calls import NotLeading
 from retex.ledger import NotLeader, WatchedAttempt
+from retex.operator.reaper import JOB_CHECK_SECONDS as JOB_CHECK
+from retex.operator.reaper import LATE_RENEWAL_FRACTION as LATE_FRACTION
 from retex.operator.reaper import POD_LOOKS_PER_ROUND as REAPER_POD_LOOKS
 from retex.operator.reaper import Reaper
 
@@ -235,6 +237,10 @@ RUNNING = holder_pod("Running", {"running": {"startedAt": "2026-12-03T09:00:00Z"
 MARKED_FAILED = holder_pod("Failed", {"running": {"startedAt": "2026-12-03T09:00:00Z"}})
 
 
+# A renewal missed a moment ago: the reaper's first seconds of looking at the holder's pod.
+JUST_LATE = DURATION * LATE_FRACTION + 0.1
+
+
 def late_renewal(uid, pods):
     """The watch last saw a renewal 40% of the lease duration ago (a worker renews every fifth of
     its renew deadline or sooner), and the GET shows none since: the lease is held, not expired."""
@@ -273,6 +279,40 @@ def test_a_lease_renewed_on_time_costs_no_pod_list():
     ledger = FakeLedger([attempt("u1")])
     reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock).round()
     assert (listed, ledger.calls) == ([], [])
+
+
+def test_a_late_holder_whose_pod_was_not_yet_reported_terminated_is_looked_at_again_the_next_round(monkeypatch):
+    """A kubelet reports a killed container a second or two after the kill, so the first look can
+    come too early: the next is the next round's, not JOB_CHECK_SECONDS later (recovery from an
+    observed death, docs/benchmarks.md)."""
+    clock, kube = late_renewal("u1", [RUNNING])
+    clock.ago = JUST_LATE
+    ledger = FakeLedger([attempt("u1")])
+    r = reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    r.round()
+    assert ledger.calls == []
+    kube.pods = [KILLED]
+    a_round_later = time.monotonic() + 1.1
+    monkeypatch.setattr(time, "monotonic", lambda: a_round_later)
+    r.round()
+    assert ledger.calls == [("replace_attempt", "u1", 1, "disruption")]
+
+
+def test_a_holder_late_for_longer_is_looked_at_every_few_seconds_only(monkeypatch):
+    """A frozen worker holds its lease unrenewed until it expires, and an API brownout makes every
+    renewal late: past the first seconds of lateness a pod LIST a round would only load the API."""
+    clock, kube = late_renewal("u1", [RUNNING])
+    clock.ago = DURATION * LATE_FRACTION + JOB_CHECK + 0.5
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or [RUNNING]
+    r = reaper(FakeLedger([attempt("u1")]), kube, [lease("u1", R1, "pod-a:1")], clock)
+    clock.ago = 0.0
+    start = time.monotonic()
+    for seconds_later in (0.0, 1.1, 2.2, JOB_CHECK + 0.1):
+        monkeypatch.setattr(time, "monotonic", lambda s=seconds_later: start + s)
+        r.round()
+    assert len(listed) == 2, "looked at on the first round and again once JOB_CHECK_SECONDS had passed"
 
 
 def test_a_terminated_pod_that_is_not_the_holder_is_no_verdict():
@@ -315,6 +355,26 @@ def test_a_round_looks_at_no_more_than_a_bounded_number_of_late_holders_pods():
     assert len(listed) == REAPER_POD_LOOKS
     r.round()  # within JOB_CHECK_SECONDS: those looked at wait their turn
     assert sorted(listed) == sorted(f"job-{u}" for u in uids), "the next round looks at the ones left"
+
+
+def test_late_holders_beyond_a_rounds_looks_take_turns_with_those_looked_at_before(monkeypatch):
+    """Looked at again each round, the first attempts would take every look of every round in a
+    brownout; the least recently looked at go first."""
+    uids = [f"u{i}" for i in range(2 * REAPER_POD_LOOKS + 5)]
+    clock, kube = late_renewal(uids[0], [RUNNING])
+    kube.leases = {name_of(u): lease(u, R1, "pod-a:1") for u in uids}
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or [RUNNING]
+    ledger = FakeLedger([attempt(u, job=f"job-{u}") for u in uids])
+    clock.ago = JUST_LATE
+    r = reaper(ledger, kube, [lease(u, R1, "pod-a:1") for u in uids], clock)
+    clock.ago = 0.0
+    start = time.monotonic()
+    for round_number in range(3):
+        monkeypatch.setattr(time, "monotonic", lambda n=round_number: start + 1.1 * n)
+        r.round()
+    assert len(listed) == 3 * REAPER_POD_LOOKS
+    assert set(listed) == {f"job-{u}" for u in uids}, "every late holder was looked at within three rounds"
 
 
 def test_an_attempt_its_worker_ended_before_the_replace_is_left_alone_with_its_job():

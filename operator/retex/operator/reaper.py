@@ -50,8 +50,14 @@ JOB_CHECK_SECONDS = 3.0
 # A worker renews every fifth of its renew deadline or sooner: a lease unrenewed for a quarter of
 # its duration has missed a renewal, and its holder's pod is worth a look.
 LATE_RENEWAL_FRACTION = 0.25
+# In its first JOB_CHECK_SECONDS of lateness a holder's pod is looked at again after this long (a
+# round): a kubelet reports a killed container a second or two after the kill, so a first look can
+# come too early, and each second waited then is a second more before the next attempt. Later
+# (a frozen worker, an API brownout), every JOB_CHECK_SECONDS.
+LATE_HOLDER_LOOK_SECONDS = 1.0
 # Pod LISTs for late holders in one round, at most: in an API brownout every renewal is late, and a
-# LIST per running attempt would stretch the round past the liveness probe's wedge floor.
+# LIST per running attempt would stretch the round past the liveness probe's wedge floor. The
+# attempts looked at least recently go first, so all of them take turns.
 POD_LOOKS_PER_ROUND = 10
 
 
@@ -121,7 +127,7 @@ class Reaper(Loop):
         keys = {(a.uid, a.epoch) for a in watched}
         self._job_checked = {k: v for k, v in self._job_checked.items() if k in keys}
         self._slow &= keys
-        for attempt in watched:
+        for attempt in sorted(watched, key=lambda a: self._job_checked.get((a.uid, a.epoch), 0.0)):
             try:
                 if attempt.current:
                     self._judge_current(attempt)
@@ -217,21 +223,24 @@ class Reaper(Loop):
         the lease to expire. The caller's GET must then show that same observation: a renewal the
         watch missed, or the attempt's other pod holding the lease now (R10), is a live holder."""
         seen = self._seen(attempt)
-        if seen is None or seen.holder_pod is None or \
-                time.monotonic() - seen.changed_at < seen.duration_seconds * LATE_RENEWAL_FRACTION:
+        if seen is None or seen.holder_pod is None:
             return None
-        if self._pod_looks_left <= 0 or not self._due_for_a_look(attempt):
+        late_for = time.monotonic() - seen.changed_at - seen.duration_seconds * LATE_RENEWAL_FRACTION
+        if late_for < 0:
+            return None
+        every = LATE_HOLDER_LOOK_SECONDS if late_for < JOB_CHECK_SECONDS else JOB_CHECK_SECONDS
+        if self._pod_looks_left <= 0 or not self._due_for_a_look(attempt, every):
             return None
         self._pod_looks_left -= 1
         pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
         died = any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
         return seen if died else None
 
-    def _due_for_a_look(self, attempt: WatchedAttempt) -> bool:
-        """Whether the attempt's Job or pods may be asked about now (at most every
-        JOB_CHECK_SECONDS); if so, the look is counted from now."""
+    def _due_for_a_look(self, attempt: WatchedAttempt, every: float = JOB_CHECK_SECONDS) -> bool:
+        """Whether the attempt's Job or pods may be asked about now (at most `every` seconds
+        apart); if so, the look is counted from now."""
         now, key = time.monotonic(), (attempt.uid, attempt.epoch)
-        if now - self._job_checked.get(key, 0.0) < JOB_CHECK_SECONDS:
+        if now - self._job_checked.get(key, 0.0) < every:
             return False
         self._job_checked[key] = now
         return True
