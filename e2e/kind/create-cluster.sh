@@ -38,12 +38,16 @@ if (( bounding != (1 << ($(cat /proc/sys/kernel/cap_last_cap) + 1)) - 1 )); then
     '  restrict_oom_score_adj = true'
     '[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]'
     '  BinaryName = "/usr/local/sbin/runc-capbnd"')
-  if grep -q 'extraMounts:' "$config"; then
-    log "$config has extraMounts of its own: add $repo/images/runc-capbnd at /usr/local/sbin/runc-capbnd to each node's yourself"
+  # A copy of its own, not the checkout's file: a kept cluster's node that restarts must find it
+  # whatever the checkout has become since.
+  wrapper=${RETEX_CACHE:-$HOME/.cache/retex}/kind/runc-capbnd
+  install -D -m 0755 "$repo/images/runc-capbnd" "$wrapper"
+  if grep -qE '^[^#]*extraMounts:' "$config"; then
+    log "$config has extraMounts of its own: add $wrapper at /usr/local/sbin/runc-capbnd to each node's yourself"
     exit 1
   fi
   # After each `- role:` line, at its keys' indentation.
-  awk -v wrapper="$repo/images/runc-capbnd" '
+  awk -v wrapper="$wrapper" '
     { print }
     match($0, /^ *- role:/) {
       pad = sprintf("%" (RLENGTH - length("- role:") + 2) "s", "")
@@ -52,6 +56,12 @@ if (( bounding != (1 << ($(cat /proc/sys/kernel/cap_last_cap) + 1)) - 1 )); then
       print pad "    containerPath: /usr/local/sbin/runc-capbnd"
       print pad "    readOnly: true"
     }' "$config" >"$patched"
+  nodes=$(grep -cE '^[^#]*role:' "$config" || true)
+  mounted=$(grep -c 'containerPath: /usr/local/sbin/runc-capbnd' "$patched" || true)
+  if ((nodes == 0 || mounted != nodes)); then
+    log "$config: runc-capbnd could be mounted into $mounted of $nodes nodes; list every node as \`  - role: <role>\` (its first key)"
+    exit 1
+  fi
 fi
 local_image=false
 [[ $image == retex-kind-node:* ]] && local_image=true

@@ -268,11 +268,14 @@ class KindCluster(ExternalCluster):
         their parent when shrinking and after it when growing: a cgroup v1 cpuset must stay within
         its parent's, so `docker update --cpuset-cpus` of the node alone is refused ("device or
         resource busy") while its pods' cgroups use other CPUs. A pod's cgroup created meanwhile can
-        refuse its parent's write once: the whole pass is tried again."""
+        refuse its parent's write, or copy its parent's old set: the pass is checked (every cgroup
+        shows `cpus`) and tried again. Each cgroup gets `cpus`, not a value of its own from before
+        (kind's nodes set none: every one of them shows the node's)."""
         order = "-rn" if deepest_first else "-n"
-        script = (f"for f in $(find {_CPUSET_ROOT} -name cpuset.cpus | awk -F/ '{{print NF, $0}}' | sort {order} "
-                  f"| cut -d' ' -f2-); do echo {cpus} > $f 2>/dev/null || test ! -e $f || exit 1; done; "
-                  f"test \"$(cat {_CPUSET_ROOT}/cpuset.cpus)\" = {cpus}")
+        every = f"find {_CPUSET_ROOT} -name cpuset.cpus"
+        script = (f"for f in $({every} | awk -F/ '{{print NF, $0}}' | sort {order} | cut -d' ' -f2-); do "
+                  f"echo '{cpus}' > $f 2>/dev/null || test ! -e $f || exit 1; done; "
+                  f"test -z \"$({every} -exec cat {{}} + | grep -vx '{cpus}')\"")
         for tried in range(3):
             try:
                 self._on_node(node, script)
