@@ -59,6 +59,12 @@ def exit_until_open(gate: Gate, code: int) -> list[str]:
     return ["python3", "-c", check]
 
 
+def sleep_until_open(gate: Gate) -> list[str]:
+    """A step's command that ends at once if `gate` is open, else sleeps two minutes."""
+    return ["python3", "-c", f"import time, urllib.request\ntry:\n    urllib.request.urlopen({gate.url!r}, timeout=2)\n"
+                             "except Exception:\n    time.sleep(120)"]
+
+
 @contextmanager
 def served_gates(host: str) -> Iterator[Callable[[bool], Gate]]:
     """Makes gates, closed when made unless `opened_now`."""

@@ -17,7 +17,7 @@ import yaml
 
 from e2e.postgres import free_port
 from e2e.system import wait_for
-from tests.cluster.gates import Gate, exit_until_open
+from tests.cluster.gates import exit_until_open, sleep_until_open
 from tests.cluster.test_operator import apply, phase_is, sh, status
 from tests.unit.test_alert_rules import RULES_FILE, rules
 from tests.unit.test_dashboard import DASHBOARD
@@ -83,12 +83,6 @@ def prometheus(retex, tmp_path):
     finally:
         server.stop()
         print(f"--- prometheus log tail ---\n{server.log_tail()}")
-
-
-def sleep_until_open(gate: Gate) -> list[str]:
-    """A step's command that ends at once if `gate` is open, else sleeps two minutes."""
-    return ["python3", "-c", f"import time, urllib.request\ntry:\n    urllib.request.urlopen({gate.url!r}, timeout=2)\n"
-                             "except Exception:\n    time.sleep(120)"]
 
 
 def dashboard_queries() -> list[str]:
