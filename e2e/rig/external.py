@@ -295,14 +295,11 @@ class KindCluster(ExternalCluster):
         patterns = " ".join(f"-e '{p}'" for p in found)
         # A SIGKILL may take a process whose parent it killed first: one already gone is no failure.
         tolerate = " 2>/dev/null; true" if signal_name == "KILL" else ""
-        script = (f"pids=$(grep -l {patterns} /proc/[0-9]*/cgroup 2>/dev/null "
-                  f"| cut -d/ -f3); test -n \"$pids\" && {{ kill -{signal_name} $pids{tolerate}; }} && echo $pids")
-        done = subprocess.run(["docker", "exec", pod.spec.node_name, "sh", "-c", script],
-                              capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:
-            raise RigError(f"SIG{signal_name} to pod {namespace}/{name} on {pod.spec.node_name} failed "
-                           f"(exit {done.returncode}): {done.stderr.strip() or 'no process in its cgroup'}")
-        say(f"SIG{signal_name} to pod {namespace}/{name}: processes {done.stdout.strip()} on {pod.spec.node_name}")
+        script = (f"pids=$(grep -l {patterns} /proc/[0-9]*/cgroup 2>/dev/null | cut -d/ -f3); "
+                  f"test -n \"$pids\" || {{ echo 'no process in its cgroup' >&2; exit 1; }}; "
+                  f"kill -{signal_name} $pids{tolerate} && echo $pids")
+        pids = self._on_node(pod.spec.node_name, script)
+        say(f"SIG{signal_name} to pod {namespace}/{name}: processes {pids} on {pod.spec.node_name}")
 
     def restart_apiserver(self, hard: bool = False) -> None:
         """Stop kube-apiserver (SIGTERM, SIGKILL 5 s later; or SIGKILL at once if `hard`) and
