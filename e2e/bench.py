@@ -46,6 +46,7 @@ from e2e.rig.controlplane import Rig, wait_for
 from e2e.rig.external import ExternalCluster, RigUnavailable, from_environment
 from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.api import GROUP, PLURAL, VERSION
+from retex.kube.election import ElectionTiming
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import TaskPhase
 
@@ -53,6 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.json"
 CHARTS = REPO / "docs" / "benchmarks"
 LEASE_SECONDS = 10  # the recovery measure's lease duration
+DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the chart deploys it
 OBSERVED_DEATH_TARGET_SECONDS = 3.0
 
 
@@ -174,7 +176,11 @@ class BenchSystem:
         prepare_namespace(rig.kubectl, self.namespace)
         self.operator_log = workdir / "operator.log"
         self.operator = OperatorProcess.on(rig, self.dsn, self.operator_log, extra_env={"RETEX_NAMESPACES": self.namespace})
-        self.operator.start()
+        # The leader election as deployed, not the tests' short one (made for restarting operators,
+        # which no measure does): a loaded operator renews its leadership as a user's would.
+        self.operator.start(RETEX_LEADER_LEASE_SECONDS=f"{DEPLOYED_ELECTION.lease_duration:g}",
+                            RETEX_LEADER_RENEW_DEADLINE_SECONDS=f"{DEPLOYED_ELECTION.renew_deadline:g}",
+                            RETEX_LEADER_RETRY_SECONDS=f"{DEPLOYED_ELECTION.retry_period:g}")
         self.ledger = Ledger(self.dsn).open()
         self._api = rig.api_client()
         self.custom, self.batch = client.CustomObjectsApi(self._api), client.BatchV1Api(self._api)
@@ -884,7 +890,8 @@ def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str
         system.close()
     return {"machine": {"cores": os.cpu_count(), "memory_gib": _memory_gib(), "platform": platform.platform()},
             "cluster": cluster_record(rig),
-            "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS},
+            "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS,
+                         "leader_election_seconds": asdict(DEPLOYED_ELECTION)},
             "figures": [asdict(f) for f in figures], "not_measured": not_measured}
 
 

@@ -1,14 +1,19 @@
 """A Service for processes on the rig: one local port forwarding each connection to the next of
 several backends (round robin, skipping one that refuses the connection), as kube-proxy would to
 a Service's pods. The rig has no kube-proxy; tests with two operators give the workers this one
-ledger URL, so a worker's calls reach whichever replica is alive, as on a cluster."""
+ledger URL, so a worker's calls reach whichever replica is alive, as on a cluster.
+
+`SlowAnswers` is the same forwarder to one backend, whose answers it holds back a given time: a
+loaded API server as its clients see it."""
 
 from __future__ import annotations
 
 import itertools
+import queue
 import socket
 import socketserver
 import threading
+import time
 
 
 class _Forward(socketserver.BaseRequestHandler):
@@ -20,7 +25,7 @@ class _Forward(socketserver.BaseRequestHandler):
             return
         with upstream:
             pipes = [threading.Thread(target=pipe, args=(self.request, upstream), daemon=True),
-                     threading.Thread(target=pipe, args=(upstream, self.request), daemon=True)]
+                     threading.Thread(target=self.server.answer, args=(upstream, self.request), daemon=True)]
             for copier in pipes:
                 copier.start()
             for copier in pipes:
@@ -60,6 +65,9 @@ class RoundRobinService(socketserver.ThreadingTCPServer):
     def url(self) -> str:
         return f"https://{self.host}:{self.server_address[1]}"  # TLS end to end: bytes are forwarded
 
+    def answer(self, upstream: socket.socket, client: socket.socket) -> None:
+        pipe(upstream, client)
+
     def connect(self) -> socket.socket | None:
         for _ in self._backends:
             with self._lock:
@@ -82,3 +90,41 @@ class RoundRobinService(socketserver.ThreadingTCPServer):
     def close(self) -> None:
         self.shutdown()
         self.server_close()
+
+
+class SlowAnswers(RoundRobinService):
+    """A forwarder to this host's `port` whose answers (bytes from it) each reach the client
+    `delay` seconds after they left the backend; `delay` may change while connections are open.
+    Requests go through at once, and TLS end to end, so a client keeps its server's name and CA."""
+
+    def __init__(self, port: int, *, delay: float = 0.0):
+        super().__init__([port])
+        self.delay = delay
+
+    def answer(self, upstream: socket.socket, client: socket.socket) -> None:
+        held: queue.Queue[tuple[float, bytes]] = queue.Queue()  # (when to pass it on, bytes); b"" ends
+
+        def read() -> None:
+            try:
+                while data := upstream.recv(65536):
+                    held.put((time.monotonic() + self.delay, data))
+            except OSError:
+                pass
+            held.put((time.monotonic() + self.delay, b""))
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            while True:
+                due, data = held.get()
+                time.sleep(max(0.0, due - time.monotonic()))
+                if not data:
+                    break
+                client.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (upstream, client):
+                try:
+                    end.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass

@@ -16,17 +16,20 @@ import os
 import signal
 import statistics
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.rig import pki as pkilib
+from e2e.rig.controlplane import run_kubectl
 from e2e.rig.procs import stat_fields
-from e2e.service import RoundRobinService
+from e2e.service import RoundRobinService, SlowAnswers
 from e2e.system import (
     LEADER_ELECTION_FOR_TESTS,
     OperatorProcess,
@@ -42,6 +45,7 @@ from retex.operator.settings import session_limits
 
 LEASE_SECONDS = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_LEASE_SECONDS"])
 RENEW_DEADLINE = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RENEW_DEADLINE_SECONDS"])
+RETRY_PERIOD = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RETRY_SECONDS"])
 WRITER_LOOPS = ("relay", "promoter", "reaper", "status-mirror")
 _numbers = itertools.count()
 
@@ -501,3 +505,56 @@ def test_a_leader_resumed_between_its_leading_check_and_a_ledger_write_is_refuse
     resumed = old.log_path.read_bytes()[log_before:].decode(errors="replace")
     assert "attempt dispatched" not in resumed, "the old leader dispatched after resuming"
     assert events_reported_by(pair, "operator-a") == reported, "the old leader posted an Event after resuming"
+
+
+def through(slow: SlowAnswers, kubeconfig: Path, to: Path) -> Path:
+    """A copy of `kubeconfig` whose clusters are reached through `slow` (same host name: TLS still checks)."""
+    config = yaml.safe_load(kubeconfig.read_text())
+    for cluster in config["clusters"]:
+        server = urllib.parse.urlsplit(cluster["cluster"]["server"])
+        cluster["cluster"]["server"] = server._replace(netloc=f"{server.hostname}:{slow.server_address[1]}").geturl()
+    to.write_text(yaml.safe_dump(config))
+    return to
+
+
+def api_port(kubeconfig: Path) -> int:
+    config = yaml.safe_load(kubeconfig.read_text())
+    ports = {urllib.parse.urlsplit(c["cluster"]["server"]).port for c in config["clusters"]}
+    assert len(ports) == 1, ports
+    return ports.pop()
+
+
+def test_a_leader_whose_api_server_answers_slower_than_its_retry_period_keeps_leading(retex, tmp_path):
+    """The scale benchmark on kind (docs/benchmarks.md): a loaded API server answered the
+    election's calls in more than the 0.5 s they were each given (the tests' retry period), and
+    the operator lost its own leadership 17 times. Here every answer of the API server reaches
+    the operator 0.7 s late, for five renew deadlines: it keeps leading, and its renewals land."""
+    operator = retex.operator
+    slow = SlowAnswers(api_port(operator.kubeconfig))
+    try:
+        slow_config = through(slow, operator.kubeconfig, tmp_path / "slow-kubeconfig")
+        operator.kill()
+        operator.kubeconfig = slow_config
+        operator.start()
+        wait_for(lambda: leader_gauge(operator) == 1, timeout=30, what="the operator leads")
+        since = operator.log_path.stat().st_size
+        lease = json.loads(retex.kubectl("get", "lease", "retex-operator-leader", "-o", "json").stdout)["spec"]
+
+        slow.delay = RETRY_PERIOD + 0.2
+        began = time.monotonic()
+        run_kubectl(slow_config, "-n", retex.namespace, "get", "lease", "retex-operator-leader")
+        took = time.monotonic() - began
+        assert took >= slow.delay, f"the fault did not fire: a call through the slow link took {took:.2f}s"
+        gauge = []
+        while time.monotonic() - began < 5 * RENEW_DEADLINE:
+            gauge.append(leader_gauge(operator))
+            time.sleep(0.5)
+        after = json.loads(retex.kubectl("get", "lease", "retex-operator-leader", "-o", "json").stdout)["spec"]
+    finally:
+        slow.delay = 0.0
+        slow.close()
+    lost = logged(operator, "leader election: this replica stopped leading", since=since)
+    assert lost == [] and set(gauge) == {1.0}, f"lost its leadership over a slow API server: {lost}, gauge {gauge}"
+    assert after["holderIdentity"] == lease["holderIdentity"] and after["leaseTransitions"] == lease["leaseTransitions"]
+    assert after["renewTime"] != lease["renewTime"], "no renewal landed through the slow link"
+    assert logged(operator, "leader election: call failed", since=since) == [], "a renewal was given up"

@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from retex.kube.election import ElectionTiming, LeaderLease, LeaderRecord
+from retex.kube.election import Election, ElectionTiming, LeaderLease, LeaderRecord
 from retex.kube.operator_calls import LIST_TIMEOUT_SECONDS, KubeCalls, NotLeading
 
 TASK = {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
@@ -73,21 +73,36 @@ def test_a_write_is_not_sent_once_this_replica_does_not_lead(name, sent):
     assert sent == []
 
 
-def test_the_election_lease_calls_carry_their_timeout(sent):
-    lease = LeaderLease(client.ApiClient(), "retex-system", request_timeout=0.5)
-    for call in (lease.read, lambda: lease.write(LeaderRecord(holder="a", duration_seconds=15))):
+def test_the_election_lease_calls_carry_the_timeout_they_are_given(sent):
+    lease = LeaderLease(client.ApiClient(), "retex-system")
+    for call in (lambda: lease.read(timeout=0.5), lambda: lease.write(LeaderRecord(holder="a", duration_seconds=15), timeout=0.7)):
         with pytest.raises(ApiException):
             call()
-    assert [timeout for _, _, timeout in sent] == [0.5, 0.5]
+    assert [timeout for _, _, timeout in sent] == [0.5, 0.7]
 
 
-@pytest.mark.parametrize("timing, calls, election", [
-    (ElectionTiming(), 5.0, 2.0),  # client-go's 15/10/2 s
-    (ElectionTiming(lease_duration=4, renew_deadline=3, retry_period=0.5), 1.0, 0.5),  # the tests' timings
-    (ElectionTiming(lease_duration=15, renew_deadline=14, retry_period=2), 1.0, 1.0),  # a tight margin wins
+@pytest.mark.parametrize("timing, calls", [
+    (ElectionTiming(), 5.0),  # client-go's 15/10/2 s
+    (ElectionTiming(lease_duration=4, renew_deadline=3, retry_period=0.5), 1.0),  # the tests' timings
+    (ElectionTiming(lease_duration=15, renew_deadline=14, retry_period=2), 1.0),  # a tight margin
 ])
-def test_the_request_timeout_is_what_is_left_of_the_lease_after_the_renew_deadline(timing, calls, election):
-    assert timing.request_timeout == calls and timing.election_request_timeout == election
+def test_the_request_timeout_is_what_is_left_of_the_lease_after_the_renew_deadline(timing, calls):
+    assert timing.request_timeout == calls
     # A call sent at the last moment a leader may write is over by the time a successor may start.
     assert timing.renew_deadline + timing.request_timeout <= timing.lease_duration
-    assert timing.renew_deadline + timing.election_request_timeout <= timing.lease_duration
+
+
+@pytest.mark.parametrize("timing", [ElectionTiming(), ElectionTiming(lease_duration=4, renew_deadline=3, retry_period=0.5)])
+def test_an_election_call_is_over_before_a_successor_may_start(timing):
+    """A leader's call may take until its renew deadline, anyone else's D − R: sent at any moment,
+    it is over by the lease duration after the last renewal, when a successor may start."""
+    election = Election("a", timing)
+    assert election.call_timeout(0.0) == timing.request_timeout  # never renewed
+    election.won(LeaderRecord(holder="a", duration_seconds=15), started_at=100.0)
+    for sent_at in (100.0, 100.5, 100.0 + timing.renew_deadline - 0.01):
+        timeout = election.call_timeout(sent_at)
+        assert timeout == pytest.approx(100.0 + timing.renew_deadline - sent_at)
+        assert sent_at + timeout <= 100.0 + timing.lease_duration
+    past_deadline = 100.0 + timing.renew_deadline
+    assert election.call_timeout(past_deadline) == timing.request_timeout
+    assert past_deadline + timing.request_timeout <= 100.0 + timing.lease_duration

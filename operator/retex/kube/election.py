@@ -3,7 +3,9 @@
 Three numbers (`ElectionTiming`): the lease duration D, the renew deadline R and the retry period
 P, with D > R > P. Every P a replica reads the Lease and, as `Election.decide` says, creates it,
 renews it (it holds it), takes it (free, or unchanged for D by its own clock), or waits (someone
-else renewed it less than D ago). The leader counts as leading until R after the *start* of its
+else renewed it less than D ago); a leader renews without reading first (client-go's fast path:
+the write is conditional on the Lease being as it last wrote it), and its calls may take until
+its renew deadline (`Election.call_timeout`). The leader counts as leading until R after the *start* of its
 last successful write (`Election.leading`), so it stops writing before anyone can take over: a
 standby takes over only D after it *saw* the last renewal, and it saw it after the write began.
 Clocks are never compared across machines: renewTime is only compared for change, times are
@@ -53,10 +55,6 @@ class ElectionTiming:
         a successor may start. (The API server may still apply a request it received in time.)"""
         return self.lease_duration - self.renew_deadline
 
-    @property
-    def election_request_timeout(self) -> float:
-        """The election's own calls: within a retry period too, so a slow one does not delay the next try."""
-        return min(self.retry_period, self.request_timeout)
 
 
 @dataclass(frozen=True)
@@ -144,6 +142,18 @@ class Election:
         it succeeds, is a new leadership (`leading` at its start said no)."""
         self._renewed_at = None
 
+    def call_timeout(self, now: float) -> float:
+        """How long the election's next call may take. A leader's: until its renew deadline, as
+        client-go's renew context (on an API server slow to answer, a renewal answered late still
+        keeps the leadership that a shorter timeout would end, though every call was answered).
+        Anyone else's: the bound of every operator call, D − R. Either is over by the lease
+        duration after the last renewal, when a successor may start."""
+        if self._renewed_at is not None:
+            left = self._renewed_at + self.timing.renew_deadline - now
+            if left > 0:
+                return left
+        return self.timing.request_timeout
+
     def leading(self, now: float) -> bool:
         """Whether this replica may still write: its last successful write began less than the
         renew deadline ago. False from the deadline on, whether or not anyone else took over."""
@@ -158,18 +168,17 @@ class Election:
 
 
 class LeaderLease:
-    """The election Lease's calls. Conflicts (someone else wrote first) raise `LeaseConflict`."""
+    """The election Lease's calls, each bounded by the timeout it is given (`Election.call_timeout`).
+    Conflicts (someone else wrote first) raise `LeaseConflict`."""
 
-    def __init__(self, api: client.ApiClient, namespace: str, *, name: str = LEADER_LEASE_NAME,
-                 request_timeout: float = 2.0):
+    def __init__(self, api: client.ApiClient, namespace: str, *, name: str = LEADER_LEASE_NAME):
         self._coordination = client.CoordinationV1Api(api)
-        self.namespace, self.name, self._timeout = namespace, name, request_timeout
+        self.namespace, self.name = namespace, name
         self._version: str | None = None  # resourceVersion of the last read or write
 
-    def read(self) -> LeaderRecord | None:
+    def read(self, *, timeout: float) -> LeaderRecord | None:
         try:
-            lease = self._coordination.read_namespaced_lease(self.name, self.namespace,
-                                                             _request_timeout=self._timeout)
+            lease = self._coordination.read_namespaced_lease(self.name, self.namespace, _request_timeout=timeout)
         except ApiException as exc:
             if not_found(exc):
                 self._version = None
@@ -179,19 +188,19 @@ class LeaderLease:
         self._version = plain["metadata"]["resourceVersion"]
         return LeaderRecord.of(plain)
 
-    def write(self, record: LeaderRecord) -> None:
-        """Create the Lease (none was read) or replace the one read last, if it has not changed."""
+    def write(self, record: LeaderRecord, *, timeout: float) -> None:
+        """Create the Lease (none was read) or replace the one read or written last, if it has not changed."""
         body: dict[str, Any] = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                                 "metadata": {"name": self.name, "namespace": self.namespace},
                                 "spec": record.spec()}
         try:
             if self._version is None:
                 written = self._coordination.create_namespaced_lease(self.namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into V1Lease
-                                                                     _request_timeout=self._timeout)
+                                                                     _request_timeout=timeout)
             else:
                 body["metadata"]["resourceVersion"] = self._version
                 written = self._coordination.replace_namespaced_lease(self.name, self.namespace, body,  # type: ignore[arg-type]  # a manifest dict; the client validates it into V1Lease
-                                                                      _request_timeout=self._timeout)
+                                                                      _request_timeout=timeout)
         except ApiException as exc:
             if conflict(exc):
                 raise LeaseConflict(f"leader Lease {self.namespace}/{self.name} changed") from exc

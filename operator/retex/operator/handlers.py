@@ -112,7 +112,7 @@ class Runtime:
         # candidate, never mistaken for the leader it replaces.
         identity = f"{pod}_{uuid.uuid4().hex[:8]}"
         self.leadership = Leadership(
-            LeaderLease(api, settings.operator_namespace, request_timeout=timing.election_request_timeout),
+            LeaderLease(api, settings.operator_namespace),
             identity, timing, on_started=self._lead, may_keep=self._may_keep_lease)
         self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
         for loop in self._writers:

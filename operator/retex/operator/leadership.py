@@ -1,17 +1,18 @@
 """Which replica of the operator writes: the leader election's thread and its answer.
 
-Every retry period the thread reads the election Lease and writes it when `Election.decide` says
-so (retex.kube.election). Every writer asks `leading()` itself, on its own clock, right before a
-round or a handler: a replica that was paused (SIGSTOP, a long GC, a partition) past its renew
-deadline stops writing when it resumes, before this thread has run again. Becoming leader calls
-`on_started` (fresh grace for every worker lease, a full status resync, the ledger's leadership
-term taken before any writer starts: retex.operator.handlers.Runtime) under the lock `leading()`
-takes, so no writer hears that it leads before that is done (`on_started` asking `leading()`
-itself hears False: the lock is reentrant). When `on_started` raises or returns past the renew
-deadline, this replica does not lead and gives the Lease up (`Leadership`); so does a leader
-that `may_keep` says no to (it could not take the ledger's term), and it then rests a lease
-duration. `restart` stops leading until the next Lease write succeeds, which starts a new
-leadership. Losing it only logs and flips `retex_leader`: the writers stopped already by asking.
+Every retry period the thread reads the election Lease and writes it when `Election.decide` says so
+(retex.kube.election); a leader just writes its renewal, and reads only when that conflicts. Every
+writer asks `leading()` itself, on its own clock, right before a round or a handler: a replica that
+was paused (SIGSTOP, a long GC, a partition) past its renew deadline stops writing when it resumes,
+before this thread has run again. Becoming leader calls `on_started` (fresh grace for every worker
+lease, a full status resync, the ledger's leadership term taken before any writer starts:
+retex.operator.handlers.Runtime) under the lock `leading()` takes, so no writer hears that it leads
+before that is done (`on_started` asking `leading()` itself hears False: the lock is reentrant).
+When `on_started` raises or returns past the renew deadline, this replica does not lead and gives
+the Lease up (`Leadership`); so does a leader that `may_keep` says no to (it could not take the
+ledger's term), and it then rests a lease duration. `restart` stops leading until the next Lease
+write succeeds, which starts a new leadership. Losing it only logs and flips `retex_leader`: the
+writers stopped already by asking.
 """
 
 from __future__ import annotations
@@ -70,7 +71,10 @@ class Leadership:
             self._notice()
             return
         try:
-            record = self._lease.read()
+            if self.leading() and self._renew_unread(started):
+                self._notice()
+                return
+            record = self._lease.read(timeout=self._call_timeout())
             with self._lock:
                 self._election.observe(record, started)
                 decision = self._election.decide(started)
@@ -81,30 +85,51 @@ class Leadership:
                 # Lease and released it).
                 continuing = decision is Decision.RENEW and self._election.leading(started)
             if decision is not Decision.WAIT:
-                written = self._election.record(decision, datetime.now(UTC))
-                self._lease.write(written)
-                with self._lock:
-                    # Asked again: a `restart` while the write was under way makes it a new leadership.
-                    continuing = continuing and self._election.leading(started)
-                    # Under the lock, before `won`: a writer asking leading() waits until the
-                    # term has started (the fresh grace granted), so no round runs before it.
-                    failed = None if continuing else self._start(started)
-                    if failed is None:
-                        self._election.won(written, started)
-                    else:  # not leading: give the Lease up (below) rather than lock a standby out
-                        self._election.observe(written, self._clock())
-                        released = self._election.released_record(datetime.now(UTC))
-                if failed is not None:
-                    log_line(log, logging.ERROR, "leader election: on_started failed; releasing the lease",
-                             identity=self._election.identity, error=failed)
-                    self._lease.write(released)  # if this fails, the next retry renews and starts again
-                    with self._lock:
-                        self._election.released(released, self._clock())
+                self._write(decision, started, continuing=continuing)
         except LeaseConflict:
             pass  # another replica wrote first: read again at the next retry
         except Exception as exc:  # the API server unreachable or slow: the renew deadline decides
             log_line(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
+
+    def _renew_unread(self, started: float) -> bool:
+        """A leader's renewal without reading first (client-go's fast path): the write is
+        conditional on the Lease being as this replica last wrote it, so it needs no read unless
+        someone else wrote since. One call a retry period instead of two, where a loaded API
+        server makes every call count. False on a conflict: read, and decide on what is there."""
+        try:
+            self._write(Decision.RENEW, started, continuing=True)
+        except LeaseConflict:
+            return False
+        return True
+
+    def _write(self, decision: Decision, started: float, *, continuing: bool) -> None:
+        """Write the Lease as `decision` says; a new leadership (not `continuing`) starts under
+        the lock once the write succeeded, or gives the Lease up if starting failed."""
+        written = self._election.record(decision, datetime.now(UTC))
+        self._lease.write(written, timeout=self._call_timeout())
+        with self._lock:
+            # Asked again: a `restart` while the write was under way makes it a new leadership.
+            continuing = continuing and self._election.leading(started)
+            # Under the lock, before `won`: a writer asking leading() waits until the
+            # term has started (the fresh grace granted), so no round runs before it.
+            failed = None if continuing else self._start(started)
+            if failed is None:
+                self._election.won(written, started)
+            else:  # not leading: give the Lease up (below) rather than lock a standby out
+                self._election.observe(written, self._clock())
+                released = self._election.released_record(datetime.now(UTC))
+        if failed is not None:
+            log_line(log, logging.ERROR, "leader election: on_started failed; releasing the lease",
+                     identity=self._election.identity, error=failed)
+            # If this fails, the next retry renews and starts again.
+            self._lease.write(released, timeout=self._call_timeout())
+            with self._lock:
+                self._election.released(released, self._clock())
+
+    def _call_timeout(self) -> float:
+        with self._lock:
+            return self._election.call_timeout(self._clock())
 
     def restart(self) -> None:
         """Stop leading now, and lead again only as a new leadership (`on_started` again) once
@@ -131,7 +156,7 @@ class Leadership:
         """Write the released record so a standby takes over at its next retry: False if the
         write failed (the Lease then expires after its duration instead)."""
         try:
-            self._lease.write(released)
+            self._lease.write(released, timeout=self._call_timeout())
         except Exception as exc:
             log_line(log, logging.WARNING, "leader election: releasing the lease failed", error=f"{type(exc).__name__}: {exc}")
             return False
