@@ -16,6 +16,7 @@ import pytest
 
 from e2e.system import wait_for
 from retex.kube.objects import job_name, lease_name
+from retex.operator.reaper import LATE_RENEWAL_FRACTION
 from tests.cluster.gates import ask_once, beat_until_killed
 from tests.cluster.test_crash_matrix import submit, worker_died_at
 from tests.cluster.test_operator import apply, jobs_of, phase_is, sh, status, task
@@ -246,17 +247,19 @@ def test_an_operator_paused_longer_than_a_lease_condemns_no_live_worker(retex):
     assert [(a.epoch, a.cause) for a in retex.ledger.attempts(record.uid)] == [(1, "first")]
 
 
-def test_a_worker_killed_mid_step_is_replaced_without_waiting_for_its_lease_to_expire(retex):
-    """With a 60 s lease, attempt 1's worker dies by SIGKILL just after beginning its step; the
-    kubelet (here the rig's node agent) reports its container terminated, so the reaper starts the
-    next attempt once a renewal is late, long before the lease would expire."""
-    lease_seconds = 60
+def test_a_worker_killed_mid_step_is_replaced_as_soon_as_its_pod_ended_before_any_renewal_is_late(retex):
+    """With a 120 s lease, attempt 1's worker dies by SIGKILL just after beginning its step; the
+    kubelet (here the rig's node agent) reports its container terminated and the operator's pod
+    watch sees it, so the reaper starts the next attempt at once: long before a renewal is late
+    (a quarter of the lease, 30 s after the last one), when a look at the Job's pods would."""
+    lease_seconds = 120
     submitted = submit(retex, "killed", [sh("only", "echo done", idempotent=True)], failpoint="after-begin=kill",
                        lease={"durationSeconds": lease_seconds})
     death = worker_died_at(retex, "after-begin", submitted)  # proves SIGKILL at the failpoint
     died_at = time.monotonic()
-    wait_for(lambda: phase_is(retex, "killed", "Succeeded"), timeout=lease_seconds - 15, what="Succeeded")
+    wait_for(lambda: phase_is(retex, "killed", "Succeeded"), timeout=lease_seconds / 2, what="Succeeded")
     recovered = time.monotonic() - died_at
     assert operator_log_has(retex, "lease holder's pod terminated: not waiting for the lease to expire"), death.pod
     assert [(a.epoch, a.cause) for a in retex.ledger.attempts(submitted.uid)] == [(1, "first"), (2, "disruption")]
-    assert recovered < lease_seconds / 2, f"{recovered:.1f}s after the worker's death"
+    late = lease_seconds * LATE_RENEWAL_FRACTION
+    assert recovered < late - 10, f"{recovered:.1f}s after the worker's death: not before a renewal was late ({late:g}s)"

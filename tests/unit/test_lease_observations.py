@@ -2,6 +2,9 @@
 spots are forgiven but never reset a timer, a GET confirms what a stale watch showed, and a pod
 that cannot start is described by the reasons Kubernetes gives."""
 
+import json
+from types import SimpleNamespace
+
 from kubernetes import client
 
 from retex.kube.leasewatch import LeaseObserver
@@ -135,7 +138,7 @@ def test_the_watch_survives_a_stream_that_breaks_and_relists(monkeypatch):
     watch again, never die (a dead watch leaves the reaper blind for good)."""
     import urllib3
 
-    import retex.kube.leasewatch as leasewatch
+    import retex.kube.watching as watching
 
     leases = observer(Clock())
     lists = []
@@ -144,7 +147,7 @@ def test_the_watch_survives_a_stream_that_breaks_and_relists(monkeypatch):
         lists.append(kwargs)
         if len(lists) >= 2:
             leases.stop()
-        return client.V1LeaseList(items=[], metadata=client.V1ListMeta(resource_version=str(len(lists))))
+        return SimpleNamespace(data=json.dumps({"items": [], "metadata": {"resourceVersion": str(len(lists))}}).encode())
 
     class BrokenStream:
         def stream(self, *args, **kwargs):
@@ -156,7 +159,7 @@ def test_the_watch_survives_a_stream_that_breaks_and_relists(monkeypatch):
             pass
 
     monkeypatch.setattr(leases._coordination, "list_lease_for_all_namespaces", list_leases)
-    monkeypatch.setattr(leasewatch.watch, "Watch", BrokenStream)
+    monkeypatch.setattr(watching.watch, "Watch", BrokenStream)
     monkeypatch.setattr(leases._stop, "wait", lambda seconds: None)
     leases.run()  # returns once stopped; a crash in the error path would raise here
     assert len(lists) == 2, "relisted after the broken stream"

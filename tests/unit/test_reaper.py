@@ -13,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import lease_name
 from retex.kube.operator_calls import NotLeading
+from retex.kube.podwatch import PodEndings
 from retex.ledger import NotLeader, WatchedAttempt
 from retex.operator.reaper import JOB_CHECK_SECONDS as JOB_CHECK
 from retex.operator.reaper import LATE_RENEWAL_FRACTION as LATE_FRACTION
@@ -113,11 +114,13 @@ class FakeKube:
         self.deleted.append(name)
 
 
-def reaper(ledger, kube, watched_leases, clock=None):
+def reaper(ledger, kube, watched_leases, clock=None, pods=None):
+    """`pods`: what the pod watch has seen (none by default: every verdict as if it were blind)."""
     observer = LeaseObserver(client.ApiClient(), clock=clock or Clock())
     observer.relisted(watched_leases)
     observer.synced.set()
-    return Reaper(ledger, kube, observer, interval=1.0, start_deadline_seconds=120)
+    return Reaper(ledger, kube, observer, pods or PodEndings(client.ApiClient()), interval=1.0,
+                  start_deadline_seconds=120)
 
 
 R1, R2 = "2026-12-03T09:00:01.000000Z", "2026-12-03T09:00:31.000000Z"
@@ -269,6 +272,48 @@ def test_a_late_renewal_is_no_verdict_while_the_holders_containers_are_not_repor
     r.round()
     assert ledger.calls == []
     assert kube.deleted == []
+
+
+def watched(*pods):
+    """A pod watch that has seen `pods` (each of Job job-1, in namespace ns)."""
+    seen = PodEndings(client.ApiClient())
+    seen.listed([{**pod, "metadata": {**pod["metadata"], "namespace": "ns", "labels": {"job-name": "job-1"}}}
+                 for pod in pods])
+    return seen
+
+
+def test_a_holder_whose_pod_the_watch_saw_end_is_replaced_before_any_renewal_is_late():
+    """Recovery from an observed death: the pod watch saw the holder's pod end, so the reaper
+    waits for no late renewal and lists no pods; the Lease GET still confirms it."""
+    clock, kube = late_renewal("u1", [])
+    clock.ago = 0.0  # renewed just now
+    listed = []
+    kube.job_pods = lambda namespace, job: listed.append(job) or []
+    ledger = FakeLedger([attempt("u1")])
+    reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock, pods=watched(KILLED)).round()
+    assert ledger.calls == [("replace_attempt", "u1", 1, "disruption")]
+    assert listed == [] and kube.deleted == ["job-1"]
+
+
+@pytest.mark.parametrize("pod, job", [(KILLED, "job-0"), (RUNNING, "job-1"), (MARKED_FAILED, "job-1")],
+                         ids=["another-jobs-pod", "running", "marked-failed-by-the-control-plane"])
+def test_a_pod_the_watch_did_not_see_end_as_the_holders_is_no_verdict_before_a_late_renewal(pod, job):
+    clock, kube = late_renewal("u1", [])
+    clock.ago = 0.0
+    ledger = FakeLedger([attempt("u1")])
+    seen = watched(pod)
+    seen.changed("MODIFIED", {**pod, "metadata": {"name": "pod-a", "namespace": "ns", "labels": {"job-name": job}}})
+    reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock, pods=seen).round()
+    assert ledger.calls == []
+
+
+def test_a_holder_whose_ended_pod_the_get_shows_renewed_since_is_no_verdict():
+    clock, kube = late_renewal("u1", [])
+    clock.ago = 0.0
+    kube.leases[name_of("u1")] = lease("u1", R2, "pod-a:1")  # a renewal the watch has not delivered
+    ledger = FakeLedger([attempt("u1")])
+    reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock, pods=watched(KILLED)).round()
+    assert ledger.calls == []
 
 
 def test_a_lease_renewed_on_time_costs_no_pod_list():

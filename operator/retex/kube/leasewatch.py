@@ -18,7 +18,6 @@ observations; the reaper therefore confirms a lease with a GET (`confirm`) befor
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -26,17 +25,12 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
-from kubernetes import client, watch
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
 
 from retex.failpoints import failpoint
-from retex.kube.errors import expired
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
-from retex.kube.operator_calls import LIST_TIMEOUT_SECONDS
-from retex.logs import log_line
-
-log = logging.getLogger(__name__)
+from retex.kube.watching import list_then_watch
 
 
 @dataclass(frozen=True)
@@ -164,39 +158,15 @@ class LeaseObserver:
             )
 
     def run(self) -> None:
-        """List, then watch from the list's resourceVersion; relist only after 410 Gone or an error."""
-        version: str | None = None
-        while not self._stop.is_set():
-            failpoint("in-lease-watch")  # =raise: outside the try, so the thread dies (the probes' test)
-            try:
-                if version is None:
-                    # A read's timeout (the Task LIST's): a silent API server must not hang this thread for ever.
-                    listed = self._coordination.list_lease_for_all_namespaces(
-                        label_selector=LABEL_TASK_UID, _request_timeout=LIST_TIMEOUT_SECONDS)
-                    plain = self._coordination.api_client.sanitize_for_serialization(listed)
-                    self.relisted(plain.get("items") or [])
-                    version = plain["metadata"]["resourceVersion"]
-                    self.synced.set()
-                stream = watch.Watch()
-                for change in stream.stream(
-                    self._coordination.list_lease_for_all_namespaces, label_selector=LABEL_TASK_UID,
-                    resource_version=version, allow_watch_bookmarks=True, timeout_seconds=60,
-                    _request_timeout=90,
-                ):
-                    if self._stop.is_set():
-                        stream.stop()
-                        return
-                    version = change["raw_object"]["metadata"]["resourceVersion"]
-                    if change["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self._observe(change["raw_object"], deleted=change["type"] == "DELETED")
-            except ApiException as exc:
-                version = None
-                self.went_blind()
-                if not expired(exc):
-                    log_line(log, logging.WARNING, "lease watch failed; relisting", http_status=exc.status)
-                    self._stop.wait(1.0)
-            except Exception as exc:  # connection refused while the API server restarts, etc.
-                version = None
-                self.went_blind()
-                log_line(log, logging.WARNING, "lease watch interrupted; relisting", error=str(exc))
-                self._stop.wait(1.0)
+        list_then_watch(self._coordination.list_lease_for_all_namespaces, label_selector=LABEL_TASK_UID,
+                        stopped=self._stop, listed=self._listed, changed=self._changed, went_blind=self.went_blind,
+                        what="lease",
+                        # =raise: outside the loop's handling, so the thread dies (the probes' test)
+                        before_each_round=lambda: failpoint("in-lease-watch"))
+
+    def _listed(self, leases: list[dict[str, Any]]) -> None:
+        self.relisted(leases)
+        self.synced.set()
+
+    def _changed(self, kind: str, lease: dict[str, Any]) -> None:
+        self._observe(lease, deleted=kind == "DELETED")

@@ -42,6 +42,7 @@ from retex.kube.identity import WorkerIdentities
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
 from retex.kube.operator_calls import KubeCalls
+from retex.kube.podwatch import PodEndings
 from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotLeader, Refusal, TaskNotFound
 from retex.logs import log_line
 from retex.machine import IllegalTransition
@@ -91,12 +92,13 @@ class Runtime:
         pod = os.environ.get("POD_NAME") or socket.gethostname()  # this replica
         self.kube = KubeCalls(api, instance=pod, request_timeout=timing.request_timeout, may_write=self.may_write)
         self.leases = LeaseObserver(api)
+        self.pods = PodEndings(api)
         self.relay = Relay(self.ledger, self.kube, self.worker_defaults, interval=settings.relay_interval_seconds,
                            defer_limit_seconds=settings.dispatch_defer_limit_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
         retention = settings.history_retention_days
         self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)
-        self.reaper = Reaper(self.ledger, self.kube, self.leases, interval=settings.reaper_interval_seconds,
+        self.reaper = Reaper(self.ledger, self.kube, self.leases, self.pods, interval=settings.reaper_interval_seconds,
                              start_deadline_seconds=settings.worker_start_deadline_seconds,
                              on_replaced=self.relay.wake.set)
         self.mirror = StatusMirror(self.ledger, self.kube, self.leases, resync_seconds=settings.resync_seconds)
@@ -118,10 +120,10 @@ class Runtime:
         for loop in self._writers:
             loop.may_write = self.may_write
             loop.on_not_leader = self._term_lost
-        self._loops: list[LeaseObserver | Loop] = [self.leases, *self._writers]
+        self._loops: list[LeaseObserver | PodEndings | Loop] = [self.leases, self.pods, *self._writers]
         self._threads = [
             threading.Thread(target=fn, name=name, daemon=True)
-            for name, fn in [("lease-watch", self.leases.run), ("relay", self.relay.run),
+            for name, fn in [("lease-watch", self.leases.run), ("pod-watch", self.pods.run), ("relay", self.relay.run),
                              ("promoter", self.promoter.run), ("reaper", self.reaper.run),
                              ("status-mirror", self.mirror.run), ("ledger-listen", self.listen)]
         ]

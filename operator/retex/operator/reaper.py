@@ -7,8 +7,9 @@ a step: its first ledger write is fenced). Until then it holds its run slot and 
 For the current attempt of a Running task:
   - lease released by E — a disruption (eviction, drain): the next attempt at once;
   - lease held by E, no renewal seen for the duration — a disruption ('lease-expired');
-  - lease held by E, its renewals late, and the kubelet reported the holder pod's containers
-    terminated (a killed or crashed worker) — a disruption, without waiting for the expiry;
+  - lease held by E, and the kubelet reported the holder pod's containers terminated (a killed
+    or crashed worker) — a disruption, without waiting for the expiry: as soon as the pod watch
+    saw it (retex.kube.podwatch), else once a renewal is late and a look at the Job's pods shows it;
   - E never took the lease and its Job failed or vanished — a disruption;
   - E never took the lease within the start deadline and its pod is stuck (missing Secret, image
     pull, no node matches, a quota below the pod) — a failed attempt, with the pod's reason as
@@ -35,6 +36,7 @@ from retex.kube.errors import forbidden, transient
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import job_name, lease_name
 from retex.kube.operator_calls import KubeCalls
+from retex.kube.podwatch import PodEndings, containers_terminated
 from retex.ledger import Ledger, LedgerError, WatchedAttempt
 from retex.logs import log_line
 from retex.machine import TaskPhase
@@ -94,23 +96,13 @@ def _job_failed(job: dict[str, Any] | None) -> bool:
     return failed or bool(status.get("failed"))
 
 
-def _containers_terminated(pod: dict[str, Any]) -> bool:
-    """The kubelet reported every container of the pod terminated: with restartPolicy Never, for
-    good. The phase alone is not enough: the control plane marks the pods of a deleted Node Failed
-    while their processes may still run on it."""
-    status = pod.get("status") or {}
-    containers = status.get("containerStatuses") or []
-    return status.get("phase") in ("Failed", "Succeeded") and bool(containers) and \
-        all((c.get("state") or {}).get("terminated") for c in containers)
-
-
 class Reaper(Loop):
     name = "reaper"
 
-    def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, *, interval: float,
+    def __init__(self, ledger: Ledger, kube: KubeCalls, leases: LeaseObserver, pods: PodEndings, *, interval: float,
                  start_deadline_seconds: float, on_replaced: Callable[[], None] = lambda: None):
         super().__init__()
-        self._ledger, self._kube, self._leases = ledger, kube, leases
+        self._ledger, self._kube, self._leases, self._pods = ledger, kube, leases, pods
         self._interval, self._on_replaced = interval, on_replaced
         self.period = interval
         self._start_deadline = start_deadline_seconds
@@ -212,19 +204,22 @@ class Reaper(Loop):
     def _pods_ended(self, namespace: str, job: str) -> bool:
         """Its pods ended, as the kubelet reported: the Job controller's condition follows."""
         pods = self._kube.job_pods(namespace, job)
-        return bool(pods) and all(_containers_terminated(p) for p in pods)
+        return bool(pods) and all(containers_terminated(p) for p in pods)
 
     def _observed(self, attempt: WatchedAttempt) -> Hold:
         return hold_of(self._seen(attempt), attempt.epoch, time.monotonic())
 
     def _dead_holder(self, attempt: WatchedAttempt) -> LeaseObservation | None:
-        """The observation of a holder whose renewals are late and whose pod's containers have
-        terminated: no process of it is left to run a step, so the next attempt need not wait for
-        the lease to expire. The caller's GET must then show that same observation: a renewal the
-        watch missed, or the attempt's other pod holding the lease now (R10), is a live holder."""
+        """The observation of a holder whose pod's containers have terminated, as the pod watch
+        saw, or as a look at the Job's pods shows once its renewals are late: no process of it is
+        left to run a step, so the next attempt need not wait for the lease to expire. The caller's
+        GET must then show that same observation: a renewal the watch missed, or the attempt's
+        other pod holding the lease now (R10), is a live holder."""
         seen = self._seen(attempt)
         if seen is None or seen.holder_pod is None:
             return None
+        if self._pods.ended(attempt.namespace, self._job(attempt), seen.holder_pod):
+            return seen  # the watch saw it end: no renewal need be late, no pod LIST
         late_for = time.monotonic() - seen.changed_at - seen.duration_seconds * LATE_RENEWAL_FRACTION
         if late_for < 0:
             return None
@@ -233,7 +228,7 @@ class Reaper(Loop):
             return None
         self._pod_looks_left -= 1
         pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
-        died = any(p["metadata"]["name"] == seen.holder_pod and _containers_terminated(p) for p in pods)
+        died = any(p["metadata"]["name"] == seen.holder_pod and containers_terminated(p) for p in pods)
         return seen if died else None
 
     def _due_for_a_look(self, attempt: WatchedAttempt, every: float = JOB_CHECK_SECONDS) -> bool:

@@ -1,0 +1,72 @@
+"""Which worker pods have ended, as the kubelet reported them: one watch over every pod labelled
+`retex.dev/task-uid`, recording the ended ones by namespace and name with their Job.
+
+The reaper asks it first about a lease holder: a holder whose pod ended (a worker killed or
+crashed) needs no wait for a late renewal and no pod LIST before its attempt is replaced; the
+reaper still confirms the Lease with a GET. While the watch is blind or behind, the reaper's own
+look (a LIST of the Job's pods, once a renewal is late) decides as before.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from kubernetes import client
+
+from retex.kube.objects import LABEL_TASK_UID
+from retex.kube.watching import list_then_watch
+
+JOB_NAME_LABEL = "job-name"  # the Job controller's label on the pods it makes
+
+PodKey = tuple[str, str]  # (namespace, pod name)
+
+
+def containers_terminated(pod: dict[str, Any]) -> bool:
+    """The kubelet reported every container of the pod terminated: with restartPolicy Never, for
+    good. The phase alone is not enough: the control plane marks the pods of a deleted Node Failed
+    while their processes may still run on it."""
+    status = pod.get("status") or {}
+    containers = status.get("containerStatuses") or []
+    return status.get("phase") in ("Failed", "Succeeded") and bool(containers) and \
+        all((c.get("state") or {}).get("terminated") for c in containers)
+
+
+def _key(pod: dict[str, Any]) -> PodKey:
+    return pod["metadata"].get("namespace") or "", pod["metadata"]["name"]
+
+
+def _job(pod: dict[str, Any]) -> str | None:
+    return (pod["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
+
+
+class PodEndings:
+    def __init__(self, api: client.ApiClient):
+        self._core = client.CoreV1Api(api)
+        self._ended: dict[PodKey, str | None] = {}  # an ended pod → its Job
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def ended(self, namespace: str, job: str, pod: str) -> bool:
+        """Whether the watch saw pod `namespace/pod` of Job `job` end."""
+        with self._lock:
+            return (namespace, pod) in self._ended and self._ended[(namespace, pod)] == job
+
+    def run(self) -> None:
+        list_then_watch(self._core.list_pod_for_all_namespaces, label_selector=LABEL_TASK_UID, stopped=self._stop,
+                        listed=self.listed, changed=self.changed, went_blind=lambda: None, what="worker pod")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def listed(self, pods: list[dict[str, Any]]) -> None:
+        ended = {_key(pod): _job(pod) for pod in pods if containers_terminated(pod)}
+        with self._lock:
+            self._ended = ended
+
+    def changed(self, kind: str, pod: dict[str, Any]) -> None:
+        with self._lock:
+            if kind != "DELETED" and containers_terminated(pod):
+                self._ended[_key(pod)] = _job(pod)
+            else:  # gone, or (a new pod of the same name) not ended
+                self._ended.pop(_key(pod), None)

@@ -1,0 +1,46 @@
+"""The pod watch's record of ended worker pods (retex.kube.podwatch): a pod counts as ended only
+when the kubelet reported every container terminated in a final phase, and only for its own Job."""
+
+from kubernetes import client
+
+from retex.kube.podwatch import PodEndings
+
+
+def pod(name, phase, state, *, job="job-1", namespace="ns"):
+    return {"metadata": {"name": name, "namespace": namespace, "labels": {"job-name": job}},
+            "status": {"phase": phase, "containerStatuses": [{"name": "worker", "state": state}]}}
+
+
+KILLED = {"terminated": {"exitCode": 137}}
+RUNNING = {"running": {"startedAt": "2026-12-06T09:00:00Z"}}
+
+
+def test_a_listed_pod_counts_as_ended_only_when_its_containers_were_reported_terminated():
+    seen = PodEndings(client.ApiClient())
+    seen.listed([pod("a", "Failed", KILLED), pod("b", "Running", RUNNING), pod("c", "Failed", RUNNING),
+                 pod("d", "Succeeded", {"terminated": {"exitCode": 0}})])
+    assert [seen.ended("ns", "job-1", name) for name in "abcd"] == [True, False, False, True]
+
+
+def test_an_ended_pod_counts_for_its_own_job_and_namespace_only():
+    seen = PodEndings(client.ApiClient())
+    seen.changed("MODIFIED", pod("a", "Failed", KILLED))
+    assert seen.ended("ns", "job-1", "a")
+    assert not seen.ended("ns", "job-2", "a") and not seen.ended("other", "job-1", "a")
+
+
+def test_a_deleted_pod_or_a_new_one_of_the_same_name_is_no_longer_ended():
+    seen = PodEndings(client.ApiClient())
+    seen.changed("MODIFIED", pod("a", "Failed", KILLED))
+    seen.changed("DELETED", pod("a", "Failed", KILLED))
+    assert not seen.ended("ns", "job-1", "a")
+    seen.changed("MODIFIED", pod("a", "Failed", KILLED))
+    seen.changed("ADDED", pod("a", "Pending", {"waiting": {"reason": "ContainerCreating"}}))
+    assert not seen.ended("ns", "job-1", "a")
+
+
+def test_a_relist_replaces_what_was_seen_before():
+    seen = PodEndings(client.ApiClient())
+    seen.changed("MODIFIED", pod("a", "Failed", KILLED))
+    seen.listed([pod("b", "Failed", KILLED)])
+    assert not seen.ended("ns", "job-1", "a") and seen.ended("ns", "job-1", "b")
