@@ -175,15 +175,17 @@ def tls_server(pki):
     served.close()
 
 
-def test_a_kubeconfig_with_a_client_certificate_is_served_over_verified_tls(tls_server, pki, tmp_path):
+def test_a_kubeconfig_with_a_client_certificate_is_served_over_verified_tls(tls_server, pki, tmp_path, monkeypatch):
     # The rig's admin kubeconfig (the workers of tests/cluster/test_worker_lease.py use it).
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     path = pkilib.write_kubeconfig(tmp_path / "kubeconfig", tls_server.url, pki.ca_crt, user="admin",
                                    client_crt=pki.crt("admin"), client_key=pki.key("admin"))
     tls_server.answers = [(200, {"kind": "Lease"})]
     assert read_lease(RestClient(Credentials.from_kubeconfig(str(path))), "ns", "l", timeout=5) == {"kind": "Lease"}
     assert tls_server.seen[-1]["peer"] == {"organizationName": "system:masters", "commonName": "retex-rig-admin"}
     assert tls_server.seen[-1]["authorization"] is None
-    assert not list(Path(tempfile.gettempdir()).glob("retex-kube-*"))  # the key's temporary copy is gone
+    assert not list((tmp_path / "tmp").iterdir())  # the key's temporary copy is gone
 
 
 def test_a_server_the_ca_did_not_sign_gets_no_token(tls_server, tmp_path):
