@@ -6,6 +6,7 @@ object squatting on the name of a task's Lease or Job ends the task instead of b
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -27,8 +28,10 @@ from e2e.system import (
     wait_for,
 )
 from retex.api.models import MSG_SPEC_TOO_LARGE, SPEC_MAX_BYTES, TaskSpec
+from retex.kube.errors import ApiError
 from retex.kube.leases import Holder, acquired, read_lease, released, renewed, replace_lease
 from retex.kube.objects import LABEL_TASK_UID, WorkerDefaults, build_job, build_lease, lease_name
+from retex.kube.rest import Credentials, RestClient
 from retex.operator.admission import admission_for
 
 
@@ -231,7 +234,17 @@ class Attempt:
     uid: str
     epoch: int
     pod: str
-    api: client.ApiClient  # as the worker pod
+    kubeconfig: Path  # the worker pod's
+
+    @functools.cached_property
+    def api(self) -> client.ApiClient:
+        """The kubernetes client, as the worker pod."""
+        return kubernetes.config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    @functools.cached_property
+    def lease_client(self) -> RestClient:
+        """The worker's own client (retex.kube.rest), as the worker pod: the Lease calls go through it."""
+        return RestClient(Credentials.from_kubeconfig(str(self.kubeconfig)))
 
     @property
     def lease(self) -> str:
@@ -258,27 +271,27 @@ def attempt(rig, admin: client.ApiClient, namespace: str, name: str, tmp_path: P
         "retex-worker", namespace, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
             audiences=[], bound_object_ref=client.V1BoundObjectReference(
                 kind="Pod", api_version="v1", name=pod.metadata.name, uid=pod.metadata.uid)))).status.token
-    return Attempt(namespace, name, uid, epoch, pod.metadata.name, token_client(rig, token, tmp_path / f"{pod.metadata.name}.kubeconfig"))
+    return Attempt(namespace, name, uid, epoch, pod.metadata.name, token_kubeconfig(rig, token, tmp_path / f"{pod.metadata.name}.kubeconfig"))
 
 
-def token_client(rig, token: str, path: Path) -> client.ApiClient:
+def token_kubeconfig(rig, token: str, path: Path) -> Path:
     admin = yaml.safe_load(Path(rig.kubeconfig).read_text())
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "worker",
         "clusters": [{"name": "rig", "cluster": admin["clusters"][0]["cluster"]}],
         "users": [{"name": "worker", "user": {"token": token}}],
         "contexts": [{"name": "worker", "context": {"cluster": "rig", "user": "worker"}}]}))
-    return kubernetes.config.new_client_from_config(config_file=str(path))
+    return path
 
 
 def write(by: Attempt, of: Attempt, change) -> dict:
     """`by`'s pod reads `of`'s Lease and writes `change(lease)` back, as the worker does."""
-    body = read_lease(by.api, of.namespace, of.lease, timeout=10)
-    return replace_lease(by.api, of.namespace, of.lease, change(body), timeout=10)
+    body = read_lease(by.lease_client, of.namespace, of.lease, timeout=10)
+    return replace_lease(by.lease_client, of.namespace, of.lease, change(body), timeout=10)
 
 
 def forbidden(by: Attempt, of: Attempt, change) -> str:
-    with pytest.raises(client.ApiException) as refusal:
+    with pytest.raises(ApiError) as refusal:
         write(by, of, change)
     assert refusal.value.status == 403, refusal.value
     return json.loads(refusal.value.body)["message"]
@@ -342,12 +355,13 @@ def test_a_worker_pod_cannot_touch_another_namespaces_lease_and_an_unbound_token
         rig, lease_api, tmp_path):
     x = attempt(rig, lease_api, LEASES, "order-w", tmp_path)
     elsewhere = attempt(rig, lease_api, OTHER_LEASES, "order-w", tmp_path)
-    with pytest.raises(client.ApiException) as refusal:  # the worker Role is its own namespace's only
-        replace_lease(x.api, OTHER_LEASES, elsewhere.lease, read_lease(lease_api, OTHER_LEASES, elsewhere.lease,
-                                                                       timeout=10), timeout=10)
+    admin = RestClient(Credentials.from_kubeconfig(str(rig.kubeconfig)))
+    with pytest.raises(ApiError) as refusal:  # the worker Role is its own namespace's only
+        replace_lease(x.lease_client, OTHER_LEASES, elsewhere.lease, read_lease(admin, OTHER_LEASES, elsewhere.lease,
+                                                                                timeout=10), timeout=10)
     assert refusal.value.status == 403 and "cannot update resource" in refusal.value.body
     # A token of the worker ServiceAccount that names no pod (kubectl create token) cannot stand in.
-    unbound = token_client(rig, rig.kubectl("create", "token", "retex-worker", "-n", LEASES).stdout.strip(),
+    unbound = token_kubeconfig(rig, rig.kubectl("create", "token", "retex-worker", "-n", LEASES).stdout.strip(),
                            tmp_path / "unbound.kubeconfig")
     anyone = Attempt(LEASES, x.name, x.uid, 1, "none", unbound)
     message = forbidden(anyone, x, lambda body: acquired(body, x.me, 15, now()))

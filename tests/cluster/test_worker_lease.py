@@ -37,6 +37,7 @@ from e2e.system import prepare_namespace
 from retex.api.models import TaskSpec
 from retex.kube.leases import LeaseTiming, read_lease, released_by
 from retex.kube.objects import WorkerDefaults, build_job, build_lease, lease_name
+from retex.kube.rest import Credentials, RestClient
 from retex.ledger import Ledger, TaskAdmission, spec_hash
 from retex.machine import Backoff, StepState, TaskPhase
 
@@ -64,6 +65,14 @@ def api(rig):
     rig.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
 
+@pytest.fixture(scope="module")
+def lease_client(rig):
+    """The worker's own client (retex.kube.rest), as the admin user: the test reads Leases as the workers do."""
+    client = RestClient(Credentials.from_kubeconfig(str(rig.kubeconfig)))
+    yield client
+    client.close()
+
+
 def without_owner(body: dict) -> dict:
     """These tests admit tasks to the ledger without a Task object; once any test has installed the
     CRD, the garbage collector deletes objects owned by a Task that does not exist."""
@@ -74,9 +83,10 @@ def without_owner(body: dict) -> dict:
 class Task:
     """A task admitted to the ledger with its Lease created, as the operator would leave them."""
 
-    def __init__(self, ledger: Ledger, api, tmp_path: Path, steps: list[dict], counts: Path | None = None,
-                 duration: int = DURATION):
+    def __init__(self, ledger: Ledger, api, lease_client: RestClient, tmp_path: Path, steps: list[dict],
+                 counts: Path | None = None, duration: int = DURATION):
         self.ledger, self.api, self.tmp_path, self.duration = ledger, api, tmp_path, duration
+        self.lease_client = lease_client
         self.counts = counts or tmp_path / "deliveries"
         self.uid = str(uuid.uuid4())
         self.name = f"order-{self.uid[:8]}"
@@ -101,7 +111,7 @@ class Task:
                                                  duration_seconds=duration)))
 
     def lease(self) -> dict:
-        return read_lease(self.api, NAMESPACE, self.lease_name, timeout=5)
+        return read_lease(self.lease_client, NAMESPACE, self.lease_name, timeout=5)
 
     def holder(self) -> str | None:
         return self.lease()["spec"].get("holderIdentity")
@@ -198,8 +208,8 @@ def lease_expired(lease: dict) -> bool:
 
 
 @pytest.fixture
-def new_task(ledger, api, tmp_path):
-    return lambda steps, **kwargs: Task(ledger, api, tmp_path, steps, **kwargs)
+def new_task(ledger, api, lease_client, tmp_path):
+    return lambda steps, **kwargs: Task(ledger, api, lease_client, tmp_path, steps, **kwargs)
 
 
 @pytest.fixture
@@ -211,7 +221,8 @@ def endpoint(ledger, api):
 
 def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task, endpoint, rig):
     task = new_task([{"name": "charge", "exec": {"command": slow_effect(2.5)}}])
-    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig)
+    # Every import of the whole run on its stderr (the log): the kubernetes package is not one of them.
+    worker = task.worker("pod-a", 1, endpoint, rig.kubeconfig, PYTHONPROFILEIMPORTTIME="1")
     wait_until("the lease to be taken", lambda: task.holder() == "pod-a:1")
     first = task.lease()["spec"]
     assert first["leaseDurationSeconds"] == DURATION and first["leaseTransitions"] == 1
@@ -225,6 +236,9 @@ def test_worker_takes_the_lease_renews_it_runs_the_task_and_releases_it(new_task
     assert lease["spec"]["acquireTime"] == first["acquireTime"]  # history kept, lease not deleted
     assert task.deliveries() == [task.key(0)]
     assert task.ledger.attempts(task.uid)[0].pod == worker.identity  # the pod its token is bound to
+    imported = [line.rsplit("|", 1)[1].strip() for line in worker.log().splitlines() if line.startswith("import time:")]
+    assert "retex.kube.rest" in imported and "retex.worker.steps.exec_step" in imported
+    assert not [name for name in imported if name.split(".")[0] == "kubernetes"]
 
 
 def test_two_pods_for_one_attempt_exactly_one_runs_the_other_exits_3_without_a_trace(new_task, endpoint, rig):

@@ -40,3 +40,9 @@ def test_a_python_steps_child_interpreter_loads_no_other_step_runner():
     runners = {"retex.worker.steps.by_kind", "retex.worker.steps.exec_step", "retex.worker.steps.http_step",
                "retex.worker.steps.python_step"}
     assert not runners & loaded
+
+
+def test_the_worker_never_imports_the_kubernetes_package():
+    # ~150 ms of every worker pod's start for two Lease calls: retex.kube.rest makes them instead.
+    loaded = modules_after("import retex.worker.main")
+    assert not {name for name in loaded if name == "kubernetes" or name.startswith("kubernetes.")}

@@ -144,7 +144,12 @@ def validations(*rules: dict[str, str]) -> dict[str, Any]:
 
 
 class ApiModel(BaseModel):
-    """camelCase on the wire, snake_case in Python, unknown fields refused."""
+    """camelCase on the wire, snake_case in Python, unknown fields refused.
+
+    A field's docstring (the string under it) is its description in the CRD: retex.api.crd reads
+    them when it generates the CRD, not every process at import (`use_attribute_docstrings`).
+    Validators are built on a model's first use, not at import (`defer_build`): a worker validates
+    one TaskSpec and never builds the status models, nor a validator of its own for each nested one."""
 
     model_config = ConfigDict(
         alias_generator=to_camel,
@@ -152,7 +157,7 @@ class ApiModel(BaseModel):
         validate_by_alias=True,
         serialize_by_alias=True,
         extra="forbid",
-        use_attribute_docstrings=True,
+        defer_build=True,
     )
 
     def to_json(self) -> dict[str, Any]:

@@ -1,18 +1,22 @@
-"""What the API server's answers mean, by name: the one place that reads an ApiException's HTTP
-status. Callers ask `not_found(exc)`, `conflict(exc)`, `transient(exc)` ... or catch the `Refused`
-a create's refusal is turned into; none compares status numbers.
+"""What the API server's answers mean, by name: the one place that reads an answer's HTTP status,
+whichever client got it: the operator's (the kubernetes package's ApiException) or the worker's
+(retex.kube.rest: ApiError, below). Callers ask `not_found(exc)`, `conflict(exc)`, `transient(exc)` ...
+or catch the `Refused` a create's refusal is turned into; none compares status numbers.
 
-Each predicate takes any exception (False for one that is not an ApiException), so it can be
-asked inside a broad `except`."""
+Each predicate takes any exception (False for one that is not an answer), so it can be asked
+inside a broad `except`. This module does not import the kubernetes package: a worker never does."""
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import urllib3
-from kubernetes.client.exceptions import ApiException
+
+if TYPE_CHECKING:
+    from kubernetes.client.exceptions import ApiException
 
 # Statuses that repeating cannot fix: bad request, forbidden (admission policy, RBAC, a
 # terminating namespace), not found, invalid (e.g. requests above limits). A 403 from
@@ -28,8 +32,35 @@ _NAMESPACE_TERMINATING_CAUSE = "NamespaceTerminating"
 _NOT_AUTHORIZED = re.compile(r'User ".*" cannot [a-z]+ resource "')
 
 
+class ApiError(Exception):
+    """A call of the worker's client (retex.kube.rest) answered with a status other than 2xx: the
+    status, reason and body an ApiException carries."""
+
+    def __init__(self, status: int, reason: str, body: str):
+        super().__init__(status, reason, body)
+        self.status, self.reason, self.body = status, reason, body
+
+    def __str__(self) -> str:
+        return f"({self.status}) {api_message(self)}"
+
+
+Answer: TypeAlias = "ApiException | ApiError"
+
+
+def _answer(exc: BaseException) -> Answer | None:
+    """`exc` if the API server answered it. An ApiException can exist only once its module is
+    imported, so a process that never imported the kubernetes package (a worker) is not made to."""
+    if isinstance(exc, ApiError):
+        return exc
+    exceptions = sys.modules.get("kubernetes.client.exceptions")
+    if exceptions is not None and isinstance(exc, exceptions.ApiException):
+        return cast("ApiException", exc)
+    return None
+
+
 def _status(exc: BaseException) -> int | None:
-    return exc.status if isinstance(exc, ApiException) else None
+    answer = _answer(exc)
+    return None if answer is None else answer.status
 
 
 def not_found(exc: BaseException) -> bool:
@@ -70,7 +101,7 @@ def transient(exc: BaseException) -> bool:
     an API answer that is not a refusal for good (429, 5xx, status 0: the client's wrapper when no
     response came, a quota full for now). Anything else (a refusal for good, a body the models
     refuse, a bug) fails the same way every time."""
-    if isinstance(exc, ApiException):
+    if _answer(exc) is not None:
         return not refused_for_good(exc)
     return isinstance(exc, urllib3.exceptions.HTTPError | OSError)
 
@@ -92,7 +123,7 @@ class NotPermitted(Refused):
     operator's write rights come from a RoleBinding per tenant namespace)."""
 
 
-def refusal(exc: ApiException) -> Refused | None:
+def refusal(exc: Answer) -> Refused | None:
     """The `Refused` a create's ApiException means, or None when it is transient (retry it)."""
     if not refused_for_good(exc):
         return None
@@ -105,7 +136,7 @@ def refusal(exc: ApiException) -> Refused | None:
     return Refused(message, exc.status)
 
 
-def raise_refusal_or_reraise(exc: ApiException) -> None:
+def raise_refusal_or_reraise(exc: Answer) -> None:
     """Inside an `except` for `exc`: raise the `Refused` it means, or `exc` itself when transient."""
     refused = refusal(exc)
     if refused is not None:
@@ -113,22 +144,23 @@ def raise_refusal_or_reraise(exc: ApiException) -> None:
     raise exc
 
 
-def api_message(exc: ApiException) -> str:
+def api_message(exc: Answer) -> str:
     """The message of the Status the API server answered with (falls back to the HTTP reason)."""
     return _status_of(exc).get("message") or f"{exc.status} {exc.reason}"
 
 
-def causes(exc: ApiException) -> list[dict[str, Any]]:
+def causes(exc: Answer) -> list[dict[str, Any]]:
     """The StatusCauses of the answer (details.causes): which field or rule refused what."""
     found = (_status_of(exc).get("details") or {}).get("causes") or ()
     return [cause for cause in found if isinstance(cause, dict)]
 
 
 def _quota_full(exc: BaseException) -> bool:
-    return isinstance(exc, ApiException) and any(text in api_message(exc) for text in _QUOTA_MESSAGES)
+    answer = _answer(exc)
+    return answer is not None and any(text in api_message(answer) for text in _QUOTA_MESSAGES)
 
 
-def _status_of(exc: ApiException) -> dict[str, Any]:
+def _status_of(exc: Answer) -> dict[str, Any]:
     try:
         status = json.loads(exc.body or "")
     except (TypeError, ValueError):

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import copy
 import enum
-import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
-
 from retex.api.models import LEASE_KILL_SECONDS, default_renew_deadline_seconds
-from retex.kube.errors import conflict, not_found
+from retex.kube.errors import ApiError, conflict, not_found
+from retex.kube.rest import RestClient
 
 RELEASED_BY_ANNOTATION = "retex.dev/released-by"
 _HOLDER_SEPARATOR = ":"
@@ -231,48 +229,28 @@ def released(body: dict[str, Any], now: datetime) -> dict[str, Any]:
 # --- calls ------------------------------------------------------------------------------------
 
 
-def single_attempt_client(api: client.ApiClient) -> client.ApiClient:
-    """A client with `api`'s credentials whose calls are each one attempt, bounded by the request
-    timeout. urllib3's default retries would turn one renewal into four read timeouts in a row
-    while an API server restarts; the renewal loop retries on its own schedule instead."""
-    configuration = copy.deepcopy(api.configuration)
-    configuration.retries = False
-    return client.ApiClient(configuration)
-
-
 _LEASE_PATH = "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/{name}"
 
 
-def read_lease(api: client.ApiClient, namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
-    """GET the Lease as a plain dict. Raises LeaseNotFound, or ApiException / urllib3 errors."""
+def read_lease(api: RestClient, namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
+    """GET the Lease as a plain dict. Raises LeaseNotFound, or ApiError / urllib3 errors."""
     return _call(api, "GET", namespace, name, None, timeout)
 
 
-def replace_lease(api: client.ApiClient, namespace: str, name: str, body: dict[str, Any], *,
+def replace_lease(api: RestClient, namespace: str, name: str, body: dict[str, Any], *,
                   timeout: float) -> dict[str, Any]:
     """PUT `body`; its metadata.resourceVersion makes it conditional. Raises LeaseConflict on 409."""
     return _call(api, "PUT", namespace, name, body, timeout)
 
 
-def _call(api: client.ApiClient, method: str, namespace: str, name: str, body: dict[str, Any] | None,
+def _call(api: RestClient, method: str, namespace: str, name: str, body: dict[str, Any] | None,
           timeout: float) -> dict[str, Any]:
-    # Raw JSON both ways: the typed V1Lease round-trip would re-format MicroTime via isoformat().
-    request = api.param_serialize(
-        method=method,
-        resource_path=_LEASE_PATH,
-        path_params={"namespace": namespace, "name": name},
-        header_params={"Accept": "application/json", **({"Content-Type": "application/json"} if body else {})},
-        body=body,
-        auth_settings=["BearerToken"],
-    )
-    response = api.call_api(*request, _request_timeout=timeout)
-    data = response.read()
-    if not 200 <= response.status < 300:
-        refused = client.ApiException(status=response.status, reason=response.reason, body=data.decode(errors="replace"))
+    # Raw JSON both ways: MicroTime strings are sent back exactly as they were read.
+    try:
+        return api.call(method, _LEASE_PATH.format(namespace=namespace, name=name), body, timeout=timeout)
+    except ApiError as refused:
         if not_found(refused):
-            raise LeaseNotFound(f"lease {namespace}/{name} not found")
+            raise LeaseNotFound(f"lease {namespace}/{name} not found") from refused
         if conflict(refused):
-            raise LeaseConflict(f"lease {namespace}/{name} changed since it was read")
-        raise refused
-    answer: dict[str, Any] = json.loads(data)
-    return answer
+            raise LeaseConflict(f"lease {namespace}/{name} changed since it was read") from refused
+        raise

@@ -16,8 +16,6 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes import client
-
 from retex.kube.errors import transient
 from retex.kube.leases import (
     Holder,
@@ -34,6 +32,7 @@ from retex.kube.leases import (
     renewed,
     replace_lease,
 )
+from retex.kube.rest import RestClient
 from retex.logs import log_line
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ class LeaseUnavailable(Exception):
 
 
 class AttemptLease:
-    def __init__(self, api: client.ApiClient, namespace: str, name: str, me: Holder, timing: LeaseTiming, *,
+    def __init__(self, api: RestClient, namespace: str, name: str, me: Holder, timing: LeaseTiming, *,
                  clock: Callable[[], float] = time.monotonic):
         self._api, self._namespace, self._name, self.me = api, namespace, name, me
         self.timing = timing

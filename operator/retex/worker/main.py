@@ -15,8 +15,8 @@ from pydantic import ValidationError
 
 from retex.api.models import TaskSpec
 from retex.failpoints import failpoint
-from retex.kube.client import api_client
-from retex.kube.leases import Holder, LeaseTiming, single_attempt_client
+from retex.kube.leases import Holder, LeaseTiming
+from retex.kube.rest import RestClient
 from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound, spec_hash
 from retex.ledger.wire import RequestRefused
 from retex.logs import log_line
@@ -90,7 +90,7 @@ def run(config: WorkerConfig, ledger: LedgerClient, drain: Drain, tagger: logs.T
 
     # The Lease's duration is the Job's (the operator's); the renew deadline may come from the spec.
     timing = LeaseTiming.of(config.lease_duration_seconds, _renew_deadline(record.spec))
-    lease = AttemptLease(single_attempt_client(api_client()), config.namespace, config.lease_name,
+    lease = AttemptLease(RestClient.from_environment(), config.namespace, config.lease_name,
                          Holder(config.pod_name, config.epoch), timing)
     try:
         lease.acquire()
