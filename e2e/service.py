@@ -40,11 +40,15 @@ def pipe(source: socket.socket, sink: socket.socket) -> None:
     except OSError:
         pass
     finally:
-        for end in (source, sink):
-            try:
-                end.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shut_down(source, sink)
+
+
+def shut_down(*ends: socket.socket) -> None:
+    for end in ends:
+        try:
+            end.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class RoundRobinService(socketserver.ThreadingTCPServer):
@@ -123,8 +127,4 @@ class SlowAnswers(RoundRobinService):
         except OSError:
             pass
         finally:
-            for end in (upstream, client):
-                try:
-                    end.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut_down(upstream, client)
