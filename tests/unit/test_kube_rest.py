@@ -12,6 +12,7 @@ import ssl
 import tempfile
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -254,7 +255,8 @@ def test_the_workers_errors_mean_what_the_operators_mean(server, code, message, 
         assert (errors.transient(exc), errors.refused_for_good(exc)) == (transient, refused_for_good)
         assert (errors.forbidden(exc), errors.invalid(exc)) == (code == 403, code == 422)
         assert errors.api_message(exc) == message
-    assert str(lean) == f"({code}) {message}"
+    # What a worker's log shows of it: the status, its reason phrase, the server's message.
+    assert str(lean) == f"({code} {HTTPStatus(code).phrase}) {message}"
 
 
 def test_a_refusal_of_the_workers_client_is_read_like_the_operators(server):

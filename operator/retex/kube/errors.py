@@ -41,7 +41,8 @@ class ApiError(Exception):
         self.status, self.reason, self.body = status, reason, body
 
     def __str__(self) -> str:
-        return f"({self.status}) {api_message(self)}"
+        # The reason too, as an ApiException says it: "(403 Forbidden) leases ... is forbidden: ...".
+        return f"({self.status} {self.reason}) {api_message(self)}"
 
 
 Answer: TypeAlias = "ApiException | ApiError"
