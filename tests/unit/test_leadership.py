@@ -316,3 +316,76 @@ def test_a_leader_that_may_not_keep_the_lease_gives_it_up_and_rests_a_lease_dura
     b = Leadership(lease, "replica-b", TIMING, on_started=lambda: None, clock=lambda: now[0])
     b.try_acquire_or_renew()
     assert b.leading() and lease.record.holder == "replica-b"
+
+
+def test_a_leader_that_reads_another_holder_stops_leading_and_never_writes_over_it():
+    """The Lease was deleted and re-created by B (or edited): A's renewal conflicts and its read
+    shows B. A stops leading at once, and its next round does not renew over B's record, even
+    when B skipped a renewal (a write conditional on B's version would succeed)."""
+    now, started = [0.0], []
+    lease = NoLeaseYet()
+    a = Leadership(lease, "a", TIMING, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    now[0] = 2.0
+    lease.record = LeaderRecord(holder="b", duration_seconds=15, renew_time="b's", transitions=1)
+    a.try_acquire_or_renew()
+    assert not a.leading(), "two replicas lead: A still says it leads over B's Lease"
+    now[0] = 4.0  # B skipped a renewal
+    a.try_acquire_or_renew()
+    assert lease.record.holder == "b", "A wrote its renewal over B's Lease"
+    assert not a.leading() and started == [0.0]
+
+
+def test_a_stop_while_a_renewal_is_under_way_does_not_take_the_lease_back():
+    """stop() releases the Lease while the election thread's renewal is in flight: that renewal
+    conflicts with the release, and the round must not read the free Lease and take it again
+    (a stopped replica holding it would make the standby wait out the lease duration)."""
+    now, started = [0.0], []
+
+    class StoppedMidWrite(NoLeaseYet):
+        stop_during_write = False
+
+        def write(self, record, *, timeout):
+            if self.stop_during_write:
+                self.stop_during_write = False
+                stopper = threading.Thread(target=a.stop)
+                stopper.start()
+                stopper.join(0.5)  # it waits for this round: the release comes after
+                self.stopper = stopper
+            super().write(record, timeout=timeout)
+
+    lease = StoppedMidWrite()
+    a = Leadership(lease, "a", TIMING, on_started=lambda: started.append(now[0]), clock=lambda: now[0])
+    a.try_acquire_or_renew()
+    now[0], lease.stop_during_write = 2.0, True
+    a.try_acquire_or_renew()
+    lease.stopper.join(10)
+    assert not lease.stopper.is_alive()
+    assert lease.record.holder is None, "the stopped replica holds the Lease"
+    assert started == [0.0]
+    a.try_acquire_or_renew()  # a round after stop() writes nothing
+    assert lease.record.holder is None and started == [0.0]
+
+
+def test_a_standby_dates_what_it_read_when_the_read_returned():
+    """A slow read returns a renewal that landed while it was under way: the standby counts the
+    lease duration from when it saw it (the read's end), not from when it asked."""
+    now = [0.0]
+    lease = NoLeaseYet()
+    lease.record = LeaderRecord(holder="a", duration_seconds=15, renew_time="t0", transitions=0)
+
+    class SlowFirstRead(NoLeaseYet):
+        slow = True
+
+        def read(self, *, timeout):
+            if self.slow:
+                self.slow, now[0] = False, now[0] + 4.0
+            return super().read(timeout=timeout)
+
+    slow = SlowFirstRead()
+    slow.record = lease.record
+    b = Leadership(slow, "b", TIMING, on_started=lambda: None, clock=lambda: now[0])
+    b.try_acquire_or_renew()  # asked at 0, answered at 4
+    now[0] = 15.5  # D after the ask, not yet D after the answer: unchanged, but not for D as seen
+    b.try_acquire_or_renew()
+    assert slow.record.holder == "a" and not b.leading(), "taken over less than D after the renewal was seen"

@@ -3,11 +3,13 @@
 Three numbers (`ElectionTiming`): the lease duration D, the renew deadline R and the retry period
 P, with D > R > P. Every P a replica reads the Lease and, as `Election.decide` says, creates it,
 renews it (it holds it), takes it (free, or unchanged for D by its own clock), or waits (someone
-else renewed it less than D ago); a leader renews without reading first (client-go's fast path:
-the write is conditional on the Lease being as it last wrote it), and its calls may take until
-its renew deadline (`Election.call_timeout`). The leader counts as leading until R after the *start* of its
-last successful write (`Election.leading`), so it stops writing before anyone can take over: a
-standby takes over only D after it *saw* the last renewal, and it saw it after the write began.
+else renewed it less than D ago); a leader whose last read or write named itself renews without
+reading first (client-go's fast path: the write is conditional on the Lease being as it last
+wrote it), and its calls may take until its renew deadline (`Election.call_timeout`). The leader
+counts as leading until R after the *start* of its last successful write (`Election.leading`),
+so it stops writing before anyone can take over: a standby takes over only D after it *saw* the
+last renewal (a read is dated when its answer came), and it saw it after the write began. A
+leader that reads another holder stops leading at once.
 Clocks are never compared across machines: renewTime is only compared for change, times are
 each replica's monotonic clock.
 
@@ -102,6 +104,10 @@ class Election:
         """What a read returned (None: no Lease). An unchanged record keeps its observation time."""
         if record != self.observed or self._observed_at is None:
             self.observed, self._observed_at = record, now
+
+    def observed_holder_is_another(self) -> bool:
+        """The Lease as last read or written names another replica (or nobody)."""
+        return self.observed is not None and self.observed.holder != self.identity
 
     def decide(self, now: float) -> Decision:
         if self.observed is None:

@@ -20,7 +20,7 @@ import ssl
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,10 @@ class Credentials:
     server: str
     ca_pem: str | None = None  # None: the system's CAs
     insecure: bool = False  # a kubeconfig's insecure-skip-tls-verify
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     token_file: Path | None = None  # read again when a minute old (token, if set, wins)
     client_cert_pem: str | None = None
-    client_key_pem: str | None = None
+    client_key_pem: str | None = field(default=None, repr=False)  # secrets: never in a repr or a log
 
     @classmethod
     def from_environment(cls) -> Credentials:

@@ -48,6 +48,9 @@ class Leadership:
         self._resting_until = float("-inf")  # our clock: no Lease taken before (after `_step_down`)
         # Reentrant: `on_started` runs under it, and may ask leading() (it hears False: not yet).
         self._lock = threading.RLock()
+        # Held for a whole round: `stop` waits for the round under way before it releases the
+        # Lease, so a renewal in flight neither lands after the release nor reads it as free.
+        self._round = threading.Lock()
         self._stop = threading.Event()
         self._was_leading = False
         self.identity = identity
@@ -62,6 +65,11 @@ class Leadership:
             self._stop.wait(self.timing.retry_period)
 
     def try_acquire_or_renew(self) -> None:
+        with self._round:
+            if not self._stop.is_set():
+                self._one_round()
+
+    def _one_round(self) -> None:
         started = self._clock()
         if started < self._resting_until:
             self._notice()
@@ -71,13 +79,20 @@ class Leadership:
             self._notice()
             return
         try:
-            if self.leading() and self._renew_unread(started):
+            if self._leading_on_its_own_lease() and self._renew_unread(started):
                 self._notice()
                 return
             record = self._lease.read(timeout=self._call_timeout())
             with self._lock:
-                self._election.observe(record, started)
-                decision = self._election.decide(started)
+                # Dated when the answer came (client-go's observedTime): a renewal that landed
+                # while the read was under way was seen now, not when we asked.
+                seen_at = self._clock()
+                self._election.observe(record, seen_at)
+                if self._election.observed_holder_is_another() and self._election.leading(seen_at):
+                    # Someone else wrote the Lease (it was deleted and re-created, or edited): two
+                    # replicas must not both lead, even until this one's renew deadline.
+                    self._election.stop_leading()
+                decision = self._election.decide(seen_at)
                 # A new leadership unless this round renews a Lease this replica was leading on at
                 # `started`, by its own clock: not `_was_leading`, which a replica paused past the
                 # lease duration still holds when its first round after resuming takes the Lease
@@ -92,20 +107,31 @@ class Leadership:
             log_line(log, logging.WARNING, "leader election: call failed", error=f"{type(exc).__name__}: {exc}")
         self._notice()
 
+    def _leading_on_its_own_lease(self) -> bool:
+        with self._lock:
+            return self._election.leading(self._clock()) and not self._election.observed_holder_is_another()
+
     def _renew_unread(self, started: float) -> bool:
         """A leader's renewal without reading first (client-go's fast path): the write is
         conditional on the Lease being as this replica last wrote it, so it needs no read unless
         someone else wrote since. One call a retry period instead of two, where a loaded API
-        server makes every call count. False on a conflict: read, and decide on what is there."""
+        server makes every call count. False when it failed (a conflict, a timeout, a 404): read,
+        and decide on what is there."""
         try:
             self._write(Decision.RENEW, started, continuing=True)
-        except LeaseConflict:
+        except Exception as exc:
+            if not isinstance(exc, LeaseConflict):
+                log_line(log, logging.WARNING, "leader election: renewal failed; reading the lease",
+                         error=f"{type(exc).__name__}: {exc}")
             return False
         return True
 
     def _write(self, decision: Decision, started: float, *, continuing: bool) -> None:
         """Write the Lease as `decision` says; a new leadership (not `continuing`) starts under
-        the lock once the write succeeded, or gives the Lease up if starting failed."""
+        the lock once the write succeeded, or gives the Lease up if starting failed. Nothing is
+        written once `stop` was asked."""
+        if self._stop.is_set():
+            return
         written = self._election.record(decision, datetime.now(UTC))
         self._lease.write(written, timeout=self._call_timeout())
         with self._lock:
@@ -190,12 +216,18 @@ class Leadership:
             self._was_leading = False
 
     def stop(self) -> None:
-        """Stop electing; a leader gives the Lease up so a standby takes over at its next retry."""
+        """Stop electing; a leader gives the Lease up so a standby takes over at its next retry,
+        once the round under way has ended (its calls end by the renew deadline)."""
         self._stop.set()
-        with self._lock:
-            if not self._election.leading(self._clock()):
-                return
-            released = self._election.released_record(datetime.now(UTC))
-        if self._release(released):
-            LEADER.set(0)
-            log_line(log, logging.INFO, "leader election: released the lease", identity=self._election.identity)
+        ended = self._round.acquire(timeout=self.timing.renew_deadline)
+        try:
+            with self._lock:
+                if not self._election.leading(self._clock()):
+                    return
+                released = self._election.released_record(datetime.now(UTC))
+            if self._release(released):
+                LEADER.set(0)
+                log_line(log, logging.INFO, "leader election: released the lease", identity=self._election.identity)
+        finally:
+            if ended:
+                self._round.release()
