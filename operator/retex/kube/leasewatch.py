@@ -30,7 +30,7 @@ from kubernetes import client
 from retex.failpoints import failpoint
 from retex.kube.leases import parse_holder
 from retex.kube.objects import LABEL_TASK_UID
-from retex.kube.watching import list_then_watch
+from retex.kube.watching import ObjectKey, list_then_watch, object_key
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,6 @@ class LeaseObservation:
         return self.holder_epoch is None and self.last_epoch == epoch
 
 
-LeaseKey = tuple[str, str]  # (namespace, name)
-
-
-def _key(lease: dict[str, Any]) -> LeaseKey:
-    return lease["metadata"].get("namespace") or "", lease["metadata"]["name"]
-
-
 def _instant(renew_time: str | None) -> datetime | None:
     """renewTime as an instant: a watch event spells it `...Z`, a GET or LIST through the client's
     serializer `...+00:00`; the same renewal must compare equal (else a GET looks like one)."""
@@ -67,8 +60,8 @@ class LeaseObserver:
     def __init__(self, api: client.ApiClient, *, clock: Callable[[], float] = time.monotonic):
         self._coordination = client.CoordinationV1Api(api)
         self._clock = clock
-        self._by_key: dict[LeaseKey, LeaseObservation] = {}
-        self._renewals: dict[LeaseKey, tuple[str | None, datetime | None]] = {}
+        self._by_key: dict[ObjectKey, LeaseObservation] = {}
+        self._renewals: dict[ObjectKey, tuple[str | None, datetime | None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._blind_since: float | None = None  # when the watch last went down
@@ -92,7 +85,7 @@ class LeaseObserver:
         one), but the time we could see is (a watch that keeps failing still expires the dead)."""
         blind = self._clock() - self._blind_since if self._blind_since is not None else 0.0
         self._blind_since = None
-        listed = {_key(lease) for lease in leases}
+        listed = {object_key(lease) for lease in leases}
         with self._lock:  # deleted while we were blind
             for key in set(self._by_key) - listed:
                 self._by_key.pop(key, None)
@@ -129,7 +122,7 @@ class LeaseObserver:
         uid = (meta.get("labels") or {}).get(LABEL_TASK_UID)
         if not uid:
             return
-        key = _key(lease)
+        key = object_key(lease)
         with self._lock:
             if deleted:
                 self._by_key.pop(key, None)

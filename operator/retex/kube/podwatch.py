@@ -15,12 +15,9 @@ from typing import Any
 from kubernetes import client
 
 from retex.kube.objects import LABEL_TASK_UID
-from retex.kube.watching import list_then_watch
+from retex.kube.watching import ObjectKey, list_then_watch, object_key
 
 JOB_NAME_LABEL = "job-name"  # the Job controller's label on the pods it makes
-
-PodKey = tuple[str, str]  # (namespace, pod name)
-
 
 def containers_terminated(pod: dict[str, Any]) -> bool:
     """The kubelet reported every container of the pod terminated: with restartPolicy Never, for
@@ -32,10 +29,6 @@ def containers_terminated(pod: dict[str, Any]) -> bool:
         all((c.get("state") or {}).get("terminated") for c in containers)
 
 
-def _key(pod: dict[str, Any]) -> PodKey:
-    return pod["metadata"].get("namespace") or "", pod["metadata"]["name"]
-
-
 def _job(pod: dict[str, Any]) -> str | None:
     return (pod["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
 
@@ -43,14 +36,14 @@ def _job(pod: dict[str, Any]) -> str | None:
 class PodEndings:
     def __init__(self, api: client.ApiClient):
         self._core = client.CoreV1Api(api)
-        self._ended: dict[PodKey, str | None] = {}  # an ended pod → its Job
+        self._ended: dict[ObjectKey, str | None] = {}  # an ended pod → its Job
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
     def ended(self, namespace: str, job: str, pod: str) -> bool:
         """Whether the watch saw pod `namespace/pod` of Job `job` end."""
         with self._lock:
-            return (namespace, pod) in self._ended and self._ended[(namespace, pod)] == job
+            return self._ended.get((namespace, pod)) == job
 
     def run(self) -> None:
         list_then_watch(self._core.list_pod_for_all_namespaces, label_selector=LABEL_TASK_UID, stopped=self._stop,
@@ -60,13 +53,13 @@ class PodEndings:
         self._stop.set()
 
     def listed(self, pods: list[dict[str, Any]]) -> None:
-        ended = {_key(pod): _job(pod) for pod in pods if containers_terminated(pod)}
+        ended = {object_key(pod): _job(pod) for pod in pods if containers_terminated(pod)}
         with self._lock:
             self._ended = ended
 
     def changed(self, kind: str, pod: dict[str, Any]) -> None:
         with self._lock:
             if kind != "DELETED" and containers_terminated(pod):
-                self._ended[_key(pod)] = _job(pod)
+                self._ended[object_key(pod)] = _job(pod)
             else:  # gone, or (a new pod of the same name) not ended
-                self._ended.pop(_key(pod), None)
+                self._ended.pop(object_key(pod), None)

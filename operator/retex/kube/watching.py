@@ -20,6 +20,12 @@ from retex.logs import log_line
 
 log = logging.getLogger(__name__)
 
+ObjectKey = tuple[str, str]  # (namespace, name): what a watcher keys what it saw by
+
+
+def object_key(obj: dict[str, Any]) -> ObjectKey:
+    return obj["metadata"].get("namespace") or "", obj["metadata"]["name"]
+
 
 def list_then_watch(list_all: Callable[..., Any], *, label_selector: str, stopped: threading.Event,
                     listed: Callable[[list[dict[str, Any]]], None], changed: Callable[[str, dict[str, Any]], None],
