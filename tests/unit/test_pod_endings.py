@@ -1,5 +1,6 @@
 """The pod watch's record of ended worker pods (retex.kube.podwatch): a pod counts as ended only
-when the kubelet reported every container terminated in a final phase, and only for its own Job."""
+when the kubelet reported every container terminated in a final phase, and only for its own Job;
+a pod newly seen ending wakes the reaper."""
 
 from kubernetes import client
 
@@ -44,3 +45,20 @@ def test_a_relist_replaces_what_was_seen_before():
     seen.changed("MODIFIED", pod("a", "Failed", KILLED))
     seen.listed([pod("b", "Failed", KILLED)])
     assert not seen.ended("ns", "job-1", "a") and seen.ended("ns", "job-1", "b")
+
+
+def test_a_pod_seen_ending_wakes_the_reaper_once_and_a_relist_wakes_it_for_endings_the_watch_missed():
+    wakes = []
+    seen = PodEndings(client.ApiClient())
+    seen.on_ended = lambda: wakes.append(1)
+    seen.changed("MODIFIED", pod("a", "Running", RUNNING))
+    assert wakes == []
+    seen.changed("MODIFIED", pod("a", "Failed", KILLED))
+    seen.changed("MODIFIED", pod("a", "Failed", KILLED))  # the same end again (a later status write)
+    assert len(wakes) == 1
+    seen.listed([pod("a", "Failed", KILLED)])  # a relist that finds nothing new
+    assert len(wakes) == 1
+    seen.listed([pod("a", "Failed", KILLED), pod("b", "Failed", KILLED)])  # b ended while the watch was down
+    assert len(wakes) == 2
+    seen.changed("DELETED", pod("b", "Failed", KILLED))
+    assert len(wakes) == 2

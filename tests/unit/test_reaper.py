@@ -295,6 +295,16 @@ def test_a_holder_whose_pod_the_watch_saw_end_is_replaced_before_any_renewal_is_
     assert listed == [] and kube.deleted == ["job-1"]
 
 
+def test_a_holder_pod_the_watch_sees_end_wakes_the_reaper_for_a_round_now():
+    """The watch's word is acted on at once, not at the reaper's next round (up to its interval)."""
+    pods = watched()
+    r = reaper(FakeLedger([]), FakeKube(), [], pods=pods)
+    assert not r.wake.is_set()
+    pods.changed("MODIFIED", {**KILLED, "metadata": {**KILLED["metadata"], "namespace": "ns",
+                                                      "labels": {"job-name": "job-1"}}})
+    assert r.wake.is_set()
+
+
 @pytest.mark.parametrize("pod, job", [(KILLED, "job-0"), (RUNNING, "job-1"), (MARKED_FAILED, "job-1")],
                          ids=["another-jobs-pod", "running", "marked-failed-by-the-control-plane"])
 def test_a_pod_the_watch_did_not_see_end_as_the_holders_is_no_verdict_before_a_late_renewal(pod, job):

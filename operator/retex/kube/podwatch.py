@@ -3,13 +3,15 @@
 
 The reaper asks it first about a lease holder: a holder whose pod ended (a worker killed or
 crashed) needs no wait for a late renewal and no pod LIST before its attempt is replaced; the
-reaper still confirms the Lease with a GET. While the watch is blind or behind, the reaper's own
+reaper still confirms the Lease with a GET. A pod seen ending wakes the reaper (`on_ended`, which the reaper sets), so
+the next attempt does not wait for its round either. While the watch is blind or behind, the reaper's own
 look (a LIST of the Job's pods, once a renewal is late) decides as before.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
@@ -36,6 +38,7 @@ def _job(pod: dict[str, Any]) -> str | None:
 class PodEndings:
     def __init__(self, api: client.ApiClient):
         self._core = client.CoreV1Api(api)
+        self.on_ended: Callable[[], None] = lambda: None  # the reaper's wake; once per pod newly seen ended
         self._ended: dict[ObjectKey, str | None] = {}  # an ended pod → its Job
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -55,11 +58,19 @@ class PodEndings:
     def listed(self, pods: list[dict[str, Any]]) -> None:
         ended = {object_key(pod): _job(pod) for pod in pods if containers_terminated(pod)}
         with self._lock:
+            news = ended.items() - self._ended.items()  # ended while the watch was down
             self._ended = ended
+        if news:
+            self.on_ended()
 
     def changed(self, kind: str, pod: dict[str, Any]) -> None:
+        key, job = object_key(pod), _job(pod)
         with self._lock:
             if kind != "DELETED" and containers_terminated(pod):
-                self._ended[object_key(pod)] = _job(pod)
+                news = self._ended.get(key, object()) != job
+                self._ended[key] = job
             else:  # gone, or (a new pod of the same name) not ended
-                self._ended.pop(object_key(pod), None)
+                news = False
+                self._ended.pop(key, None)
+        if news:
+            self.on_ended()

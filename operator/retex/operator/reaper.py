@@ -9,7 +9,8 @@ For the current attempt of a Running task:
   - lease held by E, no renewal seen for the duration — a disruption ('lease-expired');
   - lease held by E, and the kubelet reported the holder pod's containers terminated (a killed
     or crashed worker) — a disruption, without waiting for the expiry: as soon as the pod watch
-    saw it (retex.kube.podwatch), else once a renewal is late and a look at the Job's pods shows it;
+    saw it (retex.kube.podwatch, which wakes a round), else once a renewal is late and a look at
+    the Job's pods shows it;
   - E never took the lease and its Job failed or vanished — a disruption;
   - E never took the lease within the start deadline and its pod is stuck (missing Secret, image
     pull, no node matches, a quota below the pod) — a failed attempt, with the pod's reason as
@@ -103,6 +104,7 @@ class Reaper(Loop):
                  start_deadline_seconds: float, on_replaced: Callable[[], None] = lambda: None):
         super().__init__()
         self._ledger, self._kube, self._leases, self._pods = ledger, kube, leases, pods
+        pods.on_ended = self.wake.set  # a death the watch saw is judged now, not at the next round
         self._interval, self._on_replaced = interval, on_replaced
         self.period = interval
         self._start_deadline = start_deadline_seconds
