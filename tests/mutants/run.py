@@ -53,6 +53,8 @@ MUTANTS = (
     Mutant("pod-watch-death", "the pod watch's word that a holder's pod ended (next attempt before any renewal is late)",
            ("tests/cluster/test_reaper.py::test_a_worker_killed_mid_step_is_replaced_as_soon_as_its_pod_ended_before_any_renewal_is_late",
             "tests/unit/test_reaper.py::test_a_holder_whose_pod_the_watch_saw_end_is_replaced_before_any_renewal_is_late")),
+    Mutant("pod-watch-wake", "the pod watch waking the reaper when a worker pod ends (judged now, not at the next round)",
+           ("tests/unit/test_reaper.py::test_a_holder_pod_the_watch_sees_end_wakes_the_reaper_for_a_round_now",)),
     Mutant("verify-before-rerun", "verify before re-running an interrupted step",
            (f"{MATRIX}::test_R6_worker_killed_before_its_commit_landed_the_next_attempt_resolves_the_started_step[R6-verify-after-effect:ship]",)),
     Mutant("disruption-count", "the disruption count (a replaced attempt is a disruption)",
