@@ -48,7 +48,7 @@ from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_
 from retex.api import GROUP, PLURAL, VERSION
 from retex.kube.election import ElectionTiming
 from retex.ledger import Ledger, TaskAdmission
-from retex.machine import TaskPhase
+from retex.machine import TaskEvent, TaskPhase
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.json"
@@ -56,6 +56,7 @@ CHARTS = REPO / "docs" / "benchmarks"
 LEASE_SECONDS = 10  # the recovery measure's lease duration
 DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the chart deploys it
 OBSERVED_DEATH_TARGET_SECONDS = 3.0
+WORKER_PROCESS_STARTED = "process started"  # a timeline's event: a worker line's time less its process_age_seconds
 
 
 def say(message: str) -> None:
@@ -352,25 +353,65 @@ def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     """The worker's processes SIGKILLed mid-step → the next attempt's step starts; against a bare
     Job (backoffLimit 1) whose pod is killed the same way → its replacement's command starts."""
     retex, jobs = [], []
+    stages: list[dict[str, float]] = []
+    timeline: list[tuple[float, str, str]] = []
     for i in range(sizes.recovery_runs):
         name = f"recovery-task-{i}"
-        system.create_task(name, [{"name": "only", "idempotent": True,
-                                   "exec": {"command": system.marker_command(name, "sleep 30")}}],
-                           lease={"durationSeconds": LEASE_SECONDS})
-        retex.append(_kill_and_time_restart(system, name, f"retex.dev/task-uid={_uid(system, name)}"))
+        uid = system.create_task(name, [{"name": "only", "idempotent": True,
+                                         "exec": {"command": system.marker_command(name, "sleep 30")}}],
+                                 lease={"durationSeconds": LEASE_SECONDS})
+        killed, restarted = _kill_and_time_restart(system, name, f"retex.dev/task-uid={uid}")
+        retex.append(restarted)
+        timeline = [event for event in _task_timeline(system, uid, killed) if event[0] >= 0]
+        stages.append(_recovery_stages(timeline, restarted))
         system.custom.delete_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)
         name = f"recovery-job-{i}"
         system.create_job(name, system.marker_command(name, "sleep 30"), backoff_limit=1)
-        jobs.append(_kill_and_time_restart(system, name, f"bench={name}"))
+        jobs.append(_kill_and_time_restart(system, name, f"bench={name}")[1])
         system.batch.delete_namespaced_job(name, system.namespace, propagation_policy="Background")
     r, b = percentile(retex, 95), percentile(jobs, 95)
+    stage_figures = {label: {"p50": percentile(found, 50), "p95": percentile(found, 95), "samples": len(found)}
+                     for label, _, _ in RECOVERY_STAGES
+                     if (found := [sample[label] for sample in stages if label in sample])}
+    say("  recovery stages, seconds from the kill to each (p50 / p95 over the samples):")
+    for label, figure in stage_figures.items():
+        say(f"    {figure['p50']:6.2f} / {figure['p95']:6.2f}  {label} ({figure['samples']} samples)")
+    say(f"  timeline of the last recovery (seconds from the kill; {len(timeline)} events):")
+    for offset, source, what in timeline:
+        say(f"    {offset:7.3f}  {source:8}  {what}")
     # A death the kubelet reports is not waited for (issue 18: ≤ 3 s); lease + 5 s is for silent ones.
     bound = OBSERVED_DEATH_TARGET_SECONDS
     return [Figure(measure="recovery from a worker SIGKILLed mid-step, p95", unit="s", retex=r, baseline=b,
                    baseline_name="bare Job, backoffLimit 1: pod killed → replacement started", ratio=r / b,
                    target=f"≤ {bound} s (an observed death)", met=r <= bound,
                    detail={"lease_seconds": LEASE_SECONDS, "retex_p50": percentile(retex, 50),
-                           "job_p50": percentile(jobs, 50), "samples": len(retex)})]
+                           "job_p50": percentile(jobs, 50), "samples": len(retex), "stages": stage_figures,
+                           "timeline": [list(t) for t in timeline]})]
+
+
+# What happens between a worker's kill and its task's next step, in order: (label, source, the
+# first event of that source after the kill whose text starts so), from _task_timeline.
+RECOVERY_STAGES = (
+    ("the operator's pod watch saw the pod fail", "operator", "worker pod failed"),
+    ("the reaper's verdict", "operator", "lease holder's pod terminated"),
+    ("the next attempt recorded", "ledger", TaskEvent.REPLACE_ATTEMPT.value),
+    ("its Job created", "operator", "attempt dispatched"),
+    ("its worker's process started", "worker", WORKER_PROCESS_STARTED),
+    ("its worker's first log line (imports done)", "worker", "worker started"),
+    ("its Lease held", "worker", "lease acquired"),
+    ("its step begun", "ledger", "step-begin"),
+)
+
+
+def _recovery_stages(timeline: list[tuple[float, str, str]], restarted: float) -> dict[str, float]:
+    """Seconds from the kill to each stage found in one recovery's timeline; the step's command
+    starting (the measure itself) last."""
+    found = {}
+    for label, source, text in RECOVERY_STAGES:
+        at = next((offset for offset, s, what in timeline if s == source and what.startswith(text)), None)
+        if at is not None:
+            found[label] = at
+    return {**found, "its step's command started (the measure)": restarted}
 
 
 PROFILE_STEPS = 3
@@ -415,6 +456,8 @@ def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[
     for pod in (p.metadata.name for p in system.pods(f"retex.dev/task-uid={uid}")):
         lines = _json_lines_with(system.rig.pod_log(system.namespace, pod, "worker"), uid)
         events += [(_iso_seconds(line["ts"]), "worker", line["msg"]) for line in lines]
+        events += [(_iso_seconds(line["ts"]) - line["process_age_seconds"], "worker", WORKER_PROCESS_STARTED)
+                   for line in lines if "process_age_seconds" in line]
         if lines and system.rig.state_dir is not None:  # the rig's node agents log when a container started
             for agent_log in system.rig.state_dir.glob("logs/*.log"):
                 for text in agent_log.read_text(errors="replace").splitlines():
@@ -828,17 +871,14 @@ def _delete_labelled_tasks(system: BenchSystem, selector: str, count: int) -> fl
     return time.time() - started
 
 
-def _uid(system: BenchSystem, name: str) -> str:
-    return system.custom.get_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, name)["metadata"]["uid"]
-
-
-def _kill_and_time_restart(system: BenchSystem, name: str, selector: str) -> float:
+def _kill_and_time_restart(system: BenchSystem, name: str, selector: str) -> tuple[float, float]:
+    """When the pod was killed (host clock), and how long until the command started again."""
     wait_for(f"{name} started", lambda: system.starts(name), timeout=60, interval=0.05)
     pods = wait_for(f"{name}'s pod running", lambda: system.running_pods(selector), timeout=30)
     killed = time.time()
     system.rig.kill_pod(system.namespace, pods[0])
     wait_for(f"{name} started again", lambda: len(system.starts(name)) > 1, timeout=120, interval=0.05)
-    return system.starts(name)[1] - killed
+    return killed, system.starts(name)[1] - killed
 
 
 MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {

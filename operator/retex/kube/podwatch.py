@@ -10,6 +10,7 @@ look (a LIST of the Job's pods, once a renewal is late) decides as before.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,9 @@ from kubernetes import client
 
 from retex.kube.objects import LABEL_TASK_UID
 from retex.kube.watching import ObjectKey, list_then_watch, object_key
+from retex.logs import log_line
+
+log = logging.getLogger(__name__)
 
 JOB_NAME_LABEL = "job-name"  # the Job controller's label on the pods it makes
 
@@ -60,6 +64,9 @@ class PodEndings:
         with self._lock:
             news = ended.items() - self._ended.items()  # ended while the watch was down
             self._ended = ended
+        for pod in pods:
+            if (object_key(pod), _job(pod)) in news:
+                _log_if_failed(pod)
         if news:
             self.on_ended()
 
@@ -73,4 +80,14 @@ class PodEndings:
                 news = False
                 self._ended.pop(key, None)
         if news:
+            _log_if_failed(pod)
             self.on_ended()
+
+
+def _log_if_failed(pod: dict[str, Any]) -> None:
+    """When the operator learnt that a worker pod failed (killed, crashed): the first stage of a
+    recovery (`make bench` times it). A worker that exited 0 is not worth a line."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        log_line(log, logging.INFO, "worker pod failed", uid=(meta.get("labels") or {}).get(LABEL_TASK_UID),
+                 namespace=meta["namespace"], pod=meta["name"], job=_job(pod))

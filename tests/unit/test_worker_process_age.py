@@ -1,0 +1,11 @@
+"""A worker's first log line says how long its process has run (`process_age_seconds`): the
+start-up cost before it, which the bench's recovery and profile timelines place on the clock."""
+
+import subprocess
+import sys
+
+
+def test_a_process_that_slept_half_a_second_before_asking_reports_at_least_that_age_and_not_much_more():
+    code = "import time; time.sleep(0.5); from retex.worker.logs import process_age_seconds; print(process_age_seconds())"
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 0.5 <= age < 30, age
