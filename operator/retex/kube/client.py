@@ -23,4 +23,9 @@ def api_client() -> client.ApiClient:
     else:
         config.load_incluster_config(client_configuration=configuration)
     configuration.retries = False
+    # One client for every thread of the operator: two watches, the relay, the reaper, the election,
+    # the status mirror's writers (4), kopf's handlers and the ledger endpoint's token reviews. The
+    # default, 5 a CPU, is 10 on a 2-CPU node: past it, urllib3 opens a connection per call and
+    # drops it after (a TLS handshake each time, and a "pool is full" warning).
+    configuration.connection_pool_maxsize = 20
     return client.ApiClient(configuration)

@@ -45,6 +45,10 @@ WRITE_RETRY_MAX_SECONDS = 60.0
 # Tasks written per round, about a second of writes: marks made meanwhile are ordered with the rest
 # at the next round, so a backlog (thousands of first statuses) holds up no task doing something.
 WRITE_BATCH = 20
+# A round's writes go out this many at a time: each is several round trips (100-300 ms each to an
+# API server under load), and one after another a change waited for the whole round (on kind at
+# scale, status lag p99 15.7 s). controller-runtime's MaxConcurrentReconciles, for the same reason.
+WRITERS = 4
 # Tasks found ahead of the ledger announced (log line, Event) per resync; the rest at the next ones.
 ANNOUNCED_PER_RESYNC = 20
 
@@ -144,14 +148,16 @@ class EventLimiter:
     def __init__(self, burst: int = 10, window: float = 60.0):
         self._burst, self._window = burst, window
         self._sent: dict[str, list[float]] = {}
+        self._lock = threading.Lock()  # the mirror's writers and kopf's handlers (`warn`) ask at once
 
     def allow(self, uid: str, now: float) -> bool:
-        recent = [t for t in self._sent.get(uid, []) if now - t < self._window]
-        if len(recent) >= self._burst:
-            self._sent[uid] = recent
-            return False
-        self._sent[uid] = [*recent, now]
-        return True
+        with self._lock:
+            recent = [t for t in self._sent.get(uid, []) if now - t < self._window]
+            if len(recent) >= self._burst:
+                self._sent[uid] = recent
+                return False
+            self._sent[uid] = [*recent, now]
+            return True
 
 
 def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tuple[str, str, bool]]:
@@ -258,23 +264,55 @@ class StatusMirror(Loop):
         self._next_resync = 0.0
 
     def round(self) -> float:
-        """Write the dirty tasks, the first `WRITE_BATCH` in order (`_in_order`) when there are more; every
-        `resync_seconds` first mark every task that lags. At once again while marks remain."""
+        """Write the dirty tasks, the first `WRITE_BATCH` in order (`_in_order`) when there are more, `WRITERS`
+        at a time; every `resync_seconds` first mark every task that lags. At once again while marks remain."""
         if time.monotonic() >= self._next_resync:
             self._mark_behind()
             self._next_resync = time.monotonic() + self._resync_seconds
         with self._lock:
             pending, self._dirty = list(self._dirty), set()
+        unwritten = set(pending)
         try:
             if len(pending) > WRITE_BATCH:  # all are written this round otherwise: no order to ask the ledger for
                 pending = self._in_order(pending)
-            for _ in range(min(WRITE_BATCH, len(pending))):
-                self._mirror_on_its_own(pending[0])
-                pending.pop(0)
+            self._write(pending[:WRITE_BATCH], unwritten)
         finally:
-            for uid in pending:  # a failed or full round loses no mark: the next one takes them
+            for uid in unwritten:  # a failed or full round loses no mark: the next one takes them
                 self.mark(uid)
-        return 0.0 if pending else self.COALESCE_SECONDS
+        return 0.0 if len(pending) > WRITE_BATCH else self.COALESCE_SECONDS
+
+    def _write(self, batch: list[str], unwritten: set[str]) -> None:
+        """Mirror each task of `batch` (distinct uids), `WRITERS` at a time, the first ones first, and
+        take out of `unwritten` each one done (written, or kept on its own by `_mirror_on_its_own`).
+        What fails for every task, or the loop stopping, starts no more of them; the error is raised
+        once the writes in flight have ended, so no two rounds ever write the same task at once."""
+        queue, taking = iter(batch), threading.Lock()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            while not errors and not self.stopping:
+                with taking:
+                    uid = next(queue, None)
+                if uid is None:
+                    return
+                try:
+                    self._mirror_on_its_own(uid)
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                unwritten.discard(uid)
+
+        # Daemon threads of the round's own, not a ThreadPoolExecutor: its threads are joined at
+        # interpreter exit, and a write in a Postgres outage (the ledger retries for 2 minutes) would
+        # hold up the operator's exit after Runtime.stop gave up waiting for this loop.
+        threads = [threading.Thread(target=writer, name=f"status-writer-{n}", daemon=True)
+                   for n in range(min(WRITERS, len(batch)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
 
     def _in_order(self, uids: list[str]) -> list[str]:
         """Tasks doing something first, a task waiting for its notBefore (Scheduled) last: its
