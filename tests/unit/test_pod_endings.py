@@ -62,3 +62,22 @@ def test_a_pod_seen_ending_wakes_the_reaper_once_and_a_relist_wakes_it_for_endin
     assert len(wakes) == 2
     seen.changed("DELETED", pod("b", "Failed", KILLED))
     assert len(wakes) == 2
+
+
+def never_restarted(body, policy="Never"):
+    return {**body, "spec": {"restartPolicy": policy}}
+
+
+def test_a_pod_that_is_never_restarted_counts_as_ended_once_its_containers_are_reported_terminated_before_its_phase():
+    """A kubelet writes the pod's terminal phase only once it has torn the pod down (a second or
+    more after the container's exit, kubernetes#108366); the container's terminated state comes
+    first, and with restartPolicy Never it is final."""
+    seen = PodEndings(client.ApiClient())
+    seen.changed("MODIFIED", never_restarted(pod("a", "Running", KILLED)))
+    assert seen.ended("ns", "job-1", "a")
+
+
+def test_a_terminated_container_that_may_restart_does_not_count_while_the_phase_is_not_final():
+    seen = PodEndings(client.ApiClient())
+    seen.listed([never_restarted(pod("a", "Running", KILLED), "OnFailure"), pod("b", "Running", KILLED)])
+    assert not seen.ended("ns", "job-1", "a") and not seen.ended("ns", "job-1", "b")

@@ -25,14 +25,17 @@ log = logging.getLogger(__name__)
 
 JOB_NAME_LABEL = "job-name"  # the Job controller's label on the pods it makes
 
+
 def containers_terminated(pod: dict[str, Any]) -> bool:
-    """The kubelet reported every container of the pod terminated: with restartPolicy Never, for
-    good. The phase alone is not enough: the control plane marks the pods of a deleted Node Failed
-    while their processes may still run on it."""
+    """The kubelet reported every container of the pod terminated, for good: the pod is never
+    restarted (restartPolicy Never, as every worker's), or its phase is final. Not the phase alone:
+    the control plane marks the pods of a deleted Node Failed while their processes may still run
+    on it. Nor does a worker wait for the phase: a kubelet writes it only once it has torn the pod
+    down (kubernetes#108366), on kind 1.2 s after the container's exit (docs/benchmarks.md)."""
     status = pod.get("status") or {}
     containers = status.get("containerStatuses") or []
-    return status.get("phase") in ("Failed", "Succeeded") and bool(containers) and \
-        all((c.get("state") or {}).get("terminated") for c in containers)
+    final = (pod.get("spec") or {}).get("restartPolicy") == "Never" or status.get("phase") in ("Failed", "Succeeded")
+    return final and bool(containers) and all((c.get("state") or {}).get("terminated") for c in containers)
 
 
 def _job(pod: dict[str, Any]) -> str | None:
@@ -85,9 +88,11 @@ class PodEndings:
 
 
 def _log_if_failed(pod: dict[str, Any]) -> None:
-    """When the operator learnt that a worker pod failed (killed, crashed): the first stage of a
-    recovery (`make bench` times it). A worker that exited 0 is not worth a line."""
-    meta, status = pod["metadata"], pod.get("status") or {}
-    if status.get("phase") == "Failed":
+    """When the operator learnt that a worker's container ended with an error (killed, crashed):
+    the first stage of a recovery (`make bench` times it). A worker that exited 0 is not worth a line."""
+    meta = pod["metadata"]
+    codes = [((c.get("state") or {}).get("terminated") or {}).get("exitCode")
+             for c in (pod.get("status") or {}).get("containerStatuses") or []]
+    if any(codes):
         log_line(log, logging.INFO, "worker pod failed", uid=(meta.get("labels") or {}).get(LABEL_TASK_UID),
-                 namespace=meta["namespace"], pod=meta["name"], job=_job(pod))
+                 namespace=meta["namespace"], pod=meta["name"], job=_job(pod), exit_codes=codes)
