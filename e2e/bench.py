@@ -454,7 +454,11 @@ def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[
     for line in _lines_with(system.operator_log, uid):
         events.append((_iso_seconds(line["ts"]), "operator", line["msg"]))
     for pod in (p.metadata.name for p in system.pods(f"retex.dev/task-uid={uid}")):
-        lines = _json_lines_with(system.rig.pod_log(system.namespace, pod, "worker"), uid)
+        try:
+            lines = _json_lines_with(system.rig.pod_log(system.namespace, pod, "worker"), uid)
+        except subprocess.CalledProcessError as exc:  # a pod being deleted with its Job: its log is gone
+            say(f"  {pod}: its log is not readable ({(exc.stderr or '').strip()[:200]}); left out of the timeline")
+            continue
         events += [(_iso_seconds(line["ts"]), "worker", line["msg"]) for line in lines]
         events += [(_iso_seconds(line["ts"]) - line["process_age_seconds"], "worker", WORKER_PROCESS_STARTED)
                    for line in lines if "process_age_seconds" in line]
