@@ -49,12 +49,16 @@ from retex.api import GROUP, PLURAL, VERSION
 from retex.kube.election import ElectionTiming
 from retex.ledger import Ledger, TaskAdmission
 from retex.machine import TaskEvent, TaskPhase
+from retex.operator.settings import OperatorSettings
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.json"
 CHARTS = REPO / "docs" / "benchmarks"
 LEASE_SECONDS = 10  # the recovery measure's lease duration
 DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the chart deploys it
+# The status mirror's full resync as deployed (the tests' 5 s would LIST every Task every 5 s:
+# at 5,000 Tasks, seconds of the mirror's thread that no user's operator spends).
+DEPLOYED_RESYNC_SECONDS = OperatorSettings.resync_seconds
 OBSERVED_DEATH_TARGET_SECONDS = 3.0
 WORKER_PROCESS_STARTED = "process started"  # a timeline's event: a worker line's time less its process_age_seconds
 
@@ -177,11 +181,13 @@ class BenchSystem:
         prepare_namespace(rig.kubectl, self.namespace)
         self.operator_log = workdir / "operator.log"
         self.operator = OperatorProcess.on(rig, self.dsn, self.operator_log, extra_env={"RETEX_NAMESPACES": self.namespace})
-        # The leader election as deployed, not the tests' short one (made for restarting operators,
-        # which no measure does): a loaded operator renews its leadership as a user's would.
+        # The leader election and the resync as deployed, not the tests' short ones (made for
+        # restarting operators and quick convergence, which no measure needs): a loaded operator
+        # renews its leadership and resyncs as a user's would.
         self.operator.start(RETEX_LEADER_LEASE_SECONDS=f"{DEPLOYED_ELECTION.lease_duration:g}",
                             RETEX_LEADER_RENEW_DEADLINE_SECONDS=f"{DEPLOYED_ELECTION.renew_deadline:g}",
-                            RETEX_LEADER_RETRY_SECONDS=f"{DEPLOYED_ELECTION.retry_period:g}")
+                            RETEX_LEADER_RETRY_SECONDS=f"{DEPLOYED_ELECTION.retry_period:g}",
+                            RETEX_RESYNC_SECONDS=f"{DEPLOYED_RESYNC_SECONDS:g}")
         self.ledger = Ledger(self.dsn).open()
         self._api = rig.api_client()
         self.custom, self.batch = client.CustomObjectsApi(self._api), client.BatchV1Api(self._api)
@@ -935,7 +941,8 @@ def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str
     return {"machine": {"cores": os.cpu_count(), "memory_gib": _memory_gib(), "platform": platform.platform()},
             "cluster": cluster_record(rig),
             "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS,
-                         "leader_election_seconds": asdict(DEPLOYED_ELECTION)},
+                         "leader_election_seconds": asdict(DEPLOYED_ELECTION),
+                         "status_resync_seconds": DEPLOYED_RESYNC_SECONDS},
             "figures": [asdict(f) for f in figures], "not_measured": not_measured}
 
 
