@@ -467,7 +467,7 @@ def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[
             continue
         events += [(_iso_seconds(line["ts"]), "worker", line["msg"]) for line in lines]
         events += [(_iso_seconds(line["ts"]) - line["process_age_seconds"], "worker", WORKER_PROCESS_STARTED)
-                   for line in lines if "process_age_seconds" in line]
+                   for line in lines if line.get("process_age_seconds") is not None]
         if lines and system.rig.state_dir is not None:  # the rig's node agents log when a container started
             for agent_log in system.rig.state_dir.glob("logs/*.log"):
                 for text in agent_log.read_text(errors="replace").splitlines():

@@ -2,6 +2,7 @@
 when the kubelet reported every container terminated in a final phase, and only for its own Job;
 a pod newly seen ending wakes the reaper."""
 
+import pytest
 from kubernetes import client
 
 from retex.kube.podwatch import PodEndings
@@ -70,10 +71,10 @@ def never_restarted(body, policy="Never"):
 
 def test_a_pod_that_is_never_restarted_counts_as_ended_once_its_containers_are_reported_terminated_before_its_phase():
     """A kubelet writes the pod's terminal phase only once it has torn the pod down (a second or
-    more after the container's exit, kubernetes#108366); the container's terminated state comes
-    first, and with restartPolicy Never it is final."""
+    more after the container's exit, kubernetes#108366); the container's terminated state, as the
+    runtime reported it, comes first, and with restartPolicy Never it is final."""
     seen = PodEndings(client.ApiClient())
-    seen.changed("MODIFIED", never_restarted(pod("a", "Running", KILLED)))
+    seen.changed("MODIFIED", never_restarted(pod("a", "Running", RUNTIME_EXIT)))
     assert seen.ended("ns", "job-1", "a")
 
 
@@ -81,3 +82,46 @@ def test_a_terminated_container_that_may_restart_does_not_count_while_the_phase_
     seen = PodEndings(client.ApiClient())
     seen.listed([never_restarted(pod("a", "Running", KILLED), "OnFailure"), pod("b", "Running", KILLED)])
     assert not seen.ended("ns", "job-1", "a") and not seen.ended("ns", "job-1", "b")
+
+
+RUNTIME_EXIT = {"terminated": {"exitCode": 137, "reason": "Error", "containerID": "containerd://abc",
+                               "finishedAt": "2026-12-06T09:00:01Z"}}
+
+
+def test_a_container_the_kubelet_could_not_find_is_no_end_before_the_phase_is_final():
+    """`ContainerStatusUnknown` is the kubelet's guess when the runtime did not answer for a
+    running container (after a containerd restart, say): its processes may still run. Only the
+    terminal phase, written after the kubelet killed the pod, says so then."""
+    unknown = {"terminated": {"exitCode": 137, "reason": "ContainerStatusUnknown",
+                              "message": "The container could not be located when the pod was terminated"}}
+    seen = PodEndings(client.ApiClient())
+    seen.changed("MODIFIED", never_restarted(pod("a", "Running", unknown)))
+    assert not seen.ended("ns", "job-1", "a")
+    seen.changed("MODIFIED", never_restarted(pod("a", "Failed", unknown)))
+    assert seen.ended("ns", "job-1", "a")
+
+
+@pytest.mark.parametrize("spec, status", [
+    ({"shareProcessNamespace": True}, {}),
+    ({"containers": [{"name": "worker", "restartPolicy": "OnFailure"}]}, {}),
+    ({}, {"initContainerStatuses": [{"name": "mesh-proxy", "state": RUNNING}]}),
+    ({}, {"ephemeralContainerStatuses": [{"name": "debugger", "state": RUNNING}]}),
+], ids=["shared-process-namespace", "container-restart-policy", "sidecar-running", "ephemeral-running"])
+def test_a_pod_where_something_else_may_still_run_waits_for_its_final_phase(spec, status):
+    """The containers' terminated state is final only for a pod whose worker container owns its
+    PID namespace (its exit killed every process in it), restarts no container on its own, and
+    runs nothing else (a sidecar could still send the dead worker's request)."""
+    body = pod("a", "Running", RUNTIME_EXIT)
+    body = {**body, "spec": {"restartPolicy": "Never", **spec}, "status": {**body["status"], **status}}
+    seen = PodEndings(client.ApiClient())
+    seen.changed("MODIFIED", body)
+    assert not seen.ended("ns", "job-1", "a")
+    seen.changed("MODIFIED", {**body, "status": {**body["status"], "phase": "Failed"}})
+    assert seen.ended("ns", "job-1", "a")
+
+
+def test_the_first_list_after_a_start_logs_no_line_per_pod_that_failed_long_ago(caplog):
+    seen = PodEndings(client.ApiClient())
+    with caplog.at_level("INFO", logger="retex.kube.podwatch"):
+        seen.listed([pod(f"p{i}", "Failed", KILLED) for i in range(50)])
+    assert "worker pod failed" not in caplog.text

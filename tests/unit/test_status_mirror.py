@@ -465,6 +465,20 @@ def test_a_backlog_of_waiting_tasks_is_written_in_short_rounds_and_a_running_tas
     assert sorted(uid for uid, _, _ in kube.written) == sorted([*waiting, "busy"]), "each written once"
 
 
+def test_a_rounds_writes_are_handed_out_most_urgent_first(monkeypatch):
+    monkeypatch.setattr("retex.operator.status.WRITERS", 1)  # one writer: the hand-out order is the write order
+    waiting = [f"w{i}" for i in range(2 * WRITE_BATCH)]
+    ledger = FakeLedger(*(rec(uid, phase=TaskPhase.SCHEDULED) for uid in waiting), rec("busy"))
+    kube = FakeKube(*(task_object(uid) for uid in [*waiting, "busy"]))
+    now = [1000.0]
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    for uid in [*waiting, "busy"]:
+        m.mark(uid)
+        now[0] += 0.01
+    m.round()
+    assert [uid for uid, _, _ in kube.written] == ["busy", *waiting[:WRITE_BATCH - 1]]
+
+
 def test_a_rounds_writes_run_side_by_side_so_a_slow_api_server_delays_a_change_by_one_write_not_by_the_round():
     """A write is several round trips to the API server, each 100-300 ms on a loaded one: one after
     another, a round of `WRITE_BATCH` took seconds, and a change waited for every write before it

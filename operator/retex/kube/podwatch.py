@@ -27,15 +27,39 @@ JOB_NAME_LABEL = "job-name"  # the Job controller's label on the pods it makes
 
 
 def containers_terminated(pod: dict[str, Any]) -> bool:
-    """The kubelet reported every container of the pod terminated, for good: the pod is never
-    restarted (restartPolicy Never, as every worker's), or its phase is final. Not the phase alone:
+    """The kubelet reported every container of the pod terminated, for good. Not the phase alone:
     the control plane marks the pods of a deleted Node Failed while their processes may still run
-    on it. Nor does a worker wait for the phase: a kubelet writes it only once it has torn the pod
-    down (kubernetes#108366), on kind 1.2 s after the container's exit (docs/benchmarks.md)."""
+    on it. With a final phase (a kubelet writes it only once it has torn the pod down,
+    kubernetes#108366) every terminated state counts; before it, on kind 1.2 s sooner
+    (docs/benchmarks.md), only when nothing of the pod can still run (`_nothing_else_runs`) and
+    every state is the runtime's report of an exit."""
     status = pod.get("status") or {}
     containers = status.get("containerStatuses") or []
-    final = (pod.get("spec") or {}).get("restartPolicy") == "Never" or status.get("phase") in ("Failed", "Succeeded")
-    return final and bool(containers) and all((c.get("state") or {}).get("terminated") for c in containers)
+    if not containers or not all((c.get("state") or {}).get("terminated") for c in containers):
+        return False
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return True
+    return _nothing_else_runs(pod) and all(_runtime_exit(c["state"]["terminated"]) for c in containers)
+
+
+def _runtime_exit(terminated: dict[str, Any]) -> bool:
+    """The container runtime reported the exit. Not the kubelet's `ContainerStatusUnknown`, its
+    guess when the runtime did not answer for a running container (a containerd restart): that
+    container's processes may still run."""
+    return bool(terminated.get("containerID")) and terminated.get("reason") != "ContainerStatusUnknown"
+
+
+def _nothing_else_runs(pod: dict[str, Any]) -> bool:
+    """Once its containers exited, nothing of the pod can run a step's effect: it is never
+    restarted (restartPolicy Never, as every worker's, and no container's own policy, KEP-5307),
+    each container owns its PID namespace (its exit killed every process in it; a shared one's
+    init is the pause container), and no sidecar or ephemeral container still runs (a mesh proxy
+    could still send the dead worker's request)."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    others = (status.get("initContainerStatuses") or []) + (status.get("ephemeralContainerStatuses") or [])
+    return (spec.get("restartPolicy") == "Never" and not spec.get("shareProcessNamespace")
+            and not any(c.get("restartPolicy") for c in spec.get("containers") or [])
+            and not any((c.get("state") or {}).get("running") for c in others))
 
 
 def _job(pod: dict[str, Any]) -> str | None:
@@ -67,10 +91,7 @@ class PodEndings:
         with self._lock:
             news = ended.items() - self._ended.items()  # ended while the watch was down
             self._ended = ended
-        for pod in pods:
-            if (object_key(pod), _job(pod)) in news:
-                _log_if_failed(pod)
-        if news:
+        if news:  # not logged one by one: the first list finds every failed pod its Job's TTL keeps
             self.on_ended()
 
     def changed(self, kind: str, pod: dict[str, Any]) -> None:

@@ -39,10 +39,14 @@ def configure(**task_fields: Any) -> TaskFields:
     return tagger
 
 
-def process_age_seconds() -> float:
+def process_age_seconds() -> float | None:
     """How long ago the kernel started this process (its start time in /proc/self/stat, in clock
     ticks since boot): what a worker's start cost before its first log line, interpreter and
-    imports included."""
-    with open("/proc/self/stat") as stat:
-        started_ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22; the name may hold spaces
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+    imports included. None where that cannot be read: a figure for the log, never a reason not
+    to start."""
+    try:
+        with open("/proc/self/stat") as stat:
+            started_ticks = int(stat.read().rpartition(")")[2].split()[19])  # field 22; the name may hold spaces
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

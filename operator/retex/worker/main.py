@@ -47,7 +47,8 @@ def main() -> int:
         return BAD_ENVIRONMENT
     tagger = logs.configure(task_uid=config.task_uid, namespace=config.namespace, name=config.name,
                             epoch=config.epoch, pod=config.pod_name)
-    log_line(log, logging.INFO, "worker started", process_age_seconds=round(logs.process_age_seconds(), 3))
+    age = logs.process_age_seconds()
+    log_line(log, logging.INFO, "worker started", process_age_seconds=None if age is None else round(age, 3))
     drain = Drain(config.drain_seconds)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: _begin_drain(drain))
