@@ -3,9 +3,10 @@
 
 The reaper asks it first about a lease holder: a holder whose pod ended (a worker killed or
 crashed) needs no wait for a late renewal and no pod LIST before its attempt is replaced; the
-reaper still confirms the Lease with a GET. A pod seen ending wakes the reaper (`on_ended`, which the reaper sets), so
-the next attempt does not wait for its round either. While the watch is blind or behind, the reaper's own
-look (a LIST of the Job's pods, once a renewal is late) decides as before.
+reaper still confirms the Lease with a GET. A pod seen ending wakes the reaper (`on_ended`, which
+the reaper sets), so the next attempt does not wait for its round either. While the watch is blind
+or behind, the reaper's own look (a LIST of the Job's pods, once a renewal is late) decides as
+before.
 """
 
 from __future__ import annotations
