@@ -795,11 +795,15 @@ def _measure_scale(system: BenchSystem, sizes: Sizes, workers_cpus: set[int]) ->
         wait_for(f"the status of {total} Tasks showing a phase", lambda: (watched.shown(uids) == total,
                  f"{watched.shown(uids)}/{total}"), timeout=120 + 0.1 * total, interval=1)
         statuses_seconds = max(watched.phases[uid][0][0] for uid in uids) - started
-        lags, unshown = [], 0
+        lags, unshown, slowest = [], 0, []
         for uid in runnable_uids:
-            shown = _status_lags(_ledger_phases(system, uid), watched.phases[uid])
+            changes = _ledger_phases(system, uid)
+            shown = _status_lags(changes, watched.phases[uid])
             lags += [lag for lag in shown if lag is not None]
             unshown += shown.count(None)
+            # When each slow one happened, to set beside the operator's log.
+            slowest += [{"at_seconds": round(at - started, 2), "phase": phase, "lag": round(lag, 2)}
+                        for (at, phase), lag in zip(changes, shown, strict=True) if lag is not None]
         watch_delays = [watched.added[uid] - created_at[uid] for uid in runnable_uids]
         say(f"  status lag p99 {percentile(lags, 99):.2f} s, every status shown after {statuses_seconds:.0f} s, "
             f"peak RSS {rss.peak_mb:.0f} MB, admission {admission_seconds:.0f} s; deleting the Tasks")
@@ -823,6 +827,7 @@ def _measure_scale(system: BenchSystem, sizes: Sizes, workers_cpus: set[int]) ->
                met=lag[99] <= SCALE_LAG_TARGET_SECONDS,
                detail={"p50": lag[50], "p95": lag[95], "max": max(lags), "phase_changes": len(lags),
                        "never_shown": unshown, "watch_p50": percentile(watch_delays, 50),
+                       "slowest": sorted(slowest, key=lambda change: -change["lag"])[:5],
                        "workers_cpus": sorted(workers_cpus)}),
     ]
 

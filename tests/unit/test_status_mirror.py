@@ -95,6 +95,12 @@ def mirror(ledger, kube):
     return StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600)
 
 
+def resync_and_write(m):
+    """A round of the resync loop, then one of the writes."""
+    m.resync.round()
+    return m.round()
+
+
 @pytest.mark.parametrize("shown, written", [(None, True), (6, True), (7, False), (8, False)])
 def test_a_status_is_written_only_when_the_ledger_is_ahead_of_the_version_shown(shown, written):
     kube = FakeKube(task_object("u", shown_version=shown))
@@ -170,7 +176,7 @@ def test_a_failed_status_write_is_logged_with_the_api_servers_words_as_an_error_
     an error; a server error or a dropped connection may clear by itself."""
     kube = FakeKube(task_object("u", shown_version=6), patch_error=("u", error))
     with caplog.at_level(logging.INFO, logger="retex.operator.status"):
-        mirror(FakeLedger(rec("u", version=7)), kube).round()
+        resync_and_write(mirror(FakeLedger(rec("u", version=7)), kube))
     [line] = [r for r in caplog.records if r.getMessage() == "status write failed; retrying"]
     assert line.levelno == level
     assert line.fields["http_status"] == error.status and line.fields["message"] == api_message(error)
@@ -212,10 +218,10 @@ def test_at_takeover_the_pending_gauge_starts_from_the_takeover_not_from_what_th
     m.mark("u")  # heard as a standby
     now[0] += 3600
     m.may_write = lambda: True  # takes over: what Runtime._lead does, under the election lock
-    m.resync_next_round()
+    m.resync_at_once()
     assert pending_seconds() == 0
     now[0] += 5
-    m.round()  # the takeover's resync marks the lagging task and writes it
+    resync_and_write(m)  # the takeover's resync marks the lagging task, and the next round writes it
     assert kube.written == [("u", 7, "Running")] and pending_seconds() == 0
 
 
@@ -229,7 +235,7 @@ def test_marks_a_leader_kept_when_it_stopped_leading_wait_from_its_next_takeover
     m.may_write = lambda: False  # lost the election with "u" unwritten
     now[0] += 3600
     m.may_write = lambda: True
-    m.resync_next_round()
+    m.resync_at_once()
     now[0] += 5
     assert pending_seconds() == 5
 
@@ -259,9 +265,41 @@ def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():
     ledger = FakeLedger(rec("behind", version=7), rec("current", version=7))
     refused = task_object("refused")  # never admitted: not in the ledger
     kube = FakeKube(task_object("behind", shown_version=6), task_object("current", shown_version=7), refused)
-    mirror(ledger, kube).round()
+    resync_and_write(mirror(ledger, kube))
     assert ledger.read == ["behind"], "only the lagging Task is marked"
     assert [uid for uid, _, _ in kube.written] == ["behind"]
+
+
+def test_a_resync_under_way_holds_up_no_status_write():
+    """The resync's LIST of every Task takes seconds at scale: it runs on a loop of its own, and a
+    change marked meanwhile is written at once."""
+    ledger = FakeLedger(rec("changed", version=7), rec("other", version=7))
+    kube = FakeKube(task_object("changed", shown_version=6), task_object("other", shown_version=6))
+    listing, listed = threading.Event(), threading.Event()
+    pages = kube.list_tasks
+
+    def a_slow_list():
+        listing.set()
+        assert listed.wait(5), "the test never let the LIST end"
+        yield from pages()
+
+    kube.list_tasks = a_slow_list
+    m = mirror(ledger, kube)
+    resync = threading.Thread(target=m.resync.round, daemon=True)
+    resync.start()
+    assert listing.wait(5)
+    m.mark("changed")
+    writes = threading.Thread(target=m.round, daemon=True)
+    writes.start()
+    writes.join(5)
+    try:
+        assert not writes.is_alive(), "the round waited for the resync"
+        assert kube.written == [("changed", 7, "Running")]
+    finally:
+        listed.set()
+    resync.join(5)
+    m.round()
+    assert [uid for uid, _, _ in kube.written] == ["changed", "other"], "what the resync found, written next"
 
 
 def ahead_of_ledger() -> float:
@@ -274,10 +312,10 @@ def test_a_task_whose_status_is_ahead_of_the_ledger_is_announced_once_and_counte
     the status (the CRD refuses a lower version anyway); people are told, once per Task."""
     ledger = FakeLedger(rec("ahead", version=5), rec("current", version=7))
     kube = FakeKube(task_object("ahead", shown_version=9), task_object("current", shown_version=7))
-    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=0)  # a resync every round
+    m = mirror(ledger, kube)
     with caplog.at_level(logging.ERROR, logger="retex.operator.status"):
-        m.round()
-        m.round()
+        resync_and_write(m)
+        resync_and_write(m)
     assert ahead_of_ledger() == 1
     assert kube.events == ["LedgerBehindStatus"], "one Warning Event, not one per resync"
     assert [r.getMessage() for r in caplog.records].count("the ledger is behind the Task's status") == 1
@@ -286,7 +324,7 @@ def test_a_task_whose_status_is_ahead_of_the_ledger_is_announced_once_and_counte
     assert ahead_of_ledger() == 0, "a standby's last resync may be from long ago: it counts nothing"
     m.may_write = lambda: True
     ledger.records["ahead"] = rec("ahead", version=10)  # the ledger moved past it
-    m.round()
+    resync_and_write(m)
     assert ahead_of_ledger() == 0
 
 
@@ -296,12 +334,12 @@ def test_a_replica_that_leads_again_finds_and_announces_the_tasks_ahead_afresh()
     ledger = FakeLedger(rec("ahead", version=5))
     kube = FakeKube(task_object("ahead", shown_version=9))
     m = mirror(ledger, kube)
-    m.round()
+    resync_and_write(m)
     m.may_write = lambda: False  # stood by, then leads again
     m.may_write = lambda: True
-    m.resync_next_round()
+    m.resync_at_once()
     assert ahead_of_ledger() == 0
-    m.round()
+    resync_and_write(m)
     assert ahead_of_ledger() == 1 and kube.events == ["LedgerBehindStatus"] * 2
 
 
@@ -317,10 +355,10 @@ def test_tasks_announced_before_an_event_post_failed_are_not_announced_again():
         kube.events.append(task["metadata"]["uid"])
 
     kube.post_event = post_event
-    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=0)
+    m = mirror(ledger, kube)
     with pytest.raises(ConnectionResetError):
-        m.round()
-    m.round()
+        m.resync.round()
+    resync_and_write(m)
     assert kube.events == ["a", "b"], "a announced once, b once its Event could be posted"
 
 
@@ -328,10 +366,10 @@ def test_a_restore_that_puts_many_tasks_behind_is_announced_a_bounded_number_per
     count = ANNOUNCED_PER_RESYNC + 5
     ledger = FakeLedger(*(rec(f"u{n}", version=1) for n in range(count)))
     kube = FakeKube(*(task_object(f"u{n}", shown_version=4) for n in range(count)))
-    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=0)
-    m.round()
+    m = mirror(ledger, kube)
+    resync_and_write(m)
     assert ahead_of_ledger() == count and len(kube.events) == ANNOUNCED_PER_RESYNC
-    m.round()
+    resync_and_write(m)
     assert len(kube.events) == count, "the rest at the next resync, none twice"
 
 
@@ -348,7 +386,7 @@ def test_a_status_written_while_the_resync_reads_is_not_taken_for_a_ledger_behin
         yield from listed()
 
     kube.list_tasks = a_write_lands_meanwhile
-    mirror(ledger, kube).round()
+    resync_and_write(mirror(ledger, kube))
     assert ahead_of_ledger() == 0 and kube.events == []
 
 
@@ -359,7 +397,7 @@ def test_the_resync_marks_a_task_whose_dead_letter_label_disagrees_though_its_st
     requeued = rec("requeued", phase=TaskPhase.RUNNING, dead_lettered=False, version=7)
     kube = FakeKube(task_object("dead", shown_version=7),
                     task_object("requeued", shown_version=7, labels={DEAD_LETTER_LABEL: "true"}))
-    mirror(FakeLedger(dead, requeued), kube).round()
+    resync_and_write(mirror(FakeLedger(dead, requeued), kube))
     assert sorted(kube.labels) == [("dead", {DEAD_LETTER_LABEL: "true"}), ("requeued", {DEAD_LETTER_LABEL: None})]
     assert kube.written == [], "the statuses were current"
 
@@ -526,5 +564,6 @@ def test_a_round_that_fails_for_every_task_ends_its_writes_in_flight_starts_no_m
     written = [uid for uid, _, _ in kube.written]
     assert len(written) >= WRITERS - 1, "the writes in flight finished before the round failed"
     assert len(written) < len(uids) - 1, "no more were started once it failed"
-    m.round()  # leading again: the next round writes what the failed one did not
+    while m.round() == 0:  # leading again: the next rounds write what the failed one did not
+        pass
     assert sorted(uid for uid, _, _ in kube.written) == sorted(uids), "each written once, none lost"

@@ -116,7 +116,7 @@ class Runtime:
         self.leadership = Leadership(
             LeaderLease(api, settings.operator_namespace),
             identity, timing, on_started=self._lead, may_keep=self._may_keep_lease)
-        self._writers = [self.relay, self.promoter, self.reaper, self.mirror]
+        self._writers = [self.relay, self.promoter, self.reaper, self.mirror, self.mirror.resync]
         for loop in self._writers:
             loop.may_write = self.may_write
             loop.on_not_leader = self._term_lost
@@ -125,7 +125,8 @@ class Runtime:
             threading.Thread(target=fn, name=name, daemon=True)
             for name, fn in [("lease-watch", self.leases.run), ("pod-watch", self.pods.run), ("relay", self.relay.run),
                              ("promoter", self.promoter.run), ("reaper", self.reaper.run),
-                             ("status-mirror", self.mirror.run), ("ledger-listen", self.listen)]
+                             ("status-mirror", self.mirror.run), ("status-resync", self.mirror.resync.run),
+                             ("ledger-listen", self.listen)]
         ]
         self._election_thread = threading.Thread(target=self.leadership.run, name="leader-election", daemon=True)
 
@@ -151,7 +152,7 @@ class Runtime:
             leadership = self._leaderships
             self._term_wanted_since = time.monotonic()
         self.leases.grant_grace()
-        self.mirror.resync_next_round()
+        self.mirror.resync_at_once()
         threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
     def _term_lost(self, refused: NotLeader) -> None:

@@ -80,7 +80,7 @@ MIRROR_PENDING = Gauge("retex_status_mirror_oldest_pending_seconds", "Age of the
 
 # The loops that count failures. Their error series exist from the start (at 0), so a dashboard or an
 # alert reads "no errors" before the first one rather than "no data".
-LOOPS = ("relay", "promoter", "reaper", "status-mirror", "ledger-listen")
+LOOPS = ("relay", "promoter", "reaper", "status-mirror", "status-resync", "ledger-listen")
 for _loop in LOOPS:
     for _family in (LOOP_ERRORS, POSTGRES_ERRORS, API_ERRORS):
         _family.labels(_loop)
