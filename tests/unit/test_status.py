@@ -142,6 +142,14 @@ def test_the_event_limiter_caps_a_crash_looping_task_per_window():
     assert limiter.allow("u", 61)
 
 
+def test_the_event_limiter_forgets_the_tasks_that_posted_nothing_for_a_window():
+    limiter = EventLimiter(burst=3, window=60)
+    for n in range(1000):
+        limiter.allow(f"u{n}", n * 0.01)
+    limiter.allow("late", 200)
+    assert limiter.tasks_kept == 1
+
+
 def test_the_merge_patch_deletes_what_is_no_longer_set():
     patch = as_merge_patch(status(record(TaskPhase.SUCCEEDED, ("done",) * 3, reason="Completed")))
     assert "lease" in patch and patch["lease"] is None  # the finished worker's lease goes away

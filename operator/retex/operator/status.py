@@ -145,15 +145,24 @@ def as_merge_patch(status: TaskStatus) -> dict[str, Any]:
 
 class EventLimiter:
     """At most `burst` Events per task per `window` seconds: a crash-looping task cannot flood
-    the API server."""
+    the API server. It keeps only the tasks that posted within the last window or two: an
+    operator's life sees millions of tasks."""
 
     def __init__(self, burst: int = 10, window: float = 60.0):
         self._burst, self._window = burst, window
         self._sent: dict[str, list[float]] = {}
+        self._next_sweep: float | None = None
         self._lock = threading.Lock()  # the mirror's writers and kopf's handlers (`warn`) ask at once
+
+    @property
+    def tasks_kept(self) -> int:
+        return len(self._sent)
 
     def allow(self, uid: str, now: float) -> bool:
         with self._lock:
+            if self._next_sweep is None or now >= self._next_sweep:
+                self._sent = {kept: times for kept, times in self._sent.items() if now - times[-1] < self._window}
+                self._next_sweep = now + self._window
             recent = [t for t in self._sent.get(uid, []) if now - t < self._window]
             if len(recent) >= self._burst:
                 self._sent[uid] = recent
