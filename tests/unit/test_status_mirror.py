@@ -20,7 +20,8 @@ from retex.kube.operator_calls import EventNotPosted, NotLeading, StatusNotWritt
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
-from retex.operator.status import ANNOUNCED_PER_RESYNC, DEAD_LETTER_LABEL, WRITE_BATCH, WRITERS, StatusMirror
+from retex.operator.status import (ANNOUNCED_PER_RESYNC, DEAD_LETTER_LABEL, SAME_PHASE_WRITE_FLOOR_SECONDS, WRITE_BATCH,
+                                   WRITERS, StatusMirror)
 from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
@@ -152,7 +153,7 @@ def test_a_task_whose_status_write_keeps_failing_holds_up_no_other_tasks_write(e
     m.round()  # does not raise: u2's failure is u2's
     assert sorted(uid for uid, _, _ in kube.written) == ["u1", "u3"]
     assert REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "status-mirror"}) == errors_before + 1
-    ledger.records["u1"] = replace(ledger.records["u1"], version=8)
+    ledger.records["u1"] = replace(ledger.records["u1"], version=8, phase=TaskPhase.SUCCEEDED)
     m.mark("u1")
     m.round()  # u2 waits out its backoff: not tried again at once
     assert [uid for uid, _, _ in kube.written][2:] == ["u1"]
@@ -268,6 +269,30 @@ def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():
     resync_and_write(mirror(ledger, kube))
     assert ledger.read == ["behind"], "only the lagging Task is marked"
     assert [uid for uid, _, _ in kube.written] == ["behind"]
+
+
+def test_a_tasks_status_is_written_at_most_once_a_floor_while_its_phase_stays_and_a_phase_change_at_once():
+    """A task of many quick steps moves its ledger version at every step: one status write per
+    step is API-server load no dashboard needs."""
+    now = [1000.0]
+    ledger = FakeLedger(rec("u", version=7))
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.mark("u")
+    m.round()
+    ledger.records["u"] = rec("u", version=8, states=("done", "done", "started"))  # a step done, still Running
+    m.mark("u")
+    now[0] += SAME_PHASE_WRITE_FLOOR_SECONDS / 2
+    m.round()
+    assert kube.written == [("u", 7, "Running")], "the next step's status waits for the floor"
+    now[0] += SAME_PHASE_WRITE_FLOOR_SECONDS / 2
+    m.round()
+    assert kube.written == [("u", 7, "Running"), ("u", 8, "Running")], "written once the floor has passed"
+    ledger.records["u"] = rec("u", phase=TaskPhase.SUCCEEDED, version=9, states=("done",) * 3)
+    m.mark("u")
+    now[0] += 0.1
+    m.round()
+    assert kube.written[-1] == ("u", 9, "Succeeded"), "a phase change is written at once"
 
 
 def test_a_resync_under_way_holds_up_no_status_write():

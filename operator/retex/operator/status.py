@@ -51,6 +51,10 @@ WRITERS = 4
 # the next round, so a backlog (thousands of first statuses) holds up a task doing something by
 # about two writes at most (with 20 a round, 1-2.4 s on the rig at scale).
 WRITE_BATCH = 2 * WRITERS
+# A task's status is written at most once this often while its phase stays the same: a task of
+# many quick steps moves its ledger version at every step, and a dashboard needs no more. A phase
+# change is written at once.
+SAME_PHASE_WRITE_FLOOR_SECONDS = 1.0
 # Tasks found ahead of the ledger announced (log line, Event) per resync; the rest at the next ones.
 ANNOUNCED_PER_RESYNC = 20
 
@@ -223,7 +227,8 @@ class StatusMirror(Loop):
         self.resync = StatusResync(self.mark_behind, period=resync_seconds)
         self._dirty: set[str] = set()
         self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
-        self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay) after a failed write
+        self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay): a failed write, or the floor
+        self._written: dict[str, tuple[float, TaskPhase]] = {}  # uid -> when and in which phase this mirror last wrote it
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
         self._ahead: set[str] = set()  # Tasks ahead of the ledger, as the last resync found them
@@ -294,8 +299,11 @@ class StatusMirror(Loop):
     def round(self) -> float:
         """Write the dirty tasks, the first `WRITE_BATCH` in order (`_in_order`) when there are more,
         `WRITERS` at a time. At once again while marks remain."""
+        now = self._clock()
         with self._lock:
             pending, self._dirty = list(self._dirty), set()
+            self._written = {uid: last for uid, last in self._written.items()
+                             if now - last[0] < SAME_PHASE_WRITE_FLOOR_SECONDS}  # only these can defer a write
         unwritten = set(pending)
         try:
             if len(pending) > WRITE_BATCH:  # all are written this round otherwise: no order to ask the ledger for
@@ -466,6 +474,14 @@ class StatusMirror(Loop):
         except TaskNotFound:  # purged since it was marked: nothing to show, and no round may stall on it
             self._settled(uid)
             return
+        now = self._clock()
+        with self._lock:
+            last = self._written.get(uid)
+            if last is not None and last[1] == record.phase and now < last[0] + SAME_PHASE_WRITE_FLOOR_SECONDS:
+                _, delay = self._retry.get(uid, (now, WRITE_RETRY_FIRST_SECONDS))
+                self._retry[uid] = (last[0] + SAME_PHASE_WRITE_FLOOR_SECONDS, delay)
+                self._dirty.add(uid)
+                return
         task = self._kube.get_task(record.namespace, record.name)
         if task is None or task["metadata"]["uid"] != uid:
             self._settled(uid)
@@ -490,6 +506,8 @@ class StatusMirror(Loop):
             self._settled(uid)
             return
         marked_at = self._settled(uid)
+        with self._lock:
+            self._written[uid] = (self._clock(), record.phase)
         if marked_at is not None:
             MIRROR_LAG.observe(self._clock() - marked_at)
         # The Events before the label: once the status is written they cannot be derived again
