@@ -20,8 +20,14 @@ from retex.kube.operator_calls import EventNotPosted, NotLeading, StatusNotWritt
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
-from retex.operator.status import (ANNOUNCED_PER_RESYNC, DEAD_LETTER_LABEL, SAME_PHASE_WRITE_FLOOR_SECONDS, WRITE_BATCH,
-                                   WRITERS, StatusMirror)
+from retex.operator.status import (
+    ANNOUNCED_PER_RESYNC,
+    DEAD_LETTER_LABEL,
+    SAME_PHASE_WRITE_FLOOR_SECONDS,
+    WRITE_BATCH,
+    WRITERS,
+    StatusMirror,
+)
 from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
@@ -295,6 +301,50 @@ def test_a_tasks_status_is_written_at_most_once_a_floor_while_its_phase_stays_an
     assert kube.written[-1] == ("u", 9, "Succeeded"), "a phase change is written at once"
 
 
+def test_a_phase_change_made_while_the_task_is_held_back_is_written_at_once():
+    now = [1000.0]
+    ledger = FakeLedger(rec("u", version=7))
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.mark("u")
+    m.round()
+    ledger.records["u"] = rec("u", version=8, states=("done", "done", "started"))
+    m.mark("u")
+    now[0] += 0.5
+    m.round()  # held back
+    ledger.records["u"] = rec("u", phase=TaskPhase.SUCCEEDED, version=9, states=("done",) * 3)
+    m.mark("u")
+    now[0] += 0.1
+    m.round()
+    assert kube.written == [("u", 7, "Running"), ("u", 9, "Succeeded")]
+
+
+def test_tasks_held_back_take_no_place_in_a_round_and_do_not_make_it_spin():
+    """Many tasks of quick steps are held back at scale: they must not fill the round's batch ahead
+    of a task whose phase changed, nor have the loop come round at once for nothing."""
+    now = [1000.0]
+    quick = [f"q{n}" for n in range(WRITE_BATCH + 4)]
+    ledger = FakeLedger(*(rec(uid, version=7) for uid in quick), rec("done", version=7))
+    kube = FakeKube(*(task_object(uid, shown_version=6) for uid in [*quick, "done"]))
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    for uid in [*quick, "done"]:
+        m.mark(uid)
+    while m.round() == 0:
+        pass
+    for uid in quick:  # a step each, marked first: their marks are the oldest
+        ledger.records[uid] = rec(uid, version=8, states=("done", "done", "started"))
+        m.mark(uid)
+    ledger.records["done"] = rec("done", phase=TaskPhase.SUCCEEDED, version=8, states=("done",) * 3)
+    m.mark("done")
+    now[0] += 0.1
+    assert m.round() == m.COALESCE_SECONDS, "nothing more to write now: no round at once"
+    assert kube.written[-1] == ("done", 8, "Succeeded")
+    now[0] += SAME_PHASE_WRITE_FLOOR_SECONDS
+    while m.round() == 0:
+        pass
+    assert sorted(uid for uid, version, _ in kube.written if version == 8) == sorted([*quick, "done"])
+
+
 def test_a_resync_under_way_holds_up_no_status_write():
     """The resync's LIST of every Task takes seconds at scale: it runs on a loop of its own, and a
     change marked meanwhile is written at once."""
@@ -564,7 +614,7 @@ def test_a_rounds_writes_run_side_by_side_so_a_slow_api_server_delays_a_change_b
 
 
 def test_a_round_that_fails_for_every_task_ends_its_writes_in_flight_starts_no_more_and_loses_no_mark():
-    uids = [f"u{n}" for n in range(3 * WRITERS)]
+    uids = [f"u{n}" for n in range(WRITE_BATCH)]  # one round's worth: a round that went on would write them all
     kube = FakeKube(*(task_object(uid) for uid in uids))
     first = threading.Barrier(WRITERS, timeout=5)  # the first patches, all in flight at once
     lock, patched = threading.Lock(), []

@@ -49,7 +49,8 @@ WRITE_RETRY_MAX_SECONDS = 60.0
 WRITERS = 4
 # Tasks written per round, two writes per writer: marks made meanwhile are ordered with the rest at
 # the next round, so a backlog (thousands of first statuses) holds up a task doing something by
-# about two writes at most (with 20 a round, 1-2.4 s on the rig at scale).
+# about two writes (with 20 a round, 1-2.4 s on the rig at scale). Tasks held back (`_held_back`)
+# take no place in a round.
 WRITE_BATCH = 2 * WRITERS
 # A task's status is written at most once this often while its phase stays the same: a task of
 # many quick steps moves its ledger version at every step, and a dashboard needs no more. A phase
@@ -227,7 +228,7 @@ class StatusMirror(Loop):
         self.resync = StatusResync(self.mark_behind, period=resync_seconds)
         self._dirty: set[str] = set()
         self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
-        self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay): a failed write, or the floor
+        self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay) after a failed write
         self._written: dict[str, tuple[float, TaskPhase]] = {}  # uid -> when and in which phase this mirror last wrote it
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
@@ -266,14 +267,18 @@ class StatusMirror(Loop):
     def listen(self, on_change: Callable[[], None]) -> None:
         """Thread: turn NOTIFY into dirty marks (the write loop coalesces them). Supervised: any
         error (Postgres restarted, the backend terminated, a payload it cannot read, a bug) is
-        logged and counted, and it listens again after a backoff; the write loop then resyncs at
-        once, for the changes nobody heard meanwhile."""
+        logged and counted, and it listens again after a backoff; once it listens again, the resync
+        runs at once, for the changes nobody heard meanwhile."""
         delay = LISTEN_RETRY_FIRST_SECONDS
+        missed = False  # changes may have gone unheard: resync once listening again
         while not self.stopping:
             try:
                 for change in self._ledger.listen(timeout=0.5):
                     if self.stopping:
                         return
+                    if missed:  # the first yield comes after LISTEN: a change from now on is heard
+                        self.resync.wake.set()
+                        missed = False
                     delay = LISTEN_RETRY_FIRST_SECONDS  # listening again: the next fault starts over
                     if change is not None:
                         self.mark(change[0])
@@ -284,7 +289,7 @@ class StatusMirror(Loop):
                          retry_in_seconds=round(delay, 1))
                 self._stop.wait(delay)
                 delay = min(delay * 2, LISTEN_RETRY_MAX_SECONDS)
-                self.resync.wake.set()
+                missed = True
 
     def resync_at_once(self) -> None:
         """Mark every lagging Task at the resync's next round, now (a new leader: what it saw as a
@@ -297,22 +302,35 @@ class StatusMirror(Loop):
         self.resync.wake.set()
 
     def round(self) -> float:
-        """Write the dirty tasks, the first `WRITE_BATCH` in order (`_in_order`) when there are more,
-        `WRITERS` at a time. At once again while marks remain."""
-        now = self._clock()
+        """Write the dirty tasks that may be written now (`_held_back`), the first `WRITE_BATCH` in
+        order (`_in_order`) when there are more, `WRITERS` at a time. At once again while more remain."""
         with self._lock:
-            pending, self._dirty = list(self._dirty), set()
-            self._written = {uid: last for uid, last in self._written.items()
-                             if now - last[0] < SAME_PHASE_WRITE_FLOOR_SECONDS}  # only these can defer a write
-        unwritten = set(pending)
+            marked, self._dirty = self._dirty, set()
+        unwritten, pending = set(marked), []
         try:
+            held = self._held_back(marked)
+            pending = [uid for uid in marked if uid not in held]
             if len(pending) > WRITE_BATCH:  # all are written this round otherwise: no order to ask the ledger for
                 pending = self._in_order(pending)
             self._write(pending[:WRITE_BATCH], unwritten)
         finally:
-            for uid in unwritten:  # a failed or full round loses no mark: the next one takes them
+            for uid in unwritten:  # a failed, full or held-back round loses no mark: a next one takes them
                 self.mark(uid)
         return 0.0 if len(pending) > WRITE_BATCH else self.COALESCE_SECONDS
+
+    def _held_back(self, marked: set[str]) -> set[str]:
+        """The marked tasks not to write this round, nor to count in its batch: one waiting out its
+        backoff after a failed write, and one this mirror wrote less than
+        `SAME_PHASE_WRITE_FLOOR_SECONDS` ago whose ledger phase is still the one written (a phase
+        change, even one made while it was held back, is written at once)."""
+        now = self._clock()
+        with self._lock:
+            self._written = {uid: last for uid, last in self._written.items()
+                             if now - last[0] < SAME_PHASE_WRITE_FLOOR_SECONDS}
+            backing_off = {uid for uid in marked if uid in self._retry and now < self._retry[uid][0]}
+            recent = {uid: self._written[uid][1] for uid in marked - backing_off if uid in self._written}
+        phases = self._ledger.phases_of(list(recent)) if recent else {}
+        return backing_off | {uid for uid, written in recent.items() if phases.get(uid) == written}
 
     def _write(self, batch: list[str], unwritten: set[str]) -> None:
         """Mirror each task of `batch` (distinct uids), `WRITERS` at a time, the first ones first, and
@@ -362,10 +380,7 @@ class StatusMirror(Loop):
         task (the ledger, the leadership) fails the round."""
         now = self._clock()
         with self._lock:
-            not_before, delay = self._retry.get(uid, (now, WRITE_RETRY_FIRST_SECONDS))
-        if now < not_before:
-            self.mark(uid)  # waits out its backoff; its first mark's time stays (the pending gauge)
-            return
+            _, delay = self._retry.get(uid, (now, WRITE_RETRY_FIRST_SECONDS))
         try:
             self.mirror(uid)
         except (NotLeading, LedgerError):  # NotLeader is a LedgerError
@@ -474,14 +489,6 @@ class StatusMirror(Loop):
         except TaskNotFound:  # purged since it was marked: nothing to show, and no round may stall on it
             self._settled(uid)
             return
-        now = self._clock()
-        with self._lock:
-            last = self._written.get(uid)
-            if last is not None and last[1] == record.phase and now < last[0] + SAME_PHASE_WRITE_FLOOR_SECONDS:
-                _, delay = self._retry.get(uid, (now, WRITE_RETRY_FIRST_SECONDS))
-                self._retry[uid] = (last[0] + SAME_PHASE_WRITE_FLOOR_SECONDS, delay)
-                self._dirty.add(uid)
-                return
         task = self._kube.get_task(record.namespace, record.name)
         if task is None or task["metadata"]["uid"] != uid:
             self._settled(uid)
