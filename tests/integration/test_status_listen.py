@@ -1,6 +1,6 @@
 """The operator's NOTIFY listener is supervised: whatever ends its connection or its loop (the
 listening backend terminated, a payload it cannot read), it listens again and later changes still
-mark their task for the status mirror."""
+mark their task for the status mirror, and the resync runs for the changes made meanwhile."""
 
 import threading
 import time
@@ -48,11 +48,13 @@ def test_notify_handling_survives_a_fault_in_the_listener(ledger, dsn, monkeypat
         first = admitted(ledger)
         wait_until(lambda: first in marked, what="the first change marked")
         before = set(listening_backends(dsn))
+        assert not mirror.resync.wake.is_set()
         fault(dsn)
         # A change made while nobody listens is the periodic resync's; this one comes after.
         wait_until(lambda: set(listening_backends(dsn)) - before, what="listening again")
         second = admitted(ledger)
         wait_until(lambda: second in marked, what="a change after the fault marked")
+        assert mirror.resync.wake.is_set(), "listening again, it has the resync find what went unheard"
     finally:
         mirror.stop()
         thread.join(timeout=5)
