@@ -36,6 +36,18 @@ def unreadable_payload(dsn):
         conn.execute("NOTIFY retex_ledger, 'not a uid and version'")
 
 
+class WakeSeen(threading.Event):
+    """The resync's wake, recording whether the listener was listening again when it was set."""
+
+    def __init__(self, listening_again):
+        super().__init__()
+        self._listening_again, self.listening_when_set = listening_again, []
+
+    def set(self):
+        self.listening_when_set.append(self._listening_again())
+        super().set()
+
+
 @pytest.mark.parametrize("fault", [kill_listener, unreadable_payload], ids=["backend-terminated", "bad-payload"])
 def test_notify_handling_survives_a_fault_in_the_listener(ledger, dsn, monkeypatch, fault):
     mirror = StatusMirror(ledger, kube=None, leases=None, resync_seconds=3600)  # listen needs the ledger only
@@ -48,13 +60,15 @@ def test_notify_handling_survives_a_fault_in_the_listener(ledger, dsn, monkeypat
         first = admitted(ledger)
         wait_until(lambda: first in marked, what="the first change marked")
         before = set(listening_backends(dsn))
-        assert not mirror.resync.wake.is_set()
+        mirror.resync.wake = WakeSeen(lambda: bool(set(listening_backends(dsn)) - before))
         fault(dsn)
         # A change made while nobody listens is the periodic resync's; this one comes after.
         wait_until(lambda: set(listening_backends(dsn)) - before, what="listening again")
         second = admitted(ledger)
         wait_until(lambda: second in marked, what="a change after the fault marked")
-        assert mirror.resync.wake.is_set(), "listening again, it has the resync find what went unheard"
+        # Once listening again, not before: a change made between a resync's read and the LISTEN
+        # would go unheard until the next resync.
+        assert mirror.resync.wake.listening_when_set == [True], "the resync finds what went unheard"
     finally:
         mirror.stop()
         thread.join(timeout=5)

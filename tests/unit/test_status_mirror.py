@@ -247,6 +247,31 @@ def test_marks_a_leader_kept_when_it_stopped_leading_wait_from_its_next_takeover
     assert pending_seconds() == 5
 
 
+def test_a_mark_dropped_as_leadership_ended_does_not_show_as_pending_once_it_leads_again():
+    """The round under way when this replica stopped leading re-marks what it did not write, and a
+    standby keeps no marks; if the next leader wrote the Task meanwhile, no resync marks it again,
+    and its old first-mark time must not stay behind as an ever older pending change."""
+    now = [1000.0]
+    kube = FakeKube(task_object("u", shown_version=6))
+    m = StatusMirror(FakeLedger(rec("u", version=7)), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+
+    def patch_and_find_the_leadership_gone(namespace, name, uid, status):
+        m.may_write = lambda: False
+        raise NotLeading(f"patch Task {name}")
+
+    kube.patch_task_status = patch_and_find_the_leadership_gone
+    m.mark("u")
+    with pytest.raises(NotLeading):
+        m.round()
+    kube.tasks["t-u"]["status"] = {"ledgerVersion": 7}  # the other leader wrote it
+    now[0] += 3600
+    m.may_write = lambda: True
+    m.resync_at_once()
+    resync_and_write(m)
+    now[0] += 10
+    assert pending_seconds() == 0
+
+
 @pytest.mark.parametrize("shown", [7, "gone"])
 def test_a_mark_with_nothing_to_write_waits_no_longer(shown):
     now = [1000.0]

@@ -296,8 +296,12 @@ class StatusMirror(Loop):
         standby it did not write). Marks kept from an earlier leadership of this replica wait from
         now: the pending gauge says how long this leader has not written a change, not how long it
         stood by."""
+        now = self._clock()
         with self._lock:
-            self._marked_at = dict.fromkeys(self._marked_at, self._clock())
+            # Only what is still marked: a mark re-made when the last leadership ended was dropped
+            # (`mark` on a standby), and its first mark's time would show as pending for ever.
+            self._marked_at = dict.fromkeys(self._dirty, now)
+            self._retry = {uid: retry for uid, retry in self._retry.items() if uid in self._dirty}
         self._ahead, self._announced = set(), set()  # as found when this replica last led: found again
         self.resync.wake.set()
 
