@@ -302,17 +302,23 @@ def test_the_resync_marks_only_the_tasks_whose_shown_version_lags_the_ledger():
     assert [uid for uid, _, _ in kube.written] == ["behind"]
 
 
-def test_a_tasks_status_is_written_at_most_once_a_floor_while_its_phase_stays_and_a_phase_change_at_once():
-    """A task of many quick steps moves its ledger version at every step: one status write per
-    step is API-server load no dashboard needs."""
-    now = [1000.0]
+def written_then_a_step_done(now):
+    """A Running task's status written, then a step of it done (its phase unchanged) and marked."""
     ledger = FakeLedger(rec("u", version=7))
     kube = FakeKube(task_object("u", shown_version=6))
     m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
     m.mark("u")
     m.round()
-    ledger.records["u"] = rec("u", version=8, states=("done", "done", "started"))  # a step done, still Running
+    ledger.records["u"] = rec("u", version=8, states=("done", "done", "started"))
     m.mark("u")
+    return ledger, kube, m
+
+
+def test_a_tasks_status_is_written_at_most_once_a_floor_while_its_phase_stays_and_a_phase_change_at_once():
+    """A task of many quick steps moves its ledger version at every step: one status write per
+    step is API-server load no dashboard needs."""
+    now = [1000.0]
+    ledger, kube, m = written_then_a_step_done(now)
     now[0] += SAME_PHASE_WRITE_FLOOR_SECONDS / 2
     m.round()
     assert kube.written == [("u", 7, "Running")], "the next step's status waits for the floor"
@@ -328,13 +334,7 @@ def test_a_tasks_status_is_written_at_most_once_a_floor_while_its_phase_stays_an
 
 def test_a_phase_change_made_while_the_task_is_held_back_is_written_at_once():
     now = [1000.0]
-    ledger = FakeLedger(rec("u", version=7))
-    kube = FakeKube(task_object("u", shown_version=6))
-    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
-    m.mark("u")
-    m.round()
-    ledger.records["u"] = rec("u", version=8, states=("done", "done", "started"))
-    m.mark("u")
+    ledger, kube, m = written_then_a_step_done(now)
     now[0] += 0.5
     m.round()  # held back
     ledger.records["u"] = rec("u", phase=TaskPhase.SUCCEEDED, version=9, states=("done",) * 3)
