@@ -50,7 +50,8 @@ POINTS = frozenset({
     # operator
     "before-admit", "after-admit", "after-job-create", "in-status-mirror",
     "in-dispatch-batch",  # the relay's transaction holds its claims, nothing of the record sent yet
-    "in-loop-round",  # step: the loop's name (relay, promoter, reaper, status-mirror, status-resync); past may_write
+    # step: the loop's name (relay, promoter, reaper, status-mirror, status-resync, event-poster); past may_write
+    "in-loop-round",
     # worker
     "after-lease", "before-step", "after-begin", "after-effect", "after-commit", "before-complete",
     # ledger, on a worker's behalf: it runs in the operator's ledger endpoint. in-commit: inside

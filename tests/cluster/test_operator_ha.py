@@ -46,7 +46,7 @@ from retex.operator.settings import session_limits
 LEASE_SECONDS = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_LEASE_SECONDS"])
 RENEW_DEADLINE = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RENEW_DEADLINE_SECONDS"])
 RETRY_PERIOD = float(LEADER_ELECTION_FOR_TESTS["RETEX_LEADER_RETRY_SECONDS"])
-WRITER_LOOPS = ("relay", "promoter", "reaper", "status-mirror", "status-resync")
+WRITER_LOOPS = ("relay", "promoter", "reaper", "status-mirror", "status-resync", "event-poster")
 _numbers = itertools.count()
 
 

@@ -9,7 +9,7 @@ from retex.operator.dispatch import Promoter, Relay
 from retex.operator.loop import Loop
 from retex.operator.metrics import BUCKETS, LOOPS, REGISTRY, LedgerCollector
 from retex.operator.reaper import Reaper
-from retex.operator.status import StatusMirror, StatusResync
+from retex.operator.status import EventPoster, StatusMirror, StatusResync
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "grafana-dashboard.json"
 
@@ -53,7 +53,7 @@ def test_histogram_buckets_span_ten_milliseconds_to_hours():
 
 def test_every_loop_exports_zero_errors_before_its_first_so_rates_over_them_are_never_empty():
     operator_loops = {loop for loop in Loop.__subclasses__() if loop.__module__.startswith("retex.")}  # not tests' own
-    assert operator_loops == {Relay, Promoter, Reaper, StatusMirror, StatusResync}
+    assert operator_loops == {Relay, Promoter, Reaper, StatusMirror, StatusResync, EventPoster}
     assert {loop.name for loop in operator_loops} <= set(LOOPS)
     samples = {(sample.name, sample.labels.get("loop")) for family in REGISTRY.collect() for sample in family.samples}
     for loop in LOOPS:

@@ -116,7 +116,7 @@ class Runtime:
         self.leadership = Leadership(
             LeaderLease(api, settings.operator_namespace),
             identity, timing, on_started=self._lead, may_keep=self._may_keep_lease)
-        self._writers = [self.relay, self.promoter, self.reaper, self.mirror, self.mirror.resync]
+        self._writers = [self.relay, self.promoter, self.reaper, self.mirror, self.mirror.resync, self.mirror.events]
         for loop in self._writers:
             loop.may_write = self.may_write
             loop.on_not_leader = self._term_lost
@@ -126,6 +126,7 @@ class Runtime:
             for name, fn in [("lease-watch", self.leases.run), ("pod-watch", self.pods.run), ("relay", self.relay.run),
                              ("promoter", self.promoter.run), ("reaper", self.reaper.run),
                              ("status-mirror", self.mirror.run), ("status-resync", self.mirror.resync.run),
+                             ("event-poster", self.mirror.events.run),
                              ("ledger-listen", self.listen)]
         ]
         self._election_thread = threading.Thread(target=self.leadership.run, name="leader-election", daemon=True)

@@ -78,9 +78,12 @@ MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change 
 MIRROR_PENDING = Gauge("retex_status_mirror_oldest_pending_seconds", "Age of the oldest ledger change not yet "
                        "written to its Task's status; 0 when none waits, and on a standby", registry=REGISTRY)
 
+EVENTS_DROPPED = Counter("retex_events_dropped_total", "Events not posted because the queue of Events waiting "
+                         "to be posted was full (never the Event of a task's end)", registry=REGISTRY)
+
 # The loops that count failures. Their error series exist from the start (at 0), so a dashboard or an
 # alert reads "no errors" before the first one rather than "no data".
-LOOPS = ("relay", "promoter", "reaper", "status-mirror", "status-resync", "ledger-listen")
+LOOPS = ("relay", "promoter", "reaper", "status-mirror", "status-resync", "event-poster", "ledger-listen")
 for _loop in LOOPS:
     for _family in (LOOP_ERRORS, POSTGRES_ERRORS, API_ERRORS):
         _family.labels(_loop)
