@@ -18,7 +18,7 @@ import pytest
 
 from e2e.dev import service_account_kubeconfig
 from e2e.rig.controlplane import run_kubectl
-from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace, task_manifest
+from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace, task_manifest, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_OVERLAY = ROOT / "manifests" / "overlays" / "local"
@@ -86,8 +86,12 @@ def test_operator_and_worker_run_a_task_to_succeeded_with_only_the_shipped_rbac(
         lease = json.loads(rig.kubectl("get", "-n", namespace, "leases", "-l", "retex.dev/task-uid",
                                        "-o", "json").stdout)["items"][0]  # leases create, the worker's update
         assert lease["metadata"]["annotations"]["retex.dev/released-by"].startswith(f"{job['metadata']['name']}-")
-        events = json.loads(rig.kubectl("get", "-n", namespace, "events", "-o", "json").stdout)["items"]
-        assert "Succeeded" in {e["reason"] for e in events if e["involvedObject"]["name"] == "rbac-proof"}
+
+        def reasons() -> set[str]:  # posted by the operator's Event poster, after the status write
+            events = json.loads(rig.kubectl("get", "-n", namespace, "events", "-o", "json").stdout)["items"]
+            return {e["reason"] for e in events if e["involvedObject"]["name"] == "rbac-proof"}
+
+        wait_for(lambda: "Succeeded" in reasons(), timeout=20, what="the Succeeded Event")
         # Deletion: kopf's delete handler runs and takes its finalizer off (tasks patch).
         rig.kubectl("delete", "-n", namespace, "task", "rbac-proof", "--timeout=30s")
     finally:

@@ -25,6 +25,7 @@ from retex.operator.status import (
     DEAD_LETTER_LABEL,
     SAME_PHASE_WRITE_FLOOR_SECONDS,
     WRITE_BATCH,
+    WRITE_RETRY_FIRST_SECONDS,
     WRITERS,
     StatusMirror,
 )
@@ -37,7 +38,8 @@ def rec(uid, **extra):
 
 
 def task_object(uid, *, shown_version=None, labels=None, name=None):
-    return {"metadata": {"uid": uid, "name": name or f"t-{uid}", "namespace": "ns", "generation": 1,
+    return {"apiVersion": "retex.dev/v1alpha1", "kind": "Task",
+            "metadata": {"uid": uid, "name": name or f"t-{uid}", "namespace": "ns", "generation": 1,
                          "labels": labels or {}},
             "status": {} if shown_version is None else {"ledgerVersion": shown_version}}
 
@@ -68,6 +70,7 @@ class FakeKube:
         self.tasks = {t["metadata"]["name"]: t for t in tasks}
         self.patch_error, self.event_error, self.label_error = patch_error, event_error, label_error
         self.written, self.labels, self.events = [], [], []
+        self.event_attempts = []
         self.statuses = []  # every status patch as sent
 
     def get_task(self, namespace, name):
@@ -90,6 +93,7 @@ class FakeKube:
         self.labels.append((uid, labels))
 
     def post_event(self, task, *, reason, message, warning):
+        self.event_attempts.append(reason)
         if self.event_error:
             raise self.event_error
         self.events.append(reason)
@@ -234,7 +238,7 @@ def test_at_takeover_the_pending_gauge_starts_from_the_takeover_not_from_what_th
     m.mark("u")  # heard as a standby
     now[0] += 3600
     m.may_write = lambda: True  # takes over: what Runtime._lead does, under the election lock
-    m.resync_at_once()
+    m.take_over()
     assert pending_seconds() == 0
     now[0] += 5
     resync_and_write(m)  # the takeover's resync marks the lagging task, and the next round writes it
@@ -251,7 +255,7 @@ def test_marks_a_leader_kept_when_it_stopped_leading_wait_from_its_next_takeover
     m.may_write = lambda: False  # lost the election with "u" unwritten
     now[0] += 3600
     m.may_write = lambda: True
-    m.resync_at_once()
+    m.take_over()
     now[0] += 5
     assert pending_seconds() == 5
 
@@ -275,7 +279,7 @@ def test_a_mark_dropped_as_leadership_ended_does_not_show_as_pending_once_it_lea
     kube.tasks["t-u"]["status"] = {"ledgerVersion": 7}  # the other leader wrote it
     now[0] += 3600
     m.may_write = lambda: True
-    m.resync_at_once()
+    m.take_over()
     resync_and_write(m)
     now[0] += 10
     assert pending_seconds() == 0
@@ -446,7 +450,7 @@ def test_a_replica_that_leads_again_finds_and_announces_the_tasks_ahead_afresh()
     resync_and_write(m)
     m.may_write = lambda: False  # stood by, then leads again
     m.may_write = lambda: True
-    m.resync_at_once()
+    m.take_over()
     assert ahead_of_ledger() == 0
     resync_and_write(m)
     assert ahead_of_ledger() == 1 and kube.events == ["LedgerBehindStatus"] * 2
@@ -556,7 +560,7 @@ def test_an_event_the_api_server_refuses_does_not_undo_the_status_write():
     kube = FakeKube(task_object("u"), event_error=EventNotPosted(403, "events is forbidden"))
     m = mirror(FakeLedger(rec("u")), kube)
     m.mirror("u")
-    assert posted(m, kube) == [], "the fault fired: no Event was posted"
+    assert posted(m, kube) == [] and "Accepted" in kube.event_attempts, "the fault fired: its post was refused"
     assert kube.written == [("u", 7, "Running")]
 
 
@@ -722,24 +726,60 @@ def events_dropped() -> float:
     return REGISTRY.get_sample_value("retex_events_dropped_total") or 0.0
 
 
-def test_past_the_queues_capacity_an_event_is_dropped_and_counted_but_never_a_tasks_end(monkeypatch, caplog):
+def answered(status: int) -> EventNotPosted:
+    """As KubeCalls.post_event raises it: the API server's answer as its cause."""
+    error = EventNotPosted(status, "from the API server")
+    error.__cause__ = ApiException(status=status)
+    return error
+
+
+def test_a_queued_event_wakes_the_poster_and_holds_only_what_names_its_task():
+    m = mirror(FakeLedger(), FakeKube())
+    task = {**task_object("u"), "spec": {"payload": "x" * 65536}}
+    m.events.put(task, "Accepted", "recorded in the ledger", False)
+    assert m.events.wake.is_set(), "posted at once, not at the poster's next period"
+    assert "spec" not in m.events._queue[0][0] and m.events._queue[0][0]["metadata"]["uid"] == "u"
+
+
+def test_past_the_queues_capacity_an_event_is_dropped_and_counted_and_a_tasks_end_only_past_the_hard_one(
+        monkeypatch, caplog):
     monkeypatch.setattr("retex.operator.status.EVENT_QUEUE_CAPACITY", 3)
+    monkeypatch.setattr("retex.operator.status.EVENT_QUEUE_HARD_CAPACITY", 4)
     kube = FakeKube()
     m = mirror(FakeLedger(), kube)
     dropped = events_dropped()
     queued_events(m, 5)
+    m.events.put(task_object("u8"), "NeedsAttention", "step notify awaits a human", True)
     m.events.put(task_object("u9"), "Succeeded", "task Succeeded", False)
-    assert events_dropped() - dropped == 2
-    assert posted(m, kube) == ["AttemptStarted"] * 3 + ["Succeeded"], "the first ones kept, and the task's end"
-    assert [r.message for r in caplog.records].count("event queue full: Events other than a task's end are dropped "
-                                                      "until it drains") == 1, "logged once, not once per Event"
+    assert events_dropped() - dropped == 3
+    assert posted(m, kube) == ["AttemptStarted"] * 3 + ["NeedsAttention"], "the first ones kept, and a task's wait"
+    messages = [r.message for r in caplog.records]
+    assert messages.count("event queue full: Events other than a task's end are dropped until it drains") == 1
+    assert messages.count("event queue drained") == 1
 
 
-def test_an_event_post_that_may_succeed_later_is_posted_at_a_later_round_in_its_place():
+def test_a_full_queue_that_keeps_draining_and_filling_logs_its_drops_once():
+    # At capacity each post frees a place the next put takes: one line until it empties, not one a post.
+    kube = FakeKube()
+    m = mirror(FakeLedger(), kube)
+    queued_events(m, 1000)
+    dropped = events_dropped()
+    logged = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("retex.operator.status.log_line", lambda logger, level, message, **fields: logged.append(message))
+        for n in range(5):
+            m.events.put(task_object(f"v{n}"), "AttemptStarted", "one too many", False)
+            m.events._post_queued(iter([True, False]).__next__)  # one post frees one place
+            m.events.put(task_object(f"w{n}"), "AttemptStarted", "takes the freed place", False)
+    assert events_dropped() - dropped == 5
+    assert logged.count("event queue full: Events other than a task's end are dropped until it drains") == 1
+
+
+def test_an_event_post_that_may_succeed_later_keeps_its_place_and_the_poster_backs_off():
     kube = FakeKube()
     m = mirror(FakeLedger(), kube)
     queued_events(m, 3)
-    post, failures = kube.post_event, [ApiException(status=503, reason="Service Unavailable")]
+    post, failures = kube.post_event, [answered(503), answered(429)]
 
     def post_unless_failing(task, *, reason, message, warning):
         if failures:
@@ -748,36 +788,82 @@ def test_an_event_post_that_may_succeed_later_is_posted_at_a_later_round_in_its_
         kube.events[-1] = message
 
     kube.post_event = post_unless_failing
-    with pytest.raises(ApiException):
-        m.events.round()
-    assert kube.events == [], "the fault fired: nothing posted"
+    errors = REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "event-poster"})
+    assert m.events.round() == WRITE_RETRY_FIRST_SECONDS
+    assert m.events.round() == 2 * WRITE_RETRY_FIRST_SECONDS, "backing off"
+    assert kube.events == [] and not failures, "the faults fired: nothing posted"
+    assert REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "event-poster"}) == errors + 2
     assert posted(m, kube) == ["attempt 0", "attempt 1", "attempt 2"]
 
 
-def test_an_event_the_api_server_refuses_for_good_is_let_go_and_holds_up_none_after_it():
-    kube = FakeKube(event_error=EventNotPosted(422, "the Event is invalid"))
+@pytest.mark.parametrize("status", [403, 422])
+def test_an_event_the_api_server_refuses_for_good_is_let_go_and_holds_up_none_after_it(status):
+    kube = FakeKube(event_error=answered(status))
     m = mirror(FakeLedger(), kube)
     queued_events(m, 2)
     assert m.events.round() == m.events.period, "both tried in the one round, nothing left"
+    assert kube.event_attempts == ["AttemptStarted"] * 2
     kube.event_error = None
     assert posted(m, kube) == []
 
 
-def test_a_stopping_operator_posts_the_events_still_queued():
-    kube = FakeKube()
-    m = mirror(FakeLedger(), kube)
-    queued_events(m, 3)
-    m.events.stop()
-    m.events.run()  # stopped before its first round: only the drain posts
-    assert kube.events == ["AttemptStarted"] * 3
-
-
-def test_an_event_refused_because_this_replica_stopped_leading_is_kept_for_when_it_leads_again():
-    kube = FakeKube()
+def test_events_refused_because_this_replica_stopped_leading_are_dropped_when_it_leads_again():
+    # Posted in a later leadership, hours later maybe, they would show out of order beside the other
+    # leader's Events.
+    kube = FakeKube(event_error=NotLeading("Event AttemptStarted about Task ns/t-u0"))
     m = mirror(FakeLedger(), kube)
     queued_events(m, 2)
-    kube.event_error = NotLeading("Event AttemptStarted about Task ns/t-u0")
     with pytest.raises(NotLeading):
         m.events.round()
+    assert kube.event_attempts == ["AttemptStarted"], "the fault fired"
     kube.event_error = None
-    assert posted(m, kube) == ["AttemptStarted"] * 2
+    dropped = events_dropped()
+    m.take_over()
+    assert events_dropped() - dropped == 2
+    assert posted(m, kube) == []
+
+
+def test_the_events_of_the_writes_in_flight_when_the_operator_stops_are_posted():
+    """Runtime.stop stops every loop at once: the writes in flight end after the poster found
+    nothing queued, and their Events would be lost (the next leader finds the statuses current)."""
+    kube = FakeKube(task_object("u"))
+    entered, release = threading.Event(), threading.Event()
+    patch = kube.patch_task_status
+
+    def patch_slowly(namespace, name, uid, status):
+        entered.set()
+        release.wait(5)
+        patch(namespace, name, uid, status)
+
+    kube.patch_task_status = patch_slowly
+    m = mirror(FakeLedger(rec("u")), kube)
+    loops = [threading.Thread(target=loop.run, daemon=True) for loop in (m, m.events)]
+    for loop in loops:
+        loop.start()
+    m.mark("u")
+    assert entered.wait(5), "a write in flight"
+    m.stop()
+    m.events.stop()
+    release.set()
+    for loop in loops:
+        loop.join(10)
+    assert kube.written == [("u", 7, "Running")]
+    assert kube.events[:1] == ["Accepted"], kube.events
+
+
+def test_a_round_of_the_poster_ends_after_its_time_so_slow_posts_keep_the_loop_judged_alive(monkeypatch):
+    # The probes judge a loop by its rounds (retex.operator.health): one round draining 1,000
+    # Events at 230 ms each would run for minutes.
+    monkeypatch.setattr("retex.operator.status.EVENT_ROUND_SECONDS", 0.2)
+    kube = FakeKube()
+    post = kube.post_event
+
+    def post_slowly(task, *, reason, message, warning):
+        time.sleep(0.1)
+        post(task, reason=reason, message=message, warning=warning)
+
+    kube.post_event = post_slowly
+    m = mirror(FakeLedger(), kube)
+    queued_events(m, 10)
+    assert m.events.round() == 0.0, "more queued: the next round at once"
+    assert 1 <= len(kube.events) <= 3

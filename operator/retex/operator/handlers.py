@@ -153,7 +153,7 @@ class Runtime:
             leadership = self._leaderships
             self._term_wanted_since = time.monotonic()
         self.leases.grant_grace()
-        self.mirror.resync_at_once()
+        self.mirror.take_over()
         threading.Thread(target=self._take_term, args=(leadership,), name="ledger-term", daemon=True).start()
 
     def _term_lost(self, refused: NotLeader) -> None:

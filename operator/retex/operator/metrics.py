@@ -78,8 +78,11 @@ MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change 
 MIRROR_PENDING = Gauge("retex_status_mirror_oldest_pending_seconds", "Age of the oldest ledger change not yet "
                        "written to its Task's status; 0 when none waits, and on a standby", registry=REGISTRY)
 
-EVENTS_DROPPED = Counter("retex_events_dropped_total", "Events not posted because the queue of Events waiting "
-                         "to be posted was full (never the Event of a task's end)", registry=REGISTRY)
+EVENTS_DROPPED = Counter("retex_events_dropped_total", "Events not posted: the queue of Events waiting to be "
+                         "posted was full (a task's end or wait for a human only past 10,000), or they were queued "
+                         "in an earlier leadership of this replica", registry=REGISTRY)
+# Read at scrape time from the status mirror's Event poster.
+EVENTS_QUEUED = Gauge("retex_events_queued", "Events waiting to be posted", registry=REGISTRY)
 
 # The loops that count failures. Their error series exist from the start (at 0), so a dashboard or an
 # alert reads "no errors" before the first one rather than "no data".

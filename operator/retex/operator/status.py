@@ -32,7 +32,7 @@ from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.operator.loop import STOPPED_LEADING, Loop
-from retex.operator.metrics import EVENTS_DROPPED, MIRROR_LAG, MIRROR_PENDING, TASKS_AHEAD_OF_LEDGER, count_failure
+from retex.operator.metrics import EVENTS_DROPPED, EVENTS_QUEUED, MIRROR_LAG, MIRROR_PENDING, TASKS_AHEAD_OF_LEDGER, count_failure
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ DEAD_LETTER_LABEL = "retex.dev/dead-letter"
 LISTEN_RETRY_FIRST_SECONDS = 0.5
 LISTEN_RETRY_MAX_SECONDS = 30.0
 # A task whose status write failed (not as stale: a 403, a 422 of another rule, a 500) is tried
-# again after this, doubling up to the max; the other tasks' writes do not wait for it.
+# again after this, doubling up to the max; the other tasks' writes do not wait for it. An Event
+# post that may succeed later (no answer, a 429, a 5xx) is tried again the same way.
 WRITE_RETRY_FIRST_SECONDS = 1.0
 WRITE_RETRY_MAX_SECONDS = 60.0
 # A round's writes go out this many at a time: each is several round trips (100-300 ms each to an
@@ -60,13 +61,15 @@ WRITE_BATCH = 2 * WRITERS
 SAME_PHASE_WRITE_FLOOR_SECONDS = 1.0
 # Tasks found ahead of the ledger announced (log line, Event) per resync; the rest at the next ones.
 ANNOUNCED_PER_RESYNC = 20
-# Events waiting to be posted, at most. Past it an Event that is not a task's end (`_FINAL_EVENTS`)
-# is dropped and counted, as client-go's broadcaster drops past its 1,000: Events are for people,
-# the status carries the state, and an API server that posts slower than tasks change must not
-# make the operator's memory grow.
+# Events waiting to be posted, at most. Past it an Event that is not a task's end or its wait for
+# a human (`_FINAL_EVENTS`) is dropped and counted, as client-go's broadcaster drops past its
+# 1,000: Events are for people, the status carries the state, and an API server that posts slower
+# than tasks change must not make the operator's memory grow. Those Events are dropped only past
+# the hard capacity (a queued Event is a few hundred bytes).
 EVENT_QUEUE_CAPACITY = 1000
-# Events posted per round of the poster: its round stays short for the liveness probe.
-EVENTS_PER_ROUND = 20
+EVENT_QUEUE_HARD_CAPACITY = 10 * EVENT_QUEUE_CAPACITY
+# A round of the Event poster posts for at most this long: the probes judge the loop by its rounds.
+EVENT_ROUND_SECONDS = 2.0
 # A stopping operator posts what is still queued for at most this long (Runtime.stop waits 5 s).
 EVENT_DRAIN_SECONDS = 3.0
 
@@ -208,10 +211,23 @@ def _labelled_dead(task: dict[str, Any]) -> bool:
     return (task["metadata"].get("labels") or {}).get(DEAD_LETTER_LABEL) == "true"
 
 
+def _involved(task: dict[str, Any]) -> dict[str, Any]:
+    """What an Event names of its Task (`KubeCalls.post_event` reads no more): a queued Event holds
+    no spec, which may be 64 KiB."""
+    meta = task["metadata"]
+    return {"apiVersion": task["apiVersion"], "kind": task["kind"],
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"]}}
+
+
+def _may_post_later(exc: BaseException) -> bool:
+    """No answer, a 429, a 5xx: the same post may succeed later. A refusal for good may not."""
+    return transient(exc.__cause__ if isinstance(exc, EventNotPosted) and exc.__cause__ else exc)
+
+
 class EventPoster(Loop):
-    """Posts the status mirror's Events, in the order queued, on a loop of its own. A post is a
-    round trip (on the rig at scale 60 ms on average, 230 ms at p95: 40% of a status write), and
-    in the writers' path every status change behind it waited for it."""
+    """Posts the status mirror's Events, oldest first, on a loop of its own. A post is a round trip
+    (on the rig at scale 60 ms on average, 230 ms at p95: 40% of a status write), and in the
+    writers' path every status change behind it waited for it."""
 
     name = "event-poster"
     period = 1.0
@@ -220,60 +236,87 @@ class EventPoster(Loop):
         super().__init__()
         self._kube = kube
         self._queue: deque[tuple[dict[str, Any], str, str, bool]] = deque()
-        self._lock = threading.Lock()
-        self._dropping = False  # the queue is full: dropping was logged once, until it drains
+        self._lock = threading.Lock()  # the queue: the mirror's writers put, the poster takes
+        self._posting = threading.Lock()  # one post at a time: the poster's, or the mirror's drain at stop
+        self._dropped = 0  # since the queue was last empty: logged once when it fills, again when it drains
+        self._retry_delay = WRITE_RETRY_FIRST_SECONDS
+        EVENTS_QUEUED.set_function(lambda: len(self._queue))
 
     def put(self, task: dict[str, Any], reason: str, message: str, warning: bool) -> None:
         with self._lock:
-            full = len(self._queue) >= EVENT_QUEUE_CAPACITY
-            if full and reason not in _FINAL_EVENTS:  # a task's end is kept: a task ends once
+            if len(self._queue) >= (EVENT_QUEUE_HARD_CAPACITY if reason in _FINAL_EVENTS else EVENT_QUEUE_CAPACITY):
                 EVENTS_DROPPED.inc()
-                if not self._dropping:
+                if not self._dropped:
                     log_line(log, logging.WARNING, "event queue full: Events other than a task's end are dropped "
                              "until it drains", capacity=EVENT_QUEUE_CAPACITY)
-                self._dropping = True
+                self._dropped += 1
                 return
-            self._dropping = full
-            self._queue.append((task, reason, message, warning))
+            self._queue.append((_involved(task), reason, message, warning))
         self.wake.set()
 
-    def round(self) -> float:
-        for _ in range(EVENTS_PER_ROUND):
-            if not self._post_next():
-                return self.period
-        return 0.0
+    def forget(self) -> None:
+        """Drop (and count) what an earlier leadership of this replica queued: its Events may be hours
+        old, and posted now they would show out of order beside the other leader's."""
+        with self._lock:
+            EVENTS_DROPPED.inc(len(self._queue))
+            self._queue.clear()
 
-    def run(self) -> None:
-        super().run()
-        # Stopping (a rolling update): what is queued would be lost, and the next leader finds the
-        # statuses current and cannot derive these Events again.
+    def round(self) -> float:
+        ends = time.monotonic() + EVENT_ROUND_SECONDS  # short rounds: the probes judge this loop by them
+        return self._post_queued(lambda: not self.stopping and time.monotonic() < ends)
+
+    def drain(self) -> None:
+        """Post what is queued, for at most `EVENT_DRAIN_SECONDS`: the operator stops, and the next
+        leader, finding the statuses current, cannot derive these Events again. The status mirror
+        calls it once its last writes have queued their Events."""
+        if not self.may_write():
+            return
         deadline = time.monotonic() + EVENT_DRAIN_SECONDS
         try:
-            while time.monotonic() < deadline and self.may_write() and self._post_next():
-                pass
+            self._post_queued(lambda: time.monotonic() < deadline)
         except Exception as exc:
-            log_line(log, logging.WARNING, "events still queued at stop not posted", error=f"{type(exc).__name__}: {exc}")
+            log_line(log, logging.WARNING, "events queued at stop not posted", error=f"{type(exc).__name__}: {exc}")
 
-    def _post_next(self) -> bool:
-        """Post the oldest queued Event; False when none is queued. One the API server refuses is
-        logged and let go; one refused because this replica stopped leading, or whose post may
-        succeed later (no answer, a 5xx), goes back to the head of the queue, and the error is raised."""
-        with self._lock:
-            if not self._queue:
-                return False
-            queued = self._queue.popleft()
-        task, reason, message, warning = queued
-        try:
-            self._kube.post_event(task, reason=reason, message=message, warning=warning)
-        except EventNotPosted as exc:
-            log_line(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
-                     http_status=exc.http_status)
-        except Exception as exc:
-            if isinstance(exc, STOPPED_LEADING) or transient(exc):
+    def _post_queued(self, going_on: Callable[[], bool]) -> float:
+        """Post the queued Events, oldest first, while `going_on()`; returns when to go on. One the
+        API server refuses for good is logged and let go. One that may post later (`_may_post_later`)
+        keeps its place, and the loop backs off; one refused because this replica stopped leading
+        also keeps it (`forget` drops it when this replica leads again) and the round ends."""
+        while going_on():
+            with self._posting:
                 with self._lock:
-                    self._queue.appendleft(queued)
-            raise
-        return True
+                    if not self._queue:
+                        if self._dropped:
+                            log_line(log, logging.WARNING, "event queue drained", dropped=self._dropped)
+                        self._dropped = 0
+                        return self.period
+                    queued = self._queue[0]
+                task, reason, message, warning = queued
+                try:
+                    self._kube.post_event(task, reason=reason, message=message, warning=warning)
+                except Exception as exc:
+                    if isinstance(exc, STOPPED_LEADING):
+                        raise
+                    if _may_post_later(exc):
+                        count_failure(self.name, exc)
+                        delay, self._retry_delay = self._retry_delay, min(self._retry_delay * 2, WRITE_RETRY_MAX_SECONDS)
+                        log_line(log, logging.WARNING, "event not posted; trying again", uid=task["metadata"]["uid"],
+                                 reason=reason, error=f"{type(exc).__name__}: {exc}", retry_seconds=delay)
+                        return delay
+                    self._taken(queued)
+                    if not isinstance(exc, EventNotPosted):
+                        raise  # a bug: counted and logged by the loop, the Event let go
+                    log_line(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
+                             http_status=exc.http_status)
+                    continue
+                self._taken(queued)
+                self._retry_delay = WRITE_RETRY_FIRST_SECONDS
+        return 0.0
+
+    def _taken(self, queued: tuple[dict[str, Any], str, str, bool]) -> None:
+        with self._lock:
+            if self._queue and self._queue[0] is queued:  # `forget` may have emptied it meanwhile
+                self._queue.popleft()
 
 
 class StatusResync(Loop):
@@ -336,7 +379,7 @@ class StatusMirror(Loop):
 
     def mark(self, uid: str) -> None:
         # A standby keeps no marks (the ledger-listen thread runs on every replica): taking over
-        # marks every Task whose status lags anyway (`resync_at_once`), and a standby's marks
+        # marks every Task whose status lags anyway (`take_over`), and a standby's marks
         # would pile up for as long as it waits, and show as old changes the moment it leads.
         if not self.may_write():
             return
@@ -371,11 +414,11 @@ class StatusMirror(Loop):
                 delay = min(delay * 2, LISTEN_RETRY_MAX_SECONDS)
                 missed = True
 
-    def resync_at_once(self) -> None:
-        """Mark every lagging Task at the resync's next round, now (a new leader: what it saw as a
-        standby it did not write). Marks kept from an earlier leadership of this replica wait from
-        now: the pending gauge says how long this leader has not written a change, not how long it
-        stood by."""
+    def take_over(self) -> None:
+        """This replica now leads. Mark every lagging Task at the resync's next round, now (what it
+        saw as a standby it did not write). Marks kept from an earlier leadership of this replica
+        wait from now: the pending gauge says how long this leader has not written a change, not
+        how long it stood by. Events queued in an earlier leadership are dropped (`EventPoster.forget`)."""
         now = self._clock()
         with self._lock:
             # Only what is still marked: a mark re-made when the last leadership ended was dropped
@@ -383,7 +426,12 @@ class StatusMirror(Loop):
             self._marked_at = dict.fromkeys(self._dirty, now)
             self._retry = {uid: retry for uid, retry in self._retry.items() if uid in self._dirty}
         self._ahead, self._announced = set(), set()  # as found when this replica last led: found again
+        self.events.forget()
         self.resync.wake.set()
+
+    def run(self) -> None:
+        super().run()
+        self.events.drain()  # stopping: the last round's writes have queued their Events
 
     def round(self) -> float:
         """Write the dirty tasks that may be written now (`_held_back`), the first `WRITE_BATCH` in
