@@ -19,6 +19,7 @@ explains each figure. `--quick` runs tiny sizes (the smoke that `make test` runs
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -60,6 +61,7 @@ DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the c
 # at 5,000 Tasks, seconds of the mirror's thread that no user's operator spends).
 DEPLOYED_RESYNC_SECONDS = OperatorSettings.resync_seconds
 OBSERVED_DEATH_TARGET_SECONDS = 3.0
+DELETE_COLLECTION_TRIES = 10  # the scale measure's one deletecollection, asked again after a 5xx
 WORKER_PROCESS_STARTED = "process started"  # a timeline's event: a worker line's time less its process_age_seconds
 
 
@@ -866,15 +868,18 @@ def _delete_labelled_tasks(system: BenchSystem, selector: str, count: int) -> fl
     """Delete the Tasks labelled `selector` in one call and wait until the operator has let them
     all go (its finalizer): how long that took."""
     started = time.time()
-    while True:  # the server gives up on a long deletecollection (504) part way: the rest goes next time
+    # A loaded server gives up on a long deletecollection part way (504, or 500 "etcdserver: request
+    # timed out" on kind): the rest goes next time.
+    for attempt in itertools.count(1):
         try:
             system.custom.delete_collection_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
                                                                      label_selector=selector)
             break
         except client.exceptions.ApiException as exc:
-            if exc.status != 504:
+            if exc.status < 500 or attempt == DELETE_COLLECTION_TRIES:
                 raise
-            say("  deleting the Tasks timed out on the API server (504): asking again for the rest")
+            say(f"  deleting the Tasks failed on the API server ({exc.status} {exc.reason}): asking again for the rest")
+            time.sleep(attempt)
 
     def gone() -> tuple[bool, str]:
         page = system.custom.list_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL,
