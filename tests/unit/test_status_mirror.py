@@ -13,19 +13,20 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+import urllib3
 from kubernetes.client.exceptions import ApiException
 
 from retex.kube.errors import api_message
-from retex.kube.operator_calls import EventNotPosted, NotLeading, StatusNotWritten
+from retex.kube.operator_calls import EVENT_MESSAGE_MAX, EventNotPosted, NotLeading, StatusNotWritten
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
 from retex.operator.status import (
     ANNOUNCED_PER_RESYNC,
     DEAD_LETTER_LABEL,
+    EVENT_POST_TRIES,
     SAME_PHASE_WRITE_FLOOR_SECONDS,
     WRITE_BATCH,
-    WRITE_RETRY_FIRST_SECONDS,
     WRITERS,
     StatusMirror,
 )
@@ -556,14 +557,6 @@ def test_the_event_of_a_tasks_end_is_posted_even_when_its_attempt_events_spent_t
     assert posted(m, kube) == ["Accepted", *["AttemptStarted"] * 9, "Failed"]
 
 
-def test_an_event_the_api_server_refuses_does_not_undo_the_status_write():
-    kube = FakeKube(task_object("u"), event_error=EventNotPosted(403, "events is forbidden"))
-    m = mirror(FakeLedger(rec("u")), kube)
-    m.mirror("u")
-    assert posted(m, kube) == [] and "Accepted" in kube.event_attempts, "the fault fired: its post was refused"
-    assert kube.written == [("u", 7, "Running")]
-
-
 def test_a_refused_task_is_completed_with_reason_refused():
     # It never runs: `kubectl wait --for=condition=Completed` must return for it too.
     kube = FakeKube()
@@ -736,9 +729,11 @@ def answered(status: int) -> EventNotPosted:
 def test_a_queued_event_wakes_the_poster_and_holds_only_what_names_its_task():
     m = mirror(FakeLedger(), FakeKube())
     task = {**task_object("u"), "spec": {"payload": "x" * 65536}}
-    m.events.put(task, "Accepted", "recorded in the ledger", False)
+    m.events.put(task, "Failed", "exit 1: " + "x" * 5000, True)  # a task's lastError: up to 4,096 characters
     assert m.events.wake.is_set(), "posted at once, not at the poster's next period"
-    assert "spec" not in m.events._queue[0][0] and m.events._queue[0][0]["metadata"]["uid"] == "u"
+    queued = m.events._queue[0]
+    assert "spec" not in queued.task and queued.task["metadata"]["uid"] == "u"
+    assert len(queued.message) == EVENT_MESSAGE_MAX, "queued as it will be posted"
 
 
 def test_past_the_queues_capacity_an_event_is_dropped_and_counted_and_a_tasks_end_only_past_the_hard_one(
@@ -775,25 +770,68 @@ def test_a_full_queue_that_keeps_draining_and_filling_logs_its_drops_once():
     assert logged.count("event queue full: Events other than a task's end are dropped until it drains") == 1
 
 
-def test_an_event_post_that_may_succeed_later_keeps_its_place_and_the_poster_backs_off():
+def test_after_a_post_that_may_succeed_later_the_poster_backs_off_a_new_event_does_not_cut_it_short_and_rounds_go_on(
+        ):
+    now = [1000.0]
+    kube = FakeKube()
+    m = StatusMirror(FakeLedger(), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    queued_events(m, 1)
+    kube.event_error = answered(503)
+    errors = REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "event-poster"})
+    waits = []
+    for _ in range(4):  # backoffs of 1, 2, 4, 8 s
+        waits.append(m.events.round())
+        m.events.put(task_object("new"), "AttemptStarted", "a change meanwhile", False)
+        tried = len(kube.event_attempts)
+        waits.append(m.events.round())  # woken by the put, within the backoff
+        assert len(kube.event_attempts) == tried, "a new Event cut the backoff short"
+        now[0] += 2 ** len(waits)
+    assert max(waits) <= m.events.period, "a round at least every period: the readiness probe judges the loop by them"
+    assert kube.event_attempts and kube.events == [], "the fault fired"
+    assert REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "event-poster"}) > errors
+    kube.event_error = None
+    now[0] += 60
+    assert posted(m, kube) == ["AttemptStarted"] * 5, "none lost"
+
+
+@pytest.mark.parametrize("failure", [answered(500), answered(429), urllib3.exceptions.ProtocolError("connection reset")],
+                         ids=["webhook-500", "429", "no-answer"])
+def test_an_event_that_keeps_failing_holds_up_no_other_and_is_dropped_after_its_tries(failure):
+    # One namespace whose Events keep failing (its quota full, a webhook on Events down) must not
+    # hold up the other namespaces' Events behind it.
+    now = [1000.0]
+    kube = FakeKube()
+    post = kube.post_event
+
+    def post_unless_stuck(task, *, reason, message, warning):
+        if task["metadata"]["uid"] == "u0":
+            kube.event_attempts.append(reason)
+            raise failure
+        post(task, reason=reason, message=message, warning=warning)
+
+    kube.post_event = post_unless_stuck
+    m = StatusMirror(FakeLedger(), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    queued_events(m, 3)
+    dropped = events_dropped()
+    m.events.round()
+    now[0] += 61  # past any backoff
+    m.events.round()
+    assert kube.events == ["AttemptStarted"] * 2, "the Events behind the stuck one posted at the next round"
+    for _ in range(EVENT_POST_TRIES):
+        now[0] += 61
+        m.events.round()
+    assert kube.event_attempts.count("AttemptStarted") == EVENT_POST_TRIES + 2, "the stuck one tried its tries"
+    assert events_dropped() - dropped == 1 and m.events.round() == m.events.period, "then dropped, counted"
+
+
+def test_events_left_when_the_drain_at_stop_ends_are_counted_as_dropped():
     kube = FakeKube()
     m = mirror(FakeLedger(), kube)
     queued_events(m, 3)
-    post, failures = kube.post_event, [answered(503), answered(429)]
-
-    def post_unless_failing(task, *, reason, message, warning):
-        if failures:
-            raise failures.pop()
-        post(task, reason=reason, message=message, warning=warning)
-        kube.events[-1] = message
-
-    kube.post_event = post_unless_failing
-    errors = REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "event-poster"})
-    assert m.events.round() == WRITE_RETRY_FIRST_SECONDS
-    assert m.events.round() == 2 * WRITE_RETRY_FIRST_SECONDS, "backing off"
-    assert kube.events == [] and not failures, "the faults fired: nothing posted"
-    assert REGISTRY.get_sample_value("retex_reconcile_errors_total", {"loop": "event-poster"}) == errors + 2
-    assert posted(m, kube) == ["attempt 0", "attempt 1", "attempt 2"]
+    m.events.may_write = lambda: False  # the drain posts nothing: it no longer leads
+    dropped = events_dropped()
+    m.events.drain()
+    assert kube.event_attempts == [] and events_dropped() - dropped == 3
 
 
 @pytest.mark.parametrize("status", [403, 422])
@@ -867,3 +905,13 @@ def test_a_round_of_the_poster_ends_after_its_time_so_slow_posts_keep_the_loop_j
     queued_events(m, 10)
     assert m.events.round() == 0.0, "more queued: the next round at once"
     assert 1 <= len(kube.events) <= 3
+
+
+def test_a_queue_that_fills_again_after_a_takeover_is_logged_again(monkeypatch, caplog):
+    monkeypatch.setattr("retex.operator.status.EVENT_QUEUE_CAPACITY", 1)
+    m = mirror(FakeLedger(), FakeKube())
+    queued_events(m, 2)
+    m.take_over()  # the earlier leadership's queue and its drops forgotten
+    queued_events(m, 2)
+    full = "event queue full: Events other than a task's end are dropped until it drains"
+    assert [r.message for r in caplog.records].count(full) == 2

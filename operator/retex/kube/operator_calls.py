@@ -56,6 +56,10 @@ class StatusNotWritten(Exception):
         self.http_status = http_status
 
 
+# An Event's message is cut to this (the API server's own limit is larger; a dashboard shows less).
+EVENT_MESSAGE_MAX = 1024
+
+
 class EventNotPosted(Exception):
     """The API server did not take an Event (e.g. 403 in a namespace not onboarded)."""
 
@@ -237,7 +241,7 @@ class KubeCalls:
             "involvedObject": {"apiVersion": task["apiVersion"], "kind": task["kind"], "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta["uid"]},
             "reason": reason,
-            "message": message[:1024],
+            "message": message[:EVENT_MESSAGE_MAX],
             "type": "Warning" if warning else "Normal",
             "firstTimestamp": now,
             "lastTimestamp": now,

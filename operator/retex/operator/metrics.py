@@ -79,8 +79,9 @@ MIRROR_PENDING = Gauge("retex_status_mirror_oldest_pending_seconds", "Age of the
                        "written to its Task's status; 0 when none waits, and on a standby", registry=REGISTRY)
 
 EVENTS_DROPPED = Counter("retex_events_dropped_total", "Events not posted: the queue of Events waiting to be "
-                         "posted was full (a task's end or wait for a human only past 10,000), or they were queued "
-                         "in an earlier leadership of this replica", registry=REGISTRY)
+                         "posted was full (a task's end or wait for a human only past 10,000), their post failed "
+                         "5 times, they were queued in an earlier leadership of this replica, or left at a stop",
+                         registry=REGISTRY)
 # Read at scrape time from the status mirror's Event poster.
 EVENTS_QUEUED = Gauge("retex_events_queued", "Events waiting to be posted", registry=REGISTRY)
 

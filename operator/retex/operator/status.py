@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,7 +28,7 @@ from retex.failpoints import failpoint
 from retex.kube.errors import api_message, transient
 from retex.kube.leasewatch import LeaseObservation, LeaseObserver
 from retex.kube.objects import lease_name
-from retex.kube.operator_calls import EventNotPosted, KubeCalls, NotLeading, StatusNotWritten
+from retex.kube.operator_calls import EVENT_MESSAGE_MAX, EventNotPosted, KubeCalls, NotLeading, StatusNotWritten
 from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import log_line
 from retex.machine import TaskPhase
@@ -42,8 +43,8 @@ DEAD_LETTER_LABEL = "retex.dev/dead-letter"
 LISTEN_RETRY_FIRST_SECONDS = 0.5
 LISTEN_RETRY_MAX_SECONDS = 30.0
 # A task whose status write failed (not as stale: a 403, a 422 of another rule, a 500) is tried
-# again after this, doubling up to the max; the other tasks' writes do not wait for it. An Event
-# post that may succeed later (no answer, a 429, a 5xx) is tried again the same way.
+# again after this, doubling up to the max; the other tasks' writes do not wait for it. After an
+# Event post that may succeed later (no answer, a 429, a 5xx), the poster waits the same way.
 WRITE_RETRY_FIRST_SECONDS = 1.0
 WRITE_RETRY_MAX_SECONDS = 60.0
 # A round's writes go out this many at a time: each is several round trips (100-300 ms each to an
@@ -65,9 +66,13 @@ ANNOUNCED_PER_RESYNC = 20
 # a human (`_FINAL_EVENTS`) is dropped and counted, as client-go's broadcaster drops past its
 # 1,000: Events are for people, the status carries the state, and an API server that posts slower
 # than tasks change must not make the operator's memory grow. Those Events are dropped only past
-# the hard capacity (a queued Event is a few hundred bytes).
+# the hard capacity (a queued Event holds at most a 1,024-character message: ~15 MB at most).
 EVENT_QUEUE_CAPACITY = 1000
 EVENT_QUEUE_HARD_CAPACITY = 10 * EVENT_QUEUE_CAPACITY
+# An Event whose post may succeed later is tried this many times, going to the back of the queue
+# after each: one namespace refusing Events for a while (its quota full, a webhook failing) holds
+# up no other namespace's.
+EVENT_POST_TRIES = 5
 # A round of the Event poster posts for at most this long: the probes judge the loop by its rounds.
 EVENT_ROUND_SECONDS = 2.0
 # A stopping operator posts what is still queued for at most this long (Runtime.stop waits 5 s).
@@ -224,6 +229,15 @@ def _may_post_later(exc: BaseException) -> bool:
     return transient(exc.__cause__ if isinstance(exc, EventNotPosted) and exc.__cause__ else exc)
 
 
+@dataclass(slots=True)
+class _QueuedEvent:
+    task: dict[str, Any]  # `_involved`: the Task's name and uid, not its spec
+    reason: str
+    message: str
+    warning: bool
+    tries: int = 0
+
+
 class EventPoster(Loop):
     """Posts the status mirror's Events, oldest first, on a loop of its own. A post is a round trip
     (on the rig at scale 60 ms on average, 230 ms at p95: 40% of a status write), and in the
@@ -232,13 +246,14 @@ class EventPoster(Loop):
     name = "event-poster"
     period = 1.0
 
-    def __init__(self, kube: KubeCalls):
+    def __init__(self, kube: KubeCalls, *, clock: Callable[[], float] = time.monotonic):
         super().__init__()
-        self._kube = kube
-        self._queue: deque[tuple[dict[str, Any], str, str, bool]] = deque()
+        self._kube, self._clock = kube, clock
+        self._queue: deque[_QueuedEvent] = deque()
         self._lock = threading.Lock()  # the queue: the mirror's writers put, the poster takes
         self._posting = threading.Lock()  # one post at a time: the poster's, or the mirror's drain at stop
         self._dropped = 0  # since the queue was last empty: logged once when it fills, again when it drains
+        self._not_before = 0.0  # after a post that may succeed later: no post before this
         self._retry_delay = WRITE_RETRY_FIRST_SECONDS
         EVENTS_QUEUED.set_function(lambda: len(self._queue))
 
@@ -251,7 +266,7 @@ class EventPoster(Loop):
                              "until it drains", capacity=EVENT_QUEUE_CAPACITY)
                 self._dropped += 1
                 return
-            self._queue.append((_involved(task), reason, message, warning))
+            self._queue.append(_QueuedEvent(_involved(task), reason, message[:EVENT_MESSAGE_MAX], warning))
         self.wake.set()
 
     def forget(self) -> None:
@@ -260,28 +275,40 @@ class EventPoster(Loop):
         with self._lock:
             EVENTS_DROPPED.inc(len(self._queue))
             self._queue.clear()
+            self._dropped = 0
 
     def round(self) -> float:
-        ends = time.monotonic() + EVENT_ROUND_SECONDS  # short rounds: the probes judge this loop by them
-        return self._post_queued(lambda: not self.stopping and time.monotonic() < ends)
+        """Post for at most `EVENT_ROUND_SECONDS`, unless backing off. Never waits longer than
+        `period` between rounds: the probes judge this loop by its rounds, and a backoff of a minute
+        would make the leader unready. A new Event wakes the loop, and does not cut a backoff short."""
+        now = self._clock()
+        if now < self._not_before:
+            return min(self._not_before - now, self.period)
+        ends = now + EVENT_ROUND_SECONDS
+        return self._post_queued(lambda: not self.stopping and self._clock() < ends)
 
     def drain(self) -> None:
         """Post what is queued, for at most `EVENT_DRAIN_SECONDS`: the operator stops, and the next
         leader, finding the statuses current, cannot derive these Events again. The status mirror
-        calls it once its last writes have queued their Events."""
-        if not self.may_write():
-            return
-        deadline = time.monotonic() + EVENT_DRAIN_SECONDS
-        try:
-            self._post_queued(lambda: time.monotonic() < deadline)
-        except Exception as exc:
-            log_line(log, logging.WARNING, "events queued at stop not posted", error=f"{type(exc).__name__}: {exc}")
+        calls it once its last writes have queued their Events. What is left is counted as dropped."""
+        if self.may_write():
+            deadline = self._clock() + EVENT_DRAIN_SECONDS
+            try:
+                self._post_queued(lambda: self._clock() < deadline)
+            except Exception as exc:
+                log_line(log, logging.WARNING, "events queued at stop not posted", error=f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            if self._queue:
+                log_line(log, logging.WARNING, "events queued at stop dropped", count=len(self._queue))
+                EVENTS_DROPPED.inc(len(self._queue))
+                self._queue.clear()
 
     def _post_queued(self, going_on: Callable[[], bool]) -> float:
         """Post the queued Events, oldest first, while `going_on()`; returns when to go on. One the
         API server refuses for good is logged and let go. One that may post later (`_may_post_later`)
-        keeps its place, and the loop backs off; one refused because this replica stopped leading
-        also keeps it (`forget` drops it when this replica leads again) and the round ends."""
+        goes to the back of the queue, up to `EVENT_POST_TRIES` times, and the poster backs off;
+        one refused because this replica stopped leading keeps its place (`forget` drops it when
+        this replica leads again) and the round ends."""
         while going_on():
             with self._posting:
                 with self._lock:
@@ -291,29 +318,41 @@ class EventPoster(Loop):
                         self._dropped = 0
                         return self.period
                     queued = self._queue[0]
-                task, reason, message, warning = queued
                 try:
-                    self._kube.post_event(task, reason=reason, message=message, warning=warning)
+                    self._kube.post_event(queued.task, reason=queued.reason, message=queued.message,
+                                          warning=queued.warning)
                 except Exception as exc:
                     if isinstance(exc, STOPPED_LEADING):
                         raise
-                    if _may_post_later(exc):
-                        count_failure(self.name, exc)
-                        delay, self._retry_delay = self._retry_delay, min(self._retry_delay * 2, WRITE_RETRY_MAX_SECONDS)
-                        log_line(log, logging.WARNING, "event not posted; trying again", uid=task["metadata"]["uid"],
-                                 reason=reason, error=f"{type(exc).__name__}: {exc}", retry_seconds=delay)
-                        return delay
                     self._taken(queued)
+                    if _may_post_later(exc):
+                        return self._post_later(queued, exc)
                     if not isinstance(exc, EventNotPosted):
                         raise  # a bug: counted and logged by the loop, the Event let go
-                    log_line(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
-                             http_status=exc.http_status)
+                    log_line(log, logging.WARNING, "event not posted", uid=queued.task["metadata"]["uid"],
+                             reason=queued.reason, http_status=exc.http_status)
                     continue
                 self._taken(queued)
                 self._retry_delay = WRITE_RETRY_FIRST_SECONDS
         return 0.0
 
-    def _taken(self, queued: tuple[dict[str, Any], str, str, bool]) -> None:
+    def _post_later(self, queued: _QueuedEvent, exc: Exception) -> float:
+        """Back to the back of the queue (dropped after `EVENT_POST_TRIES`), and no post for a backoff."""
+        count_failure(self.name, exc)
+        queued.tries += 1
+        with self._lock:
+            if queued.tries < EVENT_POST_TRIES:
+                self._queue.append(queued)
+            else:
+                EVENTS_DROPPED.inc()
+        delay, self._retry_delay = self._retry_delay, min(self._retry_delay * 2, WRITE_RETRY_MAX_SECONDS)
+        self._not_before = self._clock() + delay
+        log_line(log, logging.WARNING, "event not posted; trying again" if queued.tries < EVENT_POST_TRIES
+                 else "event not posted; dropped", uid=queued.task["metadata"]["uid"], reason=queued.reason,
+                 tries=queued.tries, error=f"{type(exc).__name__}: {exc}", retry_seconds=delay)
+        return min(delay, self.period)
+
+    def _taken(self, queued: _QueuedEvent) -> None:
         with self._lock:
             if self._queue and self._queue[0] is queued:  # `forget` may have emptied it meanwhile
                 self._queue.popleft()
@@ -348,7 +387,7 @@ class StatusMirror(Loop):
         super().__init__()
         self._ledger, self._kube, self._leases, self._clock = ledger, kube, leases, clock
         self.resync = StatusResync(self.mark_behind, period=resync_seconds)
-        self.events = EventPoster(kube)
+        self.events = EventPoster(kube, clock=clock)
         self._dirty: set[str] = set()
         self._marked_at: dict[str, float] = {}  # first unwritten mark per task: the mirror's lag
         self._retry: dict[str, tuple[float, float]] = {}  # uid -> (not before, next delay) after a failed write
