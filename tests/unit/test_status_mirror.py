@@ -9,6 +9,7 @@ writes a round's tasks `WRITERS` at a time."""
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -794,34 +795,59 @@ def test_after_a_post_that_may_succeed_later_the_poster_backs_off_a_new_event_do
     assert posted(m, kube) == ["AttemptStarted"] * 5, "none lost"
 
 
+def event_in(namespace, uid):
+    task = task_object(uid)
+    task["metadata"]["namespace"] = namespace
+    return task
+
+
 @pytest.mark.parametrize("failure", [answered(500), answered(429), urllib3.exceptions.ProtocolError("connection reset")],
                          ids=["webhook-500", "429", "no-answer"])
-def test_an_event_that_keeps_failing_holds_up_no_other_and_is_dropped_after_its_tries(failure):
-    # One namespace whose Events keep failing (its quota full, a webhook on Events down) must not
-    # hold up the other namespaces' Events behind it.
+def test_a_namespace_whose_events_keep_failing_holds_up_no_other_and_its_events_are_dropped_after_their_tries(
+        failure):
+    # One namespace refusing Events for a while (its quota full, a webhook on Events down) must not
+    # hold up the other namespaces' Events queued behind its own.
     now = [1000.0]
     kube = FakeKube()
     post = kube.post_event
 
-    def post_unless_stuck(task, *, reason, message, warning):
-        if task["metadata"]["uid"] == "u0":
+    def post_unless_in_a(task, *, reason, message, warning):
+        if task["metadata"]["namespace"] == "a":
             kube.event_attempts.append(reason)
             raise failure
         post(task, reason=reason, message=message, warning=warning)
 
-    kube.post_event = post_unless_stuck
+    kube.post_event = post_unless_in_a
     m = StatusMirror(FakeLedger(), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
-    queued_events(m, 3)
+    for n in range(20):
+        m.events.put(event_in("a", f"a{n}"), "AttemptStarted", f"a {n}", False)
+    m.events.put(event_in("b", "b0"), "Succeeded", "task Succeeded", False)
+    dropped = events_dropped()
+    assert m.events.round() <= m.events.period
+    assert kube.events == ["Succeeded"], "b's Event posted in the first round, behind a's twenty"
+    assert len(kube.event_attempts) == 2, "a tried once, then backing off: its other Events not tried"
+    for _ in range(20 * EVENT_POST_TRIES):
+        now[0] += 61  # past any backoff
+        m.events.round()
+    assert events_dropped() - dropped == 20 and m.events.round() == m.events.period, "a's dropped, counted"
+    assert len(kube.event_attempts) == 1 + 20 * EVENT_POST_TRIES, "each of a's tried its tries, no more"
+
+
+def test_an_event_in_flight_when_this_replica_takes_over_again_is_not_put_back():
+    kube = FakeKube()
+    m = mirror(FakeLedger(), kube)
+    queued_events(m, 2)
+
+    def lead_again_then_fail(task, *, reason, message, warning):
+        kube.event_attempts.append(reason)
+        m.take_over()
+        raise answered(503)
+
+    kube.post_event = lead_again_then_fail
     dropped = events_dropped()
     m.events.round()
-    now[0] += 61  # past any backoff
-    m.events.round()
-    assert kube.events == ["AttemptStarted"] * 2, "the Events behind the stuck one posted at the next round"
-    for _ in range(EVENT_POST_TRIES):
-        now[0] += 61
-        m.events.round()
-    assert kube.event_attempts.count("AttemptStarted") == EVENT_POST_TRIES + 2, "the stuck one tried its tries"
-    assert events_dropped() - dropped == 1 and m.events.round() == m.events.period, "then dropped, counted"
+    assert kube.event_attempts == ["AttemptStarted"], "the fault fired"
+    assert events_dropped() - dropped == 1 and m.events._queue == deque(), "forgotten: counted once, not queued"
 
 
 def test_events_left_when_the_drain_at_stop_ends_are_counted_as_dropped():
@@ -915,3 +941,23 @@ def test_a_queue_that_fills_again_after_a_takeover_is_logged_again(monkeypatch, 
     queued_events(m, 2)
     full = "event queue full: Events other than a task's end are dropped until it drains"
     assert [r.message for r in caplog.records].count(full) == 2
+
+
+def test_a_namespace_whose_post_succeeded_backs_off_from_the_first_delay_at_its_next_failure():
+    now = [1000.0]
+    kube = FakeKube(event_error=answered(503))
+    m = StatusMirror(FakeLedger(), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    queued_events(m, 1)
+    m.events.round()  # fails: 1 s
+    now[0] += 1.5
+    m.events.round()  # fails again: 2 s
+    kube.event_error = None
+    now[0] += 2.5
+    assert posted(m, kube) == ["AttemptStarted"]
+    kube.event_error = answered(503)
+    queued_events(m, 1)
+    m.events.round()  # fails: 1 s again, not 4
+    now[0] += 1.5
+    tried = len(kube.event_attempts)
+    m.events.round()
+    assert len(kube.event_attempts) == tried + 1, "tried again after the first delay"

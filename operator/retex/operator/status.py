@@ -44,7 +44,7 @@ LISTEN_RETRY_FIRST_SECONDS = 0.5
 LISTEN_RETRY_MAX_SECONDS = 30.0
 # A task whose status write failed (not as stale: a 403, a 422 of another rule, a 500) is tried
 # again after this, doubling up to the max; the other tasks' writes do not wait for it. After an
-# Event post that may succeed later (no answer, a 429, a 5xx), the poster waits the same way.
+# Event post that may succeed later (no answer, a 429, a 5xx), its namespace waits the same way.
 WRITE_RETRY_FIRST_SECONDS = 1.0
 WRITE_RETRY_MAX_SECONDS = 60.0
 # A round's writes go out this many at a time: each is several round trips (100-300 ms each to an
@@ -70,8 +70,8 @@ ANNOUNCED_PER_RESYNC = 20
 EVENT_QUEUE_CAPACITY = 1000
 EVENT_QUEUE_HARD_CAPACITY = 10 * EVENT_QUEUE_CAPACITY
 # An Event whose post may succeed later is tried this many times, going to the back of the queue
-# after each: one namespace refusing Events for a while (its quota full, a webhook failing) holds
-# up no other namespace's.
+# after each while its namespace backs off: one namespace refusing Events for a while (its quota
+# full, a webhook failing) holds up no other namespace's.
 EVENT_POST_TRIES = 5
 # A round of the Event poster posts for at most this long: the probes judge the loop by its rounds.
 EVENT_ROUND_SECONDS = 2.0
@@ -253,8 +253,9 @@ class EventPoster(Loop):
         self._lock = threading.Lock()  # the queue: the mirror's writers put, the poster takes
         self._posting = threading.Lock()  # one post at a time: the poster's, or the mirror's drain at stop
         self._dropped = 0  # since the queue was last empty: logged once when it fills, again when it drains
-        self._not_before = 0.0  # after a post that may succeed later: no post before this
-        self._retry_delay = WRITE_RETRY_FIRST_SECONDS
+        # namespace -> (no post before, next delay), after a post there that may succeed later
+        self._backoff: dict[str, tuple[float, float]] = {}
+        self._leadership = 0  # `forget` counts: an Event taken out before it is not put back after it
         EVENTS_QUEUED.set_function(lambda: len(self._queue))
 
     def put(self, task: dict[str, Any], reason: str, message: str, warning: bool) -> None:
@@ -275,16 +276,14 @@ class EventPoster(Loop):
         with self._lock:
             EVENTS_DROPPED.inc(len(self._queue))
             self._queue.clear()
-            self._dropped = 0
+            self._dropped, self._backoff = 0, {}
+            self._leadership += 1
 
     def round(self) -> float:
-        """Post for at most `EVENT_ROUND_SECONDS`, unless backing off. Never waits longer than
-        `period` between rounds: the probes judge this loop by its rounds, and a backoff of a minute
-        would make the leader unready. A new Event wakes the loop, and does not cut a backoff short."""
-        now = self._clock()
-        if now < self._not_before:
-            return min(self._not_before - now, self.period)
-        ends = now + EVENT_ROUND_SECONDS
+        """Post for at most `EVENT_ROUND_SECONDS`. Never waits longer than `period` between rounds:
+        the probes judge this loop by its rounds, and a backoff of a minute would make the leader
+        unready."""
+        ends = self._clock() + EVENT_ROUND_SECONDS
         return self._post_queued(lambda: not self.stopping and self._clock() < ends)
 
     def drain(self) -> None:
@@ -304,11 +303,13 @@ class EventPoster(Loop):
                 self._queue.clear()
 
     def _post_queued(self, going_on: Callable[[], bool]) -> float:
-        """Post the queued Events, oldest first, while `going_on()`; returns when to go on. One the
-        API server refuses for good is logged and let go. One that may post later (`_may_post_later`)
-        goes to the back of the queue, up to `EVENT_POST_TRIES` times, and the poster backs off;
-        one refused because this replica stopped leading keeps its place (`forget` drops it when
-        this replica leads again) and the round ends."""
+        """Post the queued Events, oldest first, while `going_on()`; returns when to go on (at most
+        `period`). One the API server refuses for good is logged and let go. One that may post later
+        (`_may_post_later`) goes to the back of the queue, up to `EVENT_POST_TRIES` times, and its
+        namespace backs off: its Events go to the back untried meanwhile (their order kept), and
+        the other namespaces' are posted. One refused because this replica stopped leading goes
+        back to the head (`forget` drops it when this replica leads again) and the round ends."""
+        skipped = 0  # Events in a row whose namespace backs off: all of them, and the round waits
         while going_on():
             with self._posting:
                 with self._lock:
@@ -317,45 +318,60 @@ class EventPoster(Loop):
                             log_line(log, logging.WARNING, "event queue drained", dropped=self._dropped)
                         self._dropped = 0
                         return self.period
-                    queued = self._queue[0]
+                    if skipped >= len(self._queue):
+                        return self._until_a_backoff_ends()
+                    queued, leadership = self._queue.popleft(), self._leadership
+                namespace = queued.task["metadata"]["namespace"]
+                if self._clock() < self._backoff.get(namespace, (0.0, 0.0))[0]:
+                    self._put_back(queued, leadership)
+                    skipped += 1
+                    continue
+                skipped = 0
                 try:
                     self._kube.post_event(queued.task, reason=queued.reason, message=queued.message,
                                           warning=queued.warning)
                 except Exception as exc:
                     if isinstance(exc, STOPPED_LEADING):
+                        self._put_back(queued, leadership, at_head=True)
                         raise
-                    self._taken(queued)
                     if _may_post_later(exc):
-                        return self._post_later(queued, exc)
+                        self._post_later(queued, leadership, exc)
+                        continue
                     if not isinstance(exc, EventNotPosted):
                         raise  # a bug: counted and logged by the loop, the Event let go
                     log_line(log, logging.WARNING, "event not posted", uid=queued.task["metadata"]["uid"],
                              reason=queued.reason, http_status=exc.http_status)
                     continue
-                self._taken(queued)
-                self._retry_delay = WRITE_RETRY_FIRST_SECONDS
+                self._backoff.pop(namespace, None)
         return 0.0
 
-    def _post_later(self, queued: _QueuedEvent, exc: Exception) -> float:
-        """Back to the back of the queue (dropped after `EVENT_POST_TRIES`), and no post for a backoff."""
-        count_failure(self.name, exc)
-        queued.tries += 1
+    def _put_back(self, queued: _QueuedEvent, leadership: int, *, at_head: bool = False) -> None:
         with self._lock:
-            if queued.tries < EVENT_POST_TRIES:
-                self._queue.append(queued)
-            else:
-                EVENTS_DROPPED.inc()
-        delay, self._retry_delay = self._retry_delay, min(self._retry_delay * 2, WRITE_RETRY_MAX_SECONDS)
-        self._not_before = self._clock() + delay
-        log_line(log, logging.WARNING, "event not posted; trying again" if queued.tries < EVENT_POST_TRIES
-                 else "event not posted; dropped", uid=queued.task["metadata"]["uid"], reason=queued.reason,
-                 tries=queued.tries, error=f"{type(exc).__name__}: {exc}", retry_seconds=delay)
-        return min(delay, self.period)
+            if leadership == self._leadership:  # not forgotten meanwhile
+                if at_head:
+                    self._queue.appendleft(queued)
+                else:
+                    self._queue.append(queued)
 
-    def _taken(self, queued: _QueuedEvent) -> None:
-        with self._lock:
-            if self._queue and self._queue[0] is queued:  # `forget` may have emptied it meanwhile
-                self._queue.popleft()
+    def _until_a_backoff_ends(self) -> float:
+        soonest = min((not_before for not_before, _ in self._backoff.values()), default=0.0)
+        return max(0.0, min(soonest - self._clock(), self.period))
+
+    def _post_later(self, queued: _QueuedEvent, leadership: int, exc: Exception) -> None:
+        """To the back of the queue (dropped after `EVENT_POST_TRIES`), its namespace backing off."""
+        count_failure(self.name, exc)
+        namespace = queued.task["metadata"]["namespace"]
+        _, delay = self._backoff.get(namespace, (0.0, WRITE_RETRY_FIRST_SECONDS))
+        self._backoff[namespace] = (self._clock() + delay, min(delay * 2, WRITE_RETRY_MAX_SECONDS))
+        queued.tries += 1
+        if queued.tries < EVENT_POST_TRIES:
+            self._put_back(queued, leadership)
+        else:
+            EVENTS_DROPPED.inc()
+        log_line(log, logging.WARNING, "event not posted; trying again" if queued.tries < EVENT_POST_TRIES
+                 else "event not posted; dropped", uid=queued.task["metadata"]["uid"], namespace=namespace,
+                 reason=queued.reason, tries=queued.tries, error=f"{type(exc).__name__}: {exc}",
+                 namespace_retry_seconds=delay)
 
 
 class StatusResync(Loop):
