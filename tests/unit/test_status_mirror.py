@@ -847,7 +847,7 @@ def test_an_event_in_flight_when_this_replica_takes_over_again_is_not_put_back()
     dropped = events_dropped()
     m.events.round()
     assert kube.event_attempts == ["AttemptStarted"], "the fault fired"
-    assert events_dropped() - dropped == 1 and m.events._queue == deque(), "forgotten: counted once, not queued"
+    assert events_dropped() - dropped == 2 and m.events._queue == deque(), "both forgotten, counted, not queued"
 
 
 def test_events_left_when_the_drain_at_stop_ends_are_counted_as_dropped():

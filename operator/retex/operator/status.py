@@ -347,11 +347,12 @@ class EventPoster(Loop):
 
     def _put_back(self, queued: _QueuedEvent, leadership: int, *, at_head: bool = False) -> None:
         with self._lock:
-            if leadership == self._leadership:  # not forgotten meanwhile
-                if at_head:
-                    self._queue.appendleft(queued)
-                else:
-                    self._queue.append(queued)
+            if leadership != self._leadership:  # forgotten while it was out of the queue
+                EVENTS_DROPPED.inc()
+            elif at_head:
+                self._queue.appendleft(queued)
+            else:
+                self._queue.append(queued)
 
     def _until_a_backoff_ends(self) -> float:
         soonest = min((not_before for not_before, _ in self._backoff.values()), default=0.0)
