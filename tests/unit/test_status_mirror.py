@@ -961,3 +961,19 @@ def test_a_namespace_whose_post_succeeded_backs_off_from_the_first_delay_at_its_
     tried = len(kube.event_attempts)
     m.events.round()
     assert len(kube.event_attempts) == tried + 1, "tried again after the first delay"
+
+
+def test_while_every_queued_event_waits_for_its_namespace_the_poster_waits_too_and_does_not_spin():
+    # A namespace whose backoff has passed but has nothing queued (its Events dropped after their
+    # tries) must not make the poster take the wait as over and go round again at once.
+    now = [1000.0]
+    kube = FakeKube(event_error=answered(503))
+    m = StatusMirror(FakeLedger(), kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    m.events.put(event_in("x", "x0"), "AttemptStarted", "x", False)
+    for _ in range(EVENT_POST_TRIES):  # x's Event tried and dropped; x's backoff entry stays
+        m.events.round()
+        now[0] += 61
+    m.events.put(event_in("a", "a0"), "AttemptStarted", "a", False)
+    m.events.round()  # a fails: a backs off 1 s
+    assert kube.event_attempts.count("AttemptStarted") == EVENT_POST_TRIES + 1, "the faults fired"
+    assert m.events.round() > 0, "a's Event waits for a's backoff: the loop pauses, not spins"

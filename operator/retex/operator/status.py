@@ -355,8 +355,12 @@ class EventPoster(Loop):
                 self._queue.append(queued)
 
     def _until_a_backoff_ends(self) -> float:
-        soonest = min((not_before for not_before, _ in self._backoff.values()), default=0.0)
-        return max(0.0, min(soonest - self._clock(), self.period))
+        """Every queued Event's namespace backs off: until the first of those backoffs ends. One
+        already over is some other namespace's (its Events posted or dropped), and no reason to go
+        round again at once."""
+        now = self._clock()
+        soonest = min((not_before for not_before, _ in self._backoff.values() if not_before > now), default=now)
+        return min(soonest - now, self.period)
 
     def _post_later(self, queued: _QueuedEvent, leadership: int, exc: Exception) -> None:
         """To the back of the queue (dropped after `EVENT_POST_TRIES`), its namespace backing off."""
