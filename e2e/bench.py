@@ -1,7 +1,7 @@
 """`make bench`: retex measured side by side with what users would run instead, on the local rig or kind.
 
     python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
-        measures: checkpoint latency throughput recovery profile ledger writes scale
+        measures: checkpoint latency throughput recovery node-loss profile ledger writes scale
 
 On the local rig it starts by default; with RETEX_KUBECONFIG (and RETEX_KIND_CLUSTER, RETEX_POD_HOST,
 RETEX_WORKER_IMAGE), the variables the scenario tests run on kind with (e2e/kind/run.sh), it runs on
@@ -61,6 +61,9 @@ DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the c
 # at 5,000 Tasks, seconds of the mirror's thread that no user's operator spends).
 DEPLOYED_RESYNC_SECONDS = OperatorSettings.resync_seconds
 OBSERVED_DEATH_TARGET_SECONDS = 3.0
+# Kubernetes' own defaults evict a lost node's pods after about 5 min (a 40–50 s grace, then 300 s
+# of toleration); the rig shortens both (e2e.rig.controlplane.Timing).
+NODE_LOSS_JOB_TIMEOUT = 600
 DELETE_COLLECTION_TRIES = 10  # the scale measure's one deletecollection, asked again after a 5xx
 WORKER_PROCESS_STARTED = "process started"  # a timeline's event: a worker line's time less its process_age_seconds
 
@@ -77,6 +80,7 @@ class Sizes:
     throughput_tasks: int = 300
     throughput_limit: int = 10
     recovery_runs: int = 10
+    node_loss_runs: int = 3  # each kills a node: lease expiry on retex's side, eviction on the Job's
     profile_tasks: int = 3
     ledger_tasks: int = 1000
     writes_tasks: int = 10
@@ -86,7 +90,7 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
-                   throughput_limit=2, recovery_runs=1, profile_tasks=1, ledger_tasks=10,
+                   throughput_limit=2, recovery_runs=1, node_loss_runs=1, profile_tasks=1, ledger_tasks=10,
                    writes_tasks=2, scale_tasks=40, scale_runnable=4)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
@@ -216,14 +220,20 @@ class BenchSystem:
                 "spec": {"steps": steps, **spec}}
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)["metadata"]["uid"]
 
-    def create_job(self, name: str, command: list[str], *, backoff_limit: int = 0) -> None:
+    def create_job(self, name: str, command: list[str], *, backoff_limit: int = 0,
+                   preferred_node: str | None = None) -> None:
         """The bare Job a user would write instead: the same command, nothing else, in the image
-        retex's steps run in (on kind loaded on the nodes, so no pull is timed; the rig has no images)."""
+        retex's steps run in (on kind loaded on the nodes, so no pull is timed; the rig has no images).
+        `preferred_node` draws its pod to that node (a preference: its replacement may go elsewhere)."""
         container = {"name": "main", "image": self.rig.worker_image, "command": command}
+        pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if preferred_node:
+            term = {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [preferred_node]}]}
+            pod_spec["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "preference": term}]}}
         body = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
                 "spec": {"backoffLimit": backoff_limit,
-                         "template": {"metadata": {"labels": {"bench": name}},
-                                      "spec": {"restartPolicy": "Never", "containers": [container]}}}}
+                         "template": {"metadata": {"labels": {"bench": name}}, "spec": pod_spec}}}
         self.batch.create_namespaced_job(self.namespace, body)
 
     def jobs_finished(self, names: set[str]) -> int:
@@ -395,6 +405,58 @@ def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                    detail={"lease_seconds": LEASE_SECONDS, "retex_p50": percentile(retex, 50),
                            "job_p50": percentile(jobs, 50), "samples": len(retex), "stages": stage_figures,
                            "timeline": [list(t) for t in timeline]})]
+
+
+def measure_node_loss(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """A node lost mid-step (its agent and every pod SIGKILLed, nothing reported: a silent loss) →
+    the next attempt's step starts on another node; against a bare Job (backoffLimit 1) whose pod
+    ran on the same node, lost in the same kill → its replacement's command starts. The retex side
+    waits for the lease to expire; the Job's for the node to turn unreachable and its pod's
+    toleration of that to run out (the cluster's own settings, recorded beside the figure)."""
+    samples = [_lose_a_node(system, f"node-loss-task-{i}", f"node-loss-job-{i}") for i in range(sizes.node_loss_runs)]
+    retex, jobs = [r for r, _ in samples], [j for _, j in samples]
+    r, b = percentile(retex, 95), percentile(jobs, 95)
+    bound = LEASE_SECONDS + 5
+    node_timing = asdict(system.rig.timing) if isinstance(system.rig, Rig) else "the cluster's own"
+    return [Figure(measure="recovery from a lost node (agent and pods SIGKILLed), p95", unit="s", retex=r, baseline=b,
+                   baseline_name="bare Job, backoffLimit 1, on the same node: replacement started", ratio=r / b,
+                   target=f"≤ lease + 5 s = {bound} s (a silent loss)", met=r <= bound,
+                   detail={"lease_seconds": LEASE_SECONDS, "node_loss_timing": node_timing,
+                           "retex_p50": percentile(retex, 50), "job_p50": percentile(jobs, 50),
+                           "retex": retex, "job": jobs})]
+
+
+def _lose_a_node(system: BenchSystem, task: str, job: str) -> tuple[float, float]:
+    """Seconds from one node's loss to the next start of `task`'s step and of `job`'s command,
+    both running on that node when it was lost."""
+    uid = system.create_task(task, [{"name": "only", "idempotent": True,
+                                     "exec": {"command": system.marker_command(task, "sleep 60")}}],
+                             lease={"durationSeconds": LEASE_SECONDS})
+    wait_for(f"{task} started", lambda: system.starts(task), timeout=60, interval=0.05)
+    node = _running_pod_node(system, f"retex.dev/task-uid={uid}")
+    system.create_job(job, system.marker_command(job, "sleep 60"), backoff_limit=1, preferred_node=node)
+    wait_for(f"{job} started", lambda: system.starts(job), timeout=60, interval=0.05)
+    if (job_node := _running_pod_node(system, f"bench={job}")) != node:
+        raise RuntimeError(f"{job}'s pod runs on {job_node}, not on {node} with {task}'s: not the same loss")
+    killed = time.time()
+    system.rig.kill_node(node)
+    try:
+        wait_for(f"{task} started again", lambda: len(system.starts(task)) > 1,
+                 timeout=LEASE_SECONDS + 60, interval=0.05)
+        wait_for(f"{job} started again", lambda: len(system.starts(job)) > 1, timeout=NODE_LOSS_JOB_TIMEOUT, interval=0.1)
+    finally:
+        system.rig.restart_node(node)
+    retex, job_took = system.starts(task)[1] - killed, system.starts(job)[1] - killed
+    say(f"  lost {node}: retex's next step after {retex:.2f} s, the bare Job's replacement after {job_took:.2f} s")
+    system.custom.delete_namespaced_custom_object(GROUP, VERSION, system.namespace, PLURAL, task)
+    system.batch.delete_namespaced_job(job, system.namespace, propagation_policy="Background")
+    return retex, job_took
+
+
+def _running_pod_node(system: BenchSystem, selector: str) -> str:
+    pods = wait_for(f"a running pod of {selector}",
+                    lambda: [p for p in system.pods(selector) if p.status.phase == "Running"], timeout=30)
+    return pods[0].spec.node_name
 
 
 # What happens between a worker's kill and its task's next step, in order: (label, source, the
@@ -906,6 +968,7 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "latency": measure_latency,
     "throughput": measure_throughput,
     "recovery": measure_recovery,
+    "node-loss": measure_node_loss,
     "profile": measure_profile,
     "ledger": measure_ledger,
     "writes": measure_writes,

@@ -11,6 +11,7 @@ def test_every_bench_measure_runs_at_tiny_sizes_and_reports_retex_beside_its_bas
     measured = {f["measure"].split(",")[0].split(" ")[0] for f in results["figures"]}
     assert measured == {"checkpoint", "create", "throughput", "recovery", "profile", "ledger", "purge", "API",
                         "scale"}, measured
+    assert any(f["measure"].startswith("recovery from a lost node") for f in results["figures"]), "node-loss measured"
     for figure in results["figures"]:
         assert figure["retex"] > 0 and figure["baseline"] > 0, figure
         assert math.isfinite(figure["ratio"]) and figure["ratio"] > 0, figure
