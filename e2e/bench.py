@@ -270,12 +270,16 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         uids = [system.create_task(f"checkpoint-{parallel}-{i}", steps) for i in range(parallel)]
         wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),  # noqa: B023 (called in the loop)
                  timeout=60 + 2 * sizes.checkpoint_steps * parallel)
-        begins, commits = [], []
+        begins, commits, stepping = [], [], 0.0
         for uid in uids:
             history = system.ledger.history(uid)
-            begins += [h.at.timestamp() for h in history if h.event == "step-begin"]
-            commits += [h.at.timestamp() for h in history if h.event == "step-commit"]
-        retex_rate = len(commits) / (max(commits) - min(begins))
+            own_begins = [h.at.timestamp() for h in history if h.event == "step-begin"]
+            own_commits = [h.at.timestamp() for h in history if h.event == "step-commit"]
+            stepping += max(own_commits) - min(own_begins)
+            begins, commits = begins + own_begins, commits + own_commits
+        window = max(commits) - min(begins)
+        retex_rate = len(commits) / window
+        say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s")
         commit_rate = _commit_loop_rate(system.postgres, sizes.checkpoint_steps, clients=parallel)
         spawn_seconds = _spawn_seconds(sizes.checkpoint_steps)
         step_seconds = parallel / retex_rate  # per step, per task
@@ -284,7 +288,10 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             measure=f"checkpoint, {parallel} task(s) of {sizes.checkpoint_steps} no-op steps",
             unit="steps/s", retex=retex_rate, baseline=commit_rate, baseline_name=f"INSERT+COMMIT loop, {parallel} client(s)",
             ratio=step_seconds / floor, target="≤ 2× (commit + spawn) per step", met=step_seconds / floor <= 2.0,
+            # How many tasks stepped at once on average: below `parallel` when their workers' starts
+            # were spread over the window rather than their steps contending.
             detail={"retex_seconds_per_step": step_seconds, "commit_seconds": parallel / commit_rate,
+                    "tasks_stepping_at_once": stepping / window,
                     "spawn_seconds": spawn_seconds,
                     "commit_ratio_net_of_spawn": (parallel / commit_rate) / max(step_seconds - spawn_seconds, 1e-9)}))
     return figures
@@ -1032,13 +1039,17 @@ def _memory_gib() -> float:
 
 
 def charts(results: dict[str, Any], directory: Path) -> list[Path]:
-    """One bar chart per measure: retex beside its baseline, the ratio and verdict in the title."""
+    """One bar chart per measure: retex beside its baseline, the ratio and verdict in the title;
+    they replace the directory's earlier charts."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
     directory.mkdir(parents=True, exist_ok=True)
+    # Charts are numbered by figure: an earlier run's would otherwise stay under numbers this run shifted.
+    for earlier in directory.glob("[0-9][0-9]-*.png"):
+        earlier.unlink()
     written = []
     for i, figure in enumerate(results["figures"]):
         fig, axes = pyplot.subplots(figsize=(6, 3.2))

@@ -79,3 +79,13 @@ def test_the_bench_on_another_cluster_refuses_to_start_without_where_its_pods_re
     with pytest.raises(SystemExit) as refused:
         bench.main(["--quick"])
     assert refused.value.code == 2 and "RETEX_POD_HOST" in capsys.readouterr().err
+
+
+def test_charts_replace_an_earlier_runs_charts_so_none_is_left_under_a_shifted_number(tmp_path):
+    (tmp_path / "05-recovery.png").write_bytes(b"an earlier run's chart")
+    (tmp_path / "results-2026-12-06.json").write_text("{}")  # kept: not a chart
+    figure = {"measure": "checkpoint, 1 task", "unit": "steps/s", "retex": 50.0, "baseline": 2000.0,
+              "baseline_name": "INSERT+COMMIT loop", "ratio": 15.0, "target": "≤ 2×", "met": False}
+    written = bench.charts({"figures": [figure]}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-checkpoint.png", "results-2026-12-06.json"]
+    assert [p.name for p in written] == ["00-checkpoint.png"]
