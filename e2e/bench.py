@@ -31,8 +31,9 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -60,6 +61,10 @@ DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the c
 # The status mirror's full resync as deployed (the tests' 5 s would LIST every Task every 5 s:
 # at 5,000 Tasks, seconds of the mirror's thread that no user's operator spends).
 DEPLOYED_RESYNC_SECONDS = OperatorSettings.resync_seconds
+DEPLOYED_OPERATOR_ENV = {"RETEX_LEADER_LEASE_SECONDS": f"{DEPLOYED_ELECTION.lease_duration:g}",
+                         "RETEX_LEADER_RENEW_DEADLINE_SECONDS": f"{DEPLOYED_ELECTION.renew_deadline:g}",
+                         "RETEX_LEADER_RETRY_SECONDS": f"{DEPLOYED_ELECTION.retry_period:g}",
+                         "RETEX_RESYNC_SECONDS": f"{DEPLOYED_RESYNC_SECONDS:g}"}
 OBSERVED_DEATH_TARGET_SECONDS = 3.0
 # Kubernetes' own defaults evict a lost node's pods after about 5 min (a 40–50 s grace, then 300 s
 # of toleration); the rig shortens both (e2e.rig.controlplane.Timing).
@@ -74,7 +79,7 @@ def say(message: str) -> None:
 
 @dataclass
 class Sizes:
-    checkpoint_steps: int = 64  # issue 18 asks for 200, but a Task holds at most 64 (retex.api.models.MAX_STEPS)
+    checkpoint_steps: int = 64  # a gate, then no-op steps; issue 18 asks for 200, a Task holds at most 64 (MAX_STEPS)
     checkpoint_parallel: int = 8
     latency_tasks: int = 50
     throughput_tasks: int = 300
@@ -133,11 +138,23 @@ class Markers:
 
     def __init__(self, host: str):
         self._starts: dict[str, list[float]] = {}
+        self._waiting: set[str] = set()
+        self._open: set[str] = set()
         self._lock = threading.Lock()
-        starts, lock = self._starts, self._lock
+        starts, waiting, opened, lock = self._starts, self._waiting, self._open, self._lock
 
         class Record(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # /<name>/<seconds>
+            def do_GET(self) -> None:  # /<name>/<seconds>, or /gate/<name>
+                if self.path.startswith("/gate/"):
+                    name = self.path.removeprefix("/gate/")
+                    with lock:
+                        waiting.add(name)
+                        body = b"open" if name in opened else b"shut"
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 name, _, stamp = self.path.strip("/").rpartition("/")
                 try:
                     at = float(stamp)
@@ -165,6 +182,21 @@ class Markers:
         with self._lock:
             return sorted(self._starts.get(name, []))
 
+    def gate_command(self, name: str) -> list[str]:
+        """A command that waits until `open_gates` opens `name`'s gate (`waiting` shows it there)."""
+        poll = (f"import time, urllib.request\n"
+                f"while urllib.request.urlopen('{self.url}/gate/{name}', timeout=10).read() != b'open':\n"
+                f"    time.sleep(0.05)")
+        return ["python3", "-c", poll]
+
+    def waiting(self) -> set[str]:
+        with self._lock:
+            return set(self._waiting)
+
+    def open_gates(self, names: set[str]) -> None:
+        with self._lock:
+            self._open.update(names)
+
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -190,13 +222,26 @@ class BenchSystem:
         # The leader election and the resync as deployed, not the tests' short ones (made for
         # restarting operators and quick convergence, which no measure needs): a loaded operator
         # renews its leadership and resyncs as a user's would.
-        self.operator.start(RETEX_LEADER_LEASE_SECONDS=f"{DEPLOYED_ELECTION.lease_duration:g}",
-                            RETEX_LEADER_RENEW_DEADLINE_SECONDS=f"{DEPLOYED_ELECTION.renew_deadline:g}",
-                            RETEX_LEADER_RETRY_SECONDS=f"{DEPLOYED_ELECTION.retry_period:g}",
-                            RETEX_RESYNC_SECONDS=f"{DEPLOYED_RESYNC_SECONDS:g}")
+        self.operator.start(**DEPLOYED_OPERATOR_ENV)
         self.ledger = Ledger(self.dsn).open()
         self._api = rig.api_client()
         self.custom, self.batch = client.CustomObjectsApi(self._api), client.BatchV1Api(self._api)
+
+    @contextmanager
+    def operator_with(self, **env: str) -> Iterator[None]:
+        """The operator restarted with `env` on top of its deployed settings, and as before after:
+        a restart with `env` alone falls back to the tests' election and resync, and a limit would
+        stay, for every later measure. Graceful stops, so each successor leads at once."""
+        self._restart_operator(**DEPLOYED_OPERATOR_ENV, **env)
+        try:
+            yield
+        finally:
+            self._restart_operator(**DEPLOYED_OPERATOR_ENV)
+
+    def _restart_operator(self, **env: str) -> None:
+        self.operator.stop()
+        self.operator.start(**env)
+        self.operator.wait_leading()
 
     def close(self) -> None:
         self.operator.kill()
@@ -264,15 +309,24 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     """Steps/s of tasks of no-op exec steps against the physical floor: a single-row INSERT+COMMIT
     on the same Postgres (same durability) plus spawning a no-op process."""
     figures = []
+    measured = sizes.checkpoint_steps - 1  # after the gate
     for parallel in dict.fromkeys((1, sizes.checkpoint_parallel)):  # once each, in that order
-        steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True}
-                 for i in range(sizes.checkpoint_steps)]
-        uids = [system.create_task(f"checkpoint-{parallel}-{i}", steps) for i in range(parallel)]
+        names = {f"checkpoint-{parallel}-{i}" for i in range(parallel)}
+        uids = [system.create_task(name, [{"name": "gate", "exec": {"command": system.markers.gate_command(name)},
+                                           "idempotent": True}]
+                                   + [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True}
+                                      for i in range(measured)])
+                for name in sorted(names)]
+        # Every worker started and waiting at its gate, then all open at once: the window times the
+        # steps going on together, not the workers' starts spread over it.
+        wait_for(f"{parallel} checkpoint task(s) at their gate", lambda: names <= system.markers.waiting(),  # noqa: B023 (called in the loop)
+                 timeout=60 + 5 * parallel)
+        system.markers.open_gates(names)
         wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),  # noqa: B023 (called in the loop)
                  timeout=60 + 2 * sizes.checkpoint_steps * parallel)
         begins, commits, stepping = [], [], 0.0
         for uid in uids:
-            history = system.ledger.history(uid)
+            history = [h for h in system.ledger.history(uid) if h.step_idx]  # the gate is step 0
             own_begins = [h.at.timestamp() for h in history if h.event == "step-begin"]
             own_commits = [h.at.timestamp() for h in history if h.event == "step-commit"]
             stepping += max(own_commits) - min(own_begins)
@@ -280,12 +334,12 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         window = max(commits) - min(begins)
         retex_rate = len(commits) / window
         say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s")
-        commit_rate = _commit_loop_rate(system.postgres, sizes.checkpoint_steps, clients=parallel)
-        spawn_seconds = _spawn_seconds(sizes.checkpoint_steps)
+        commit_rate = _commit_loop_rate(system.postgres, measured, clients=parallel)
+        spawn_seconds = _spawn_seconds(measured)
         step_seconds = parallel / retex_rate  # per step, per task
         floor = 1 / (commit_rate / parallel) + spawn_seconds
         figures.append(Figure(
-            measure=f"checkpoint, {parallel} task(s) of {sizes.checkpoint_steps} no-op steps",
+            measure=f"checkpoint, {parallel} task(s) of {measured} no-op steps",
             unit="steps/s", retex=retex_rate, baseline=commit_rate, baseline_name=f"INSERT+COMMIT loop, {parallel} client(s)",
             ratio=step_seconds / floor, target="≤ 2× (commit + spawn) per step", met=step_seconds / floor <= 2.0,
             # How many tasks stepped at once on average: below `parallel` when their workers' starts
@@ -351,12 +405,12 @@ def measure_throughput(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     """Tasks/min of many 3-step no-op tasks created at once under a run limit, against as many bare
     Jobs running the same three commands with at most as many at once."""
     count, limit = sizes.throughput_tasks, sizes.throughput_limit
-    system.operator.restart(RETEX_MAX_RUNNING=str(limit))
     steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True} for i in range(3)]
-    started = time.monotonic()
-    uids = [system.create_task(f"throughput-{i}", steps) for i in range(count)]
-    wait_for(f"{count} tasks Succeeded", lambda: system.succeeded(uids) == count, timeout=60 + 5 * count, interval=0.5)
-    retex_rate = count / (time.monotonic() - started) * 60
+    with system.operator_with(RETEX_MAX_RUNNING=str(limit)):
+        started = time.monotonic()
+        uids = [system.create_task(f"throughput-{i}", steps) for i in range(count)]
+        wait_for(f"{count} tasks Succeeded", lambda: system.succeeded(uids) == count, timeout=60 + 5 * count, interval=0.5)
+        retex_rate = count / (time.monotonic() - started) * 60
 
     names = [f"throughput-job-{i}" for i in range(count)]
     started, created = time.monotonic(), 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -213,6 +214,17 @@ class OperatorProcess:
                 return answer.status, answer.read().decode()
         except urllib.error.HTTPError as refused:
             return refused.code, refused.read().decode()
+
+    def wait_leading(self, timeout: float = 60) -> None:
+        """Until its metrics show it leads (`retex_leader 1`): it alone writes, every loop running."""
+        def leading() -> bool:
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
+                    return re.search(rb"^retex_leader 1", answer.read(), re.MULTILINE) is not None
+            except OSError:
+                return False
+        rig_wait_for("the operator leading", leading, timeout,
+                     abort=lambda: None if self.exited() is None else f"the operator exited ({self.exited()})")
 
     def exited(self) -> int | None:
         return self.proc.poll() if self.proc else None

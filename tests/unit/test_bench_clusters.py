@@ -1,6 +1,8 @@
 """`make bench` on the rig or on kind, without a cluster: the markers pods send over HTTP (a pod on
 kind sees no file of this host), where each cluster's results go, a measure the cluster cannot run
-reported as not measured with its reason, and no start on another cluster without RETEX_POD_HOST."""
+reported as not measured with its reason, no start on another cluster without RETEX_POD_HOST, the
+gates that start checkpoint tasks together, charts replacing a run's before, and the operator given back its
+deployed settings after a measure restarted it with one of its own."""
 
 import subprocess
 import time
@@ -27,6 +29,24 @@ def test_a_marker_command_records_when_it_started_on_this_hosts_clock_then_runs_
         assert (tmp_path / "then").exists()
         assert markers.starts("task-2") == []
     finally:
+        markers.close()
+
+
+def test_a_gate_command_waits_until_the_bench_opens_its_gate_and_shows_it_is_waiting():
+    markers = bench.Markers("127.0.0.1")
+    try:
+        waiting = subprocess.Popen(markers.gate_command("task-1"))
+        other = subprocess.Popen(markers.gate_command("task-2"))
+        bench.wait_for("both at their gates", lambda: markers.waiting() == {"task-1", "task-2"}, timeout=30)
+        markers.open_gates({"task-1"})
+        assert waiting.wait(timeout=30) == 0
+        time.sleep(0.5)
+        assert other.poll() is None, "a gate not opened still holds"
+        markers.open_gates({"task-2"})
+        assert other.wait(timeout=30) == 0
+    finally:
+        for process in (waiting, other):
+            process.kill()
         markers.close()
 
 
@@ -89,3 +109,26 @@ def test_charts_replace_an_earlier_runs_charts_so_none_is_left_under_a_shifted_n
     written = bench.charts({"figures": [figure]}, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["00-checkpoint.png", "results-2026-12-06.json"]
     assert [p.name for p in written] == ["00-checkpoint.png"]
+
+
+def test_a_measure_that_restarts_the_operator_with_a_setting_gives_it_back_its_deployed_settings_after():
+    class Operator:
+        def __init__(self):
+            self.calls = []
+
+        def stop(self):
+            self.calls.append("stop")
+
+        def start(self, **env):
+            self.calls.append(env)
+
+        def wait_leading(self):
+            self.calls.append("leading")
+
+    system = object.__new__(bench.BenchSystem)  # only its operator: no cluster
+    system.operator = Operator()
+    with system.operator_with(RETEX_MAX_RUNNING="10"):
+        during = list(system.operator.calls)
+    limited = {**bench.DEPLOYED_OPERATOR_ENV, "RETEX_MAX_RUNNING": "10"}
+    assert during == ["stop", limited, "leading"], "the deployed election and resync kept, the limit added"
+    assert system.operator.calls[3:] == ["stop", bench.DEPLOYED_OPERATOR_ENV, "leading"], "and as deployed after"
