@@ -86,6 +86,9 @@ class Sizes:
     throughput_limit: int = 10
     recovery_runs: int = 10
     node_loss_runs: int = 3  # each kills a node: lease expiry on retex's side, eviction on the Job's
+    # The bare Job's toleration of an unreachable node; 0 keeps the cluster's default (Kubernetes:
+    # 300 s, so a sample takes 6 min on kind). The smoke shortens it: it checks the harness, not the Job.
+    node_loss_job_toleration_seconds: int = 0
     profile_tasks: int = 3
     ledger_tasks: int = 1000
     writes_tasks: int = 10
@@ -95,7 +98,8 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
-                   throughput_limit=2, recovery_runs=1, node_loss_runs=1, profile_tasks=1, ledger_tasks=10,
+                   throughput_limit=2, recovery_runs=1, node_loss_runs=1,
+                   node_loss_job_toleration_seconds=5, profile_tasks=1, ledger_tasks=10,
                    writes_tasks=2, scale_tasks=40, scale_runnable=4)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
@@ -185,7 +189,12 @@ class Markers:
     def gate_command(self, name: str) -> list[str]:
         """A command that waits until `open_gates` opens `name`'s gate (`waiting` shows it there)."""
         poll = (f"import time, urllib.request\n"
-                f"while urllib.request.urlopen('{self.url}/gate/{name}', timeout=10).read() != b'open':\n"
+                f"while True:\n"
+                f"    try:\n"
+                f"        if urllib.request.urlopen('{self.url}/gate/{name}', timeout=10).read() == b'open':\n"
+                f"            break\n"
+                f"    except OSError:\n"
+                f"        pass\n"
                 f"    time.sleep(0.05)")
         return ["python3", "-c", poll]
 
@@ -231,12 +240,11 @@ class BenchSystem:
     def operator_with(self, **env: str) -> Iterator[None]:
         """The operator restarted with `env` on top of its deployed settings, and as before after:
         a restart with `env` alone falls back to the tests' election and resync, and a limit would
-        stay, for every later measure. Graceful stops, so each successor leads at once."""
+        stay, for every later measure. Graceful stops, so each successor leads at once (a killed
+        leader's successor waits out its lease, which a timed measure would count)."""
         self._restart_operator(**DEPLOYED_OPERATOR_ENV, **env)
-        try:
-            yield
-        finally:
-            self._restart_operator(**DEPLOYED_OPERATOR_ENV)
+        yield  # a measure that raised ends the run: no restore to wait for, or to hide its error
+        self._restart_operator(**DEPLOYED_OPERATOR_ENV)
 
     def _restart_operator(self, **env: str) -> None:
         self.operator.stop()
@@ -266,12 +274,16 @@ class BenchSystem:
         return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)["metadata"]["uid"]
 
     def create_job(self, name: str, command: list[str], *, backoff_limit: int = 0,
-                   preferred_node: str | None = None) -> None:
+                   preferred_node: str | None = None, unreachable_toleration_seconds: int | None = None) -> None:
         """The bare Job a user would write instead: the same command, nothing else, in the image
         retex's steps run in (on kind loaded on the nodes, so no pull is timed; the rig has no images).
-        `preferred_node` draws its pod to that node (a preference: its replacement may go elsewhere)."""
+        `preferred_node` draws its pod to that node (a preference: its replacement may go elsewhere);
+        `unreachable_toleration_seconds` replaces the default toleration of an unreachable node."""
         container = {"name": "main", "image": self.rig.worker_image, "command": command}
         pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+        if unreachable_toleration_seconds is not None:
+            pod_spec["tolerations"] = [{"key": "node.kubernetes.io/unreachable", "operator": "Exists",
+                                        "effect": "NoExecute", "tolerationSeconds": unreachable_toleration_seconds}]
         if preferred_node:
             term = {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [preferred_node]}]}
             pod_spec["affinity"] = {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
@@ -326,7 +338,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                  timeout=60 + 2 * sizes.checkpoint_steps * parallel)
         begins, commits, stepping = [], [], 0.0
         for uid in uids:
-            history = [h for h in system.ledger.history(uid) if h.step_idx]  # the gate is step 0
+            history = [h for h in system.ledger.history(uid) if h.step_idx is not None and h.step_idx > 0]  # 0: the gate
             own_begins = [h.at.timestamp() for h in history if h.event == "step-begin"]
             own_commits = [h.at.timestamp() for h in history if h.event == "step-commit"]
             stepping += max(own_commits) - min(own_begins)
@@ -474,7 +486,9 @@ def measure_node_loss(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     ran on the same node, lost in the same kill → its replacement's command starts. The retex side
     waits for the lease to expire; the Job's for the node to turn unreachable and its pod's
     toleration of that to run out (the cluster's own settings, recorded beside the figure)."""
-    samples = [_lose_a_node(system, f"node-loss-task-{i}", f"node-loss-job-{i}") for i in range(sizes.node_loss_runs)]
+    job_toleration = sizes.node_loss_job_toleration_seconds or None  # 0: the cluster's default
+    samples = [_lose_a_node(system, f"node-loss-task-{i}", f"node-loss-job-{i}", job_toleration)
+               for i in range(sizes.node_loss_runs)]
     retex, jobs = [r for r, _ in samples], [j for _, j in samples]
     r, b = percentile(retex, 95), percentile(jobs, 95)
     bound = LEASE_SECONDS + 5
@@ -483,25 +497,28 @@ def measure_node_loss(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                    baseline_name="bare Job, backoffLimit 1, on the same node: replacement started", ratio=r / b,
                    target=f"≤ lease + 5 s = {bound} s (a silent loss)", met=r <= bound,
                    detail={"lease_seconds": LEASE_SECONDS, "node_loss_timing": node_timing,
+                           "job_unreachable_toleration_seconds": job_toleration or "the cluster's default",
                            "retex_p50": percentile(retex, 50), "job_p50": percentile(jobs, 50),
                            "retex": retex, "job": jobs})]
 
 
-def _lose_a_node(system: BenchSystem, task: str, job: str) -> tuple[float, float]:
+def _lose_a_node(system: BenchSystem, task: str, job: str, job_toleration: int | None) -> tuple[float, float]:
     """Seconds from one node's loss to the next start of `task`'s step and of `job`'s command,
     both running on that node when it was lost."""
+    # Both commands outlast the waits before the kill by far: each must still run when the node goes.
     uid = system.create_task(task, [{"name": "only", "idempotent": True,
-                                     "exec": {"command": system.marker_command(task, "sleep 60")}}],
+                                     "exec": {"command": system.marker_command(task, "sleep 600")}}],
                              lease={"durationSeconds": LEASE_SECONDS})
     wait_for(f"{task} started", lambda: system.starts(task), timeout=60, interval=0.05)
     node = _running_pod_node(system, f"retex.dev/task-uid={uid}")
-    system.create_job(job, system.marker_command(job, "sleep 60"), backoff_limit=1, preferred_node=node)
+    system.create_job(job, system.marker_command(job, "sleep 600"), backoff_limit=1, preferred_node=node,
+                      unreachable_toleration_seconds=job_toleration)
     wait_for(f"{job} started", lambda: system.starts(job), timeout=60, interval=0.05)
     if (job_node := _running_pod_node(system, f"bench={job}")) != node:
         raise RuntimeError(f"{job}'s pod runs on {job_node}, not on {node} with {task}'s: not the same loss")
     killed = time.time()
-    system.rig.kill_node(node)
     try:
+        system.rig.kill_node(node)
         wait_for(f"{task} started again", lambda: len(system.starts(task)) > 1,
                  timeout=LEASE_SECONDS + 60, interval=0.05)
         wait_for(f"{job} started again", lambda: len(system.starts(job)) > 1, timeout=NODE_LOSS_JOB_TIMEOUT, interval=0.1)
@@ -1092,20 +1109,23 @@ def _memory_gib() -> float:
     return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
 
 
+def chart_name(measure: str) -> str:
+    """A figure's chart's name, from its measure alone: a run of some measures replaces their
+    charts and leaves the others' (numbered by position, a new figure shifted every later name
+    and left the earlier run's charts beside the new ones)."""
+    return re.sub(r"[^a-z0-9]+", "-", measure.lower()).strip("-")[:80]
+
+
 def charts(results: dict[str, Any], directory: Path) -> list[Path]:
-    """One bar chart per measure: retex beside its baseline, the ratio and verdict in the title;
-    they replace the directory's earlier charts."""
+    """One bar chart per figure: retex beside its baseline, the ratio and verdict in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
     directory.mkdir(parents=True, exist_ok=True)
-    # Charts are numbered by figure: an earlier run's would otherwise stay under numbers this run shifted.
-    for earlier in directory.glob("[0-9][0-9]-*.png"):
-        earlier.unlink()
     written = []
-    for i, figure in enumerate(results["figures"]):
+    for figure in results["figures"]:
         fig, axes = pyplot.subplots(figsize=(6, 3.2))
         bars = axes.barh(["retex", figure["baseline_name"][:40]], [figure["retex"], figure["baseline"]],
                          color=["#3b6ea5", "#999999"])
@@ -1114,7 +1134,7 @@ def charts(results: dict[str, Any], directory: Path) -> list[Path]:
         verdict = "meets" if figure["met"] else "falls short of"
         axes.set_title(f"{figure['measure']}\nratio {figure['ratio']:.2f}, {verdict} {figure['target']}", fontsize=9)
         fig.tight_layout()
-        path = directory / f"{i:02d}-{figure['measure'].split(',')[0].split(' ')[0]}.png"
+        path = directory / f"{chart_name(figure['measure'])}.png"
         fig.savefig(path, dpi=100)
         pyplot.close(fig)
         written.append(path)

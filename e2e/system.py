@@ -194,8 +194,8 @@ class OperatorProcess:
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
+            try:  # its stop joins its loops, then gives up its leadership: it can outlast 20 s
+                self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
 

@@ -91,7 +91,7 @@ def binaries(build: bool = True) -> dict[str, Path]:
     paths = {"etcd": etcd / "etcd"} | {name: k8s / name for name in CONTROL_PLANE[1:]}
     if build and not all(p.is_file() for p in paths.values()):
         say("control-plane binaries missing: building them (progress follows)")
-        subprocess.run(["bash", str(REPO / "e2e" / "rig" / "build.sh")], check=True)
+        subprocess.run(["bash", str(REPO / "e2e" / "rig" / "build.sh"), "etcd", "kubernetes"], check=True)
     return paths
 
 

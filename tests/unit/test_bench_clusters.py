@@ -1,7 +1,7 @@
 """`make bench` on the rig or on kind, without a cluster: the markers pods send over HTTP (a pod on
 kind sees no file of this host), where each cluster's results go, a measure the cluster cannot run
 reported as not measured with its reason, no start on another cluster without RETEX_POD_HOST, the
-gates that start checkpoint tasks together, charts replacing a run's before, and the operator given back its
+gates that start checkpoint tasks together, charts named for their measures, and the operator given back its
 deployed settings after a measure restarted it with one of its own."""
 
 import subprocess
@@ -101,14 +101,22 @@ def test_the_bench_on_another_cluster_refuses_to_start_without_where_its_pods_re
     assert refused.value.code == 2 and "RETEX_POD_HOST" in capsys.readouterr().err
 
 
-def test_charts_replace_an_earlier_runs_charts_so_none_is_left_under_a_shifted_number(tmp_path):
-    (tmp_path / "05-recovery.png").write_bytes(b"an earlier run's chart")
-    (tmp_path / "results-2026-12-06.json").write_text("{}")  # kept: not a chart
-    figure = {"measure": "checkpoint, 1 task", "unit": "steps/s", "retex": 50.0, "baseline": 2000.0,
-              "baseline_name": "INSERT+COMMIT loop", "ratio": 15.0, "target": "≤ 2×", "met": False}
-    written = bench.charts({"figures": [figure]}, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-checkpoint.png", "results-2026-12-06.json"]
-    assert [p.name for p in written] == ["00-checkpoint.png"]
+def test_each_chart_is_named_for_its_measure_so_a_partial_run_replaces_only_its_own(tmp_path):
+    def figure(measure):
+        return {"measure": measure, "unit": "s", "retex": 1.0, "baseline": 2.0, "baseline_name": "bare Job",
+                "ratio": 0.5, "target": "≤ 3 s", "met": True}
+
+    full = [figure("checkpoint, 1 task(s) of 63 no-op steps"), figure("recovery from a worker SIGKILLed mid-step, p95")]
+    bench.charts({"figures": full}, tmp_path)
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert sorted(before) == ["checkpoint-1-task-s-of-63-no-op-steps.png", "recovery-from-a-worker-sigkilled-mid-step-p95.png"]
+    time.sleep(0.01)
+    new = [figure("recovery from a lost node (agent and pods SIGKILLed), p95"),
+           figure("recovery from a worker SIGKILLed mid-step, p95")]
+    bench.charts({"figures": new}, tmp_path)
+    after = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert sorted(after) == sorted([*before, "recovery-from-a-lost-node-agent-and-pods-sigkilled-p95.png"])
+    assert after["checkpoint-1-task-s-of-63-no-op-steps.png"] == before["checkpoint-1-task-s-of-63-no-op-steps.png"]
 
 
 def test_a_measure_that_restarts_the_operator_with_a_setting_gives_it_back_its_deployed_settings_after():
