@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.postgres import free_port
 from e2e.rig import pki as pkilib
@@ -215,15 +215,23 @@ class OperatorProcess:
         except urllib.error.HTTPError as refused:
             return refused.code, refused.read().decode()
 
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """Its metrics page, each sample by (name, sorted labels)."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
+            text = answer.read().decode()
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(text) for sample in family.samples}
+
+    def leader_gauge(self) -> float | None:
+        """`retex_leader`: 1 while it leads, 0 standing by; None while its page does not answer."""
+        try:
+            return self.metrics().get(("retex_leader", ()))
+        except OSError:
+            return None
+
     def wait_leading(self, timeout: float = 60) -> None:
-        """Until its metrics show it leads (`retex_leader 1`): it alone writes, every loop running."""
-        def leading() -> bool:
-            try:
-                with urllib.request.urlopen(self.metrics_url, timeout=5) as answer:
-                    return re.search(rb"^retex_leader 1", answer.read(), re.MULTILINE) is not None
-            except OSError:
-                return False
-        rig_wait_for("the operator leading", leading, timeout,
+        """Until it leads: it alone writes, every loop running."""
+        rig_wait_for("the operator leading", lambda: self.leader_gauge() == 1, timeout,
                      abort=lambda: None if self.exited() is None else f"the operator exited ({self.exited()})")
 
     def exited(self) -> int | None:

@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
-
 from e2e.system import wait_for
 from tests.cluster.test_operator import apply, phase_is, sh
-
-
-def scrape(system) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(system.operator.metrics_url, timeout=5) as answer:
-        text = answer.read().decode()
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 def test_metrics_count_tasks_attempts_and_durations_as_they_happened(retex):
@@ -26,7 +15,7 @@ def test_metrics_count_tasks_attempts_and_durations_as_they_happened(retex):
         wait_for(lambda n=name, p=phase: phase_is(retex, n, p), timeout=90, what=f"{name} {phase}")
 
     def settled():
-        metrics = scrape(retex)
+        metrics = retex.operator.metrics()
         return metrics if metrics[("retex_tasks", (("phase", "Succeeded"),))] == 2 else None
 
     metrics = wait_for(settled, timeout=20, what="metrics to catch up")
@@ -48,7 +37,7 @@ def test_metrics_count_tasks_attempts_and_durations_as_they_happened(retex):
 
 def _reachable(system) -> bool:
     try:
-        scrape(system)
+        system.operator.metrics()
         return True
     except OSError:
         return False

@@ -24,7 +24,6 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.rig import pki as pkilib
 from e2e.rig.controlplane import run_kubectl
@@ -79,24 +78,10 @@ class Pair:
         return json.loads(self.kubectl("get", "jobs", "-o", "json").stdout)["items"]
 
 
-def scrape(operator: OperatorProcess) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(operator.metrics_url, timeout=5) as answer:
-        text = answer.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def rounds(operator: OperatorProcess) -> dict[str, float]:
     """Completed rounds of each writer loop of this replica (0 when it never ran one)."""
-    seen = scrape(operator)
+    seen = operator.metrics()
     return {loop: seen.get(("retex_loop_rounds_total", (("loop", loop),)), 0.0) for loop in WRITER_LOOPS}
-
-
-def leader_gauge(operator: OperatorProcess) -> float | None:
-    try:
-        return scrape(operator).get(("retex_leader", ()))
-    except OSError:
-        return None
 
 
 @pytest.fixture
@@ -195,7 +180,7 @@ def test_two_replicas_elect_one_leader_and_only_it_writes(pair, stubs):
     names = [f"once-{i}" for i in range(4)]
     submit(pair, notifier, names, sleep=0.5)
     assert_each_ended_once(pair, notifier, names)
-    assert leader_gauge(pair.operators[leader]) == 1 and leader_gauge(pair.operators[standby]) == 0
+    assert pair.operators[leader].leader_gauge() == 1 and pair.operators[standby].leader_gauge() == 0
     assert pair.holder() == leader, "the leader changed although nothing failed"
     assert all(rounds(pair.operators[leader])[loop] > 0 for loop in WRITER_LOOPS)
     assert rounds(pair.operators[standby]) == dict.fromkeys(WRITER_LOOPS, 0.0), "the standby ran a writer loop"
@@ -222,7 +207,7 @@ def test_a_sigkilled_leader_is_replaced_within_lease_duration_plus_5s_and_no_liv
     wait_for(lambda: pair.holder() == standby, timeout=LEASE_SECONDS + 5, what=f"{standby} leads")
     took_over = time.monotonic() - killed_at
     assert took_over <= LEASE_SECONDS + 5, f"takeover after {took_over:.1f}s"
-    assert leader_gauge(pair.operators[standby]) == 1
+    assert pair.operators[standby].leader_gauge() == 1
     assert_each_ended_once(pair, notifier, names)
 
 
@@ -245,7 +230,7 @@ def test_a_paused_leader_stops_writing_at_its_renew_deadline_and_resumes_as_a_fo
     transitions = pair.lease()["leaseTransitions"]
     assert_each_ended_once(pair, notifier, names)  # under the new leader, the old one still paused
     os.killpg(paused.proc.pid, signal.SIGCONT)
-    wait_for(lambda: leader_gauge(paused) == 0, timeout=10, what="the old leader reports itself a follower")
+    wait_for(lambda: paused.leader_gauge() == 0, timeout=10, what="the old leader reports itself a follower")
     before = rounds(paused)
     later = [f"after-{i}" for i in range(2)]
     submit(pair, notifier, later, sleep=0.5)
@@ -265,7 +250,7 @@ def test_failover_after_sigkill_takes_the_lease_duration_plus_a_retry_measured_o
     for _ in range(10):
         leader = wait_leader(pair)
         standby = pair.other(leader)
-        wait_for(lambda s=standby: leader_gauge(pair.operators[s]) == 0, timeout=30, what=f"{standby} standing by")
+        wait_for(lambda s=standby: pair.operators[s].leader_gauge() == 0, timeout=30, what=f"{standby} standing by")
         killed = pair.operators[leader]
         killed.kill()
         killed_at = time.monotonic()
@@ -283,7 +268,7 @@ def test_failover_after_sigkill_takes_the_lease_duration_plus_a_retry_measured_o
 def test_a_leader_stopped_with_sigterm_frees_the_lease_and_the_standby_takes_over_without_waiting_it_out(pair):
     leader = wait_leader(pair)
     standby = pair.other(leader)
-    wait_for(lambda: leader_gauge(pair.operators[standby]) == 0, timeout=30, what=f"{standby} standing by")
+    wait_for(lambda: pair.operators[standby].leader_gauge() == 0, timeout=30, what=f"{standby} standing by")
     stopped = pair.operators[leader]
     stopped.stop()  # SIGTERM, waits for the exit
     exited_at = time.monotonic()
@@ -402,7 +387,7 @@ def test_a_leader_resumed_after_its_successor_started_writes_nothing_its_open_tr
     os.killpg(frozen.proc.pid, signal.SIGCONT)
     wait_for(lambda: "round abandoned" in frozen.log_path.read_bytes()[log_before:].decode(errors="replace"),
              timeout=10, what="the old leader's relay round refused")
-    wait_for(lambda: leader_gauge(frozen) == 0, timeout=10, what="the old leader reports itself a follower")
+    wait_for(lambda: frozen.leader_gauge() == 0, timeout=10, what="the old leader reports itself a follower")
     time.sleep(3 * RENEW_DEADLINE)  # longer than every loop's period: what it would write, it has
     resumed = frozen.log_path.read_bytes()[log_before:].decode(errors="replace").splitlines()
     refused = [line for line in resumed if "round abandoned" in line]
@@ -498,7 +483,7 @@ def test_a_leader_resumed_between_its_leading_check_and_a_ledger_write_is_refuse
     assert refused and refused[0]["why"].endswith(f"the ledger's leadership term is {term}, this writer's is {taken['term']}"), \
         refused
 
-    wait_for(lambda: leader_gauge(old) == 0, timeout=10, what="the old leader reports itself a follower")
+    wait_for(lambda: old.leader_gauge() == 0, timeout=10, what="the old leader reports itself a follower")
     assert_each_ended_once(pair, notifier, [*early, "scheduled"])
     assert pair.holder() == "operator-b"
     assert ledger_term(pair) == term, "the leadership term changed: the successor was deposed"
@@ -536,7 +521,7 @@ def test_a_leader_whose_api_server_answers_slower_than_its_retry_period_keeps_le
         operator.kill()
         operator.kubeconfig = slow_config
         operator.start()
-        wait_for(lambda: leader_gauge(operator) == 1, timeout=30, what="the operator leads")
+        wait_for(lambda: operator.leader_gauge() == 1, timeout=30, what="the operator leads")
         since = operator.log_path.stat().st_size
         lease = json.loads(retex.kubectl("get", "lease", "retex-operator-leader", "-o", "json").stdout)["spec"]
 
@@ -547,7 +532,7 @@ def test_a_leader_whose_api_server_answers_slower_than_its_retry_period_keeps_le
         assert took >= slow.delay, f"the fault did not fire: a call through the slow link took {took:.2f}s"
         gauge = []
         while time.monotonic() - began < 5 * RENEW_DEADLINE:
-            gauge.append(leader_gauge(operator))
+            gauge.append(operator.leader_gauge())
             time.sleep(0.5)
         after = json.loads(retex.kubectl("get", "lease", "retex-operator-leader", "-o", "json").stdout)["spec"]
     finally:

@@ -12,7 +12,6 @@ import psycopg
 import pytest
 
 from e2e.system import task_manifest, wait_for
-from tests.cluster.test_metrics import scrape
 from tests.cluster.test_policies import events_of
 
 # Several refused Tasks: in the one-round mirror whichever came first in its pending set failed the
@@ -114,7 +113,7 @@ def test_a_ledger_that_forgot_commits_a_tasks_status_showed_is_announced_and_cou
                              what="a LedgerBehindStatus Event (the resync runs every 5 s here)")
         assert announced[0]["type"] == "Warning"
         assert f"holds version {shown - 2} of this task, its status showed {shown}" in announced[0]["message"]
-        assert scrape(retex)[("retex_tasks_ahead_of_ledger", ())] == 1
+        assert retex.operator.metrics()[("retex_tasks_ahead_of_ledger", ())] == 1
         lines = [json.loads(line) for line in retex.operator.log_tail(10**8).splitlines() if line.startswith("{")]
         said = [line for line in lines if line.get("msg") == "the ledger is behind the Task's status"]
         assert [(line["uid"], line["shown_version"], line["ledger_version"], line["level"]) for line in said] == [
@@ -123,4 +122,4 @@ def test_a_ledger_that_forgot_commits_a_tasks_status_showed_is_announced_and_cou
     finally:
         with psycopg.connect(retex.dsn, autocommit=True) as conn:  # the ledger past the status again
             conn.execute("UPDATE retex.tasks SET version = %s WHERE uid = %s", (shown + 1, uid))
-    wait_for(lambda: scrape(retex)[("retex_tasks_ahead_of_ledger", ())] == 0, timeout=30, what="the count cleared")
+    wait_for(lambda: retex.operator.metrics()[("retex_tasks_ahead_of_ledger", ())] == 0, timeout=30, what="the count cleared")
