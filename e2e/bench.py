@@ -43,6 +43,7 @@ from typing import Any
 import psycopg
 from kubernetes import client, watch
 
+from e2e.cpu import CpuAccount
 from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
 from e2e.rig.external import ExternalCluster, RigUnavailable, from_environment
@@ -235,6 +236,7 @@ class BenchSystem:
         self.ledger = Ledger(self.dsn).open()
         self._api = rig.api_client()
         self.custom, self.batch = client.CustomObjectsApi(self._api), client.BatchV1Api(self._api)
+        self.core = client.CoreV1Api(self._api)
 
     @contextmanager
     def operator_with(self, **env: str) -> Iterator[None]:
@@ -308,7 +310,7 @@ class BenchSystem:
                                 (uids,)).fetchone()[0]
 
     def pods(self, selector: str) -> list[Any]:
-        return client.CoreV1Api(self._api).list_namespaced_pod(self.namespace, label_selector=selector).items
+        return self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
 
     def running_pods(self, selector: str) -> list[str]:
         return [p.metadata.name for p in self.pods(selector) if p.status.phase == "Running"]
@@ -333,9 +335,14 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         # steps going on together, not the workers' starts spread over it.
         wait_for(f"{parallel} checkpoint task(s) at their gate", lambda: names <= system.markers.waiting(),  # noqa: B023 (called in the loop)
                  timeout=60 + 5 * parallel)
-        system.markers.open_gates(names)
-        wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),  # noqa: B023 (called in the loop)
-                 timeout=60 + 2 * sizes.checkpoint_steps * parallel)
+        with CpuAccount() as at_the_gates:  # the same processes, every worker waiting: the control
+            time.sleep(GATE_CONTROL_SECONDS)
+        requests_before = _api_requests(system, ALL_VERBS)
+        with CpuAccount() as cpu:  # who spends the cores while they step: the kernel's counters
+            system.markers.open_gates(names)
+            wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),  # noqa: B023 (called in the loop)
+                     timeout=60 + 2 * sizes.checkpoint_steps * parallel)
+        requests = _counts_between(requests_before, _api_requests(system, ALL_VERBS))
         begins, commits, stepping = [], [], 0.0
         for uid in uids:
             history = [h for h in system.ledger.history(uid) if h.step_idx is not None and h.step_idx > 0]  # 0: the gate
@@ -345,7 +352,9 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             begins, commits = begins + own_begins, commits + own_commits
         window = max(commits) - min(begins)
         retex_rate = len(commits) / window
-        say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s")
+        say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s; "
+            f"{cpu.busy_cores:.2f} cores busy ({at_the_gates.busy_cores:.2f} at the gates), CPU ms a step: "
+            + ", ".join(f"{group} {seconds * 1000 / len(commits):.1f}" for group, seconds in cpu.seconds.items()))
         commit_rate = _commit_loop_rate(system.postgres, measured, clients=parallel)
         spawn_seconds = _spawn_seconds(measured)
         step_seconds = parallel / retex_rate  # per step, per task
@@ -358,9 +367,24 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             # were spread over the window rather than their steps contending.
             detail={"retex_seconds_per_step": step_seconds, "commit_seconds": parallel / commit_rate,
                     "tasks_stepping_at_once": stepping / window,
+                    # From the gates' opening to the ledger showing all Succeeded (a little more than the window).
+                    "cpu_busy_cores": cpu.busy_cores,
+                    "cpu_ms_per_step_by_group": _rounded({group: seconds * 1000 / len(commits)
+                                                          for group, seconds in cpu.seconds.items()}),
+                    "cpu_cores_by_group": _rounded(cpu.cores()),
+                    "cpu_cores_by_group_at_the_gates": _rounded(at_the_gates.cores()),
+                    # What the API server was asked meanwhile (its CPU above), by every client.
+                    "api_requests_in_window": dict(sorted(requests.items(), key=lambda item: -item[1])),
                     "spawn_seconds": spawn_seconds,
                     "commit_ratio_net_of_spawn": (parallel / commit_rate) / max(step_seconds - spawn_seconds, 1e-9)}))
     return figures
+
+
+GATE_CONTROL_SECONDS = 3.0
+
+
+def _rounded(values: dict[str, float]) -> dict[str, float]:
+    return {key: round(value, 3) for key, value in values.items()}
 
 
 def _commit_loop_rate(postgres: PostgresServer, rows: int, *, clients: int) -> float:
@@ -640,6 +664,7 @@ def _iso_seconds(stamp: str) -> float:
 
 
 WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE", "APPLY"})
+ALL_VERBS = WRITE_VERBS | {"GET", "LIST", "WATCH"}
 # Written all along, whatever runs: the node agents' status and the control plane's own elections.
 BACKGROUND_RESOURCES = frozenset({"nodes", "leases"})
 WRITES_STEPS = 5
@@ -654,19 +679,19 @@ def measure_writes(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     elections both land there."""
     count = sizes.writes_tasks
     steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True} for i in range(WRITES_STEPS)]
-    before = _api_writes(system)
+    quiet_before_tasks = before = _quiet_api_writes(system)
     uids = [system.create_task(f"writes-task-{i}", steps) for i in range(count)]
     wait_for(f"{count} tasks Succeeded", lambda: system.succeeded(uids) == count, timeout=60 + 10 * count, interval=0.5)
     wait_for("their Jobs complete", lambda: system.jobs_finished_by_label("retex.dev/task-uid") >= count, timeout=60)
-    time.sleep(3)  # the status mirror's last patch and the Job controller's last status update
-    retex_writes = _writes_between(before, _api_writes(system))
-    before = _api_writes(system)
+    after = _quiet_api_writes(system)  # the status mirror's last patch, the Job controller's last status
+    retex_writes = _counts_between(before.writes, after.writes)
+    before = after
     names = {f"writes-job-{i}" for i in range(count)}
     for name in names:
         system.create_job(name, ["sh", "-c", "; ".join(["true"] * WRITES_STEPS)])
     wait_for(f"{count} Jobs complete", lambda: system.jobs_finished(names) == count, timeout=60 + 10 * count, interval=0.5)
-    time.sleep(3)
-    job_writes = _writes_between(before, _api_writes(system))
+    after = _quiet_api_writes(system)
+    job_writes = _counts_between(before.writes, after.writes)
 
     def per_task(writes: dict[str, int], *, leases: bool) -> float:
         return sum(n for key, n in writes.items()
@@ -678,14 +703,17 @@ def measure_writes(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                    retex=r, baseline=b, baseline_name=f"bare Job running {WRITES_STEPS} commands", ratio=r / b,
                    target="retex's own (the difference) ≤ 12", met=own <= 12,
                    detail={"retex_own_per_task": own, "tasks": count,
+                           # Seconds each window waited at its edges for the cluster to stop writing
+                           # (None: it never did, and the counts hold someone else's writes).
+                           "quiet_waits_seconds": [quiet_before_tasks.waited, before.waited, after.waited],
                            "lease_and_node_writes_per_task": per_task(retex_writes, leases=True),
                            "lease_and_node_writes_per_job": per_task(job_writes, leases=True),
                            "retex_by_resource": {k: v / count for k, v in sorted(retex_writes.items())},
                            "job_by_resource": {k: v / count for k, v in sorted(job_writes.items())}})]
 
 
-def _api_writes(system: BenchSystem) -> dict[str, int]:
-    """The API server's write requests so far, by `resource/subresource verb`."""
+def _api_requests(system: BenchSystem, verbs: frozenset[str] = WRITE_VERBS) -> dict[str, int]:
+    """The API server's requests so far with these verbs (writes unless told), by `resource/subresource verb`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = system.rig.kubectl("get", "--raw", "/metrics").stdout
@@ -695,7 +723,7 @@ def _api_writes(system: BenchSystem) -> dict[str, int]:
             continue
         for sample in family.samples:
             labels = sample.labels
-            if sample.name != "apiserver_request_total" or labels.get("verb") not in WRITE_VERBS:
+            if sample.name != "apiserver_request_total" or labels.get("verb") not in verbs:
                 continue
             key = f"{labels.get('resource')}/{labels.get('subresource') or ''} {labels['verb']}"
             key += DRY_RUN if labels.get("dry_run") else ""
@@ -703,7 +731,34 @@ def _api_writes(system: BenchSystem) -> dict[str, int]:
     return writes
 
 
-def _writes_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+@dataclass(frozen=True)
+class QuietWrites:
+    writes: dict[str, int]
+    waited: float | None  # None: the writes never stopped within QUIET_TIMEOUT
+
+
+QUIET_SECONDS, QUIET_TIMEOUT = 3.0, 120.0
+
+
+def _quiet_api_writes(system: BenchSystem) -> QuietWrites:
+    """The write counters once nothing but leases and node status has been written for
+    QUIET_SECONDS and no namespace is being deleted: a window opened or closed there holds only
+    its own side's writes (not an earlier measure's clean-up, nor the tail of its own work)."""
+    started = time.monotonic()
+    last = _api_requests(system)
+    while time.monotonic() - started < QUIET_TIMEOUT:
+        time.sleep(QUIET_SECONDS)
+        now = _api_requests(system)
+        moved = [key for key in _counts_between(last, now) if key.split("/")[0] not in BACKGROUND_RESOURCES]
+        terminating = [ns.metadata.name for ns in system.core.list_namespace().items if ns.status.phase == "Terminating"]
+        if not moved and not terminating:
+            return QuietWrites(now, time.monotonic() - started)
+        last = now
+    say(f"  the API server never went quiet in {QUIET_TIMEOUT:.0f} s: these writes hold others'")
+    return QuietWrites(last, None)
+
+
+def _counts_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {key: n - before.get(key, 0) for key, n in after.items() if n > before.get(key, 0)}
 
 

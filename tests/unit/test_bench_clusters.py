@@ -140,3 +140,60 @@ def test_a_measure_that_restarts_the_operator_with_a_setting_gives_it_back_its_d
     limited = {**bench.DEPLOYED_OPERATOR_ENV, "RETEX_MAX_RUNNING": "10"}
     assert during == ["stop", limited, "leading"], "the deployed election and resync kept, the limit added"
     assert system.operator.calls[3:] == ["stop", bench.DEPLOYED_OPERATOR_ENV, "leading"], "and as deployed after"
+
+
+def metrics_page(counts):
+    """An API server's /metrics with apiserver_request_total samples: {(resource, verb): n}."""
+    lines = ["# TYPE apiserver_request_total counter"]
+    for (resource, verb), n in counts.items():
+        lines.append(f'apiserver_request_total{{resource="{resource}",subresource="",verb="{verb}",code="201"}} {n}')
+    return "\n".join(lines) + "\n"
+
+
+def quiet_system(pages, terminating=()):
+    """A BenchSystem as `_quiet_api_writes` sees it: each read of /metrics the next page (the last
+    one again once they run out), namespaces Terminating while `terminating` says so, read by read."""
+    reads = iter(pages)
+    last = {}
+
+    def kubectl(*args, **_):
+        last["page"] = next(reads, last.get("page"))
+        return SimpleNamespace(stdout=last["page"])
+
+    phases = iter(terminating)
+
+    def list_namespace():
+        phase = "Terminating" if next(phases, False) else "Active"
+        return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name="old"), status=SimpleNamespace(phase=phase))])
+
+    return SimpleNamespace(rig=SimpleNamespace(kubectl=kubectl), core=SimpleNamespace(list_namespace=list_namespace))
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """The bench's sleeps advance a clock of its own instead of waiting."""
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "sleep", lambda seconds: now.__setitem__(0, now[0] + seconds))
+    monkeypatch.setattr(bench.time, "monotonic", lambda: now[0])
+
+
+def test_a_writes_window_opens_only_once_writes_have_stopped_leases_and_nodes_aside(fake_clock):
+    pages = [metrics_page({("pods", "DELETE"): 1, ("leases", "PUT"): 1}),
+             metrics_page({("pods", "DELETE"): 5, ("leases", "PUT"): 2}),  # someone's clean-up still going
+             metrics_page({("pods", "DELETE"): 9, ("leases", "PUT"): 3})]
+    pages += [metrics_page({("pods", "DELETE"): 9, ("leases", "PUT"): n}) for n in range(4, 100)]  # renewals only
+    quiet = bench._quiet_api_writes(quiet_system(pages))
+    assert quiet.writes == {"pods/ DELETE": 9, "leases/ PUT": 4}
+    assert quiet.waited == 3 * bench.QUIET_SECONDS
+
+
+def test_a_namespace_being_deleted_keeps_the_window_closed_though_no_write_came_yet(fake_clock):
+    pages = [metrics_page({("pods", "DELETE"): 1})] * 3 + [metrics_page({("pods", "DELETE"): 4})]
+    seen = bench._quiet_api_writes(quiet_system(pages, terminating=[True, True]))
+    # Terminating at the first two looks, its pods' deletes at the third; quiet at the fourth.
+    assert seen.writes == {"pods/ DELETE": 4} and seen.waited == 4 * bench.QUIET_SECONDS
+
+
+def test_writes_that_never_stop_are_reported_as_such_not_waited_on_for_ever(fake_clock):
+    pages = [metrics_page({("events", "POST"): n}) for n in range(1000)]
+    assert bench._quiet_api_writes(quiet_system(pages)).waited is None
