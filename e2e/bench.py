@@ -351,10 +351,16 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             stepping += max(own_commits) - min(own_begins)
             begins, commits = begins + own_begins, commits + own_commits
         window = max(commits) - min(begins)
+        # The CPU of the stepping window alone (the snapshots around it: not the gates' opening
+        # nor the tasks' ends), as cores, and as CPU time a step at the window's pace.
+        stepping_cores = _per(cpu.between(min(begins), max(commits)), cpu.span(min(begins), max(commits)))
+        busy = cpu.busy_cores_between(min(begins), max(commits))
+        ms_per_step = {group: cores * window * 1000 / len(commits) for group, cores in stepping_cores.items()}
+        gates_cores = _per(at_the_gates.between(), at_the_gates.span())
         retex_rate = len(commits) / window
         say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s; "
-            f"{cpu.busy_cores:.2f} cores busy ({at_the_gates.busy_cores:.2f} at the gates), CPU ms a step: "
-            + ", ".join(f"{group} {seconds * 1000 / len(commits):.1f}" for group, seconds in cpu.seconds.items()))
+            f"{busy:.2f} cores busy ({at_the_gates.busy_cores_between():.2f} at the gates), CPU ms a step: "
+            + ", ".join(f"{group} {ms:.1f}" for group, ms in ms_per_step.items()))
         commit_rate = _commit_loop_rate(system.postgres, measured, clients=parallel)
         spawn_seconds = _spawn_seconds(measured)
         step_seconds = parallel / retex_rate  # per step, per task
@@ -367,13 +373,11 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             # were spread over the window rather than their steps contending.
             detail={"retex_seconds_per_step": step_seconds, "commit_seconds": parallel / commit_rate,
                     "tasks_stepping_at_once": stepping / window,
-                    # From the gates' opening to the ledger showing all Succeeded (a little more than the window).
-                    "cpu_busy_cores": cpu.busy_cores,
-                    "cpu_ms_per_step_by_group": _rounded({group: seconds * 1000 / len(commits)
-                                                          for group, seconds in cpu.seconds.items()}),
-                    "cpu_cores_by_group": _rounded(cpu.cores()),
-                    "cpu_cores_by_group_at_the_gates": _rounded(at_the_gates.cores()),
-                    # What the API server was asked meanwhile (its CPU above), by every client.
+                    "cpu_busy_cores": busy,
+                    "cpu_ms_per_step_by_group": _rounded(ms_per_step),
+                    "cpu_cores_by_group": _rounded(stepping_cores),
+                    "cpu_cores_by_group_at_the_gates": _rounded(gates_cores),
+                    # What the API server was asked from the gates' opening to all Succeeded, by every client.
                     "api_requests_in_window": dict(sorted(requests.items(), key=lambda item: -item[1])),
                     "spawn_seconds": spawn_seconds,
                     "commit_ratio_net_of_spawn": (parallel / commit_rate) / max(step_seconds - spawn_seconds, 1e-9)}))
@@ -381,6 +385,10 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
 
 
 GATE_CONTROL_SECONDS = 3.0
+
+
+def _per(seconds: dict[str, float], span: float) -> dict[str, float]:
+    return {key: value / max(span, 1e-9) for key, value in seconds.items()}
 
 
 def _rounded(values: dict[str, float]) -> dict[str, float]:

@@ -1,12 +1,13 @@
 """CPU time by process group over a window, from /proc: who spent the cores while a measure ran.
 
 A sampling profiler cannot tell a thread blocked in a read from one running (py-spy counted 80 s
-of "CPU" in 40 s on 2 cores); the kernel's own counters can. Every half second a thread reads
+of "CPU" in 40 s on 2 cores); the kernel's own counters can. Five times a second a thread reads
 each process's own time (utime + stime) and its reaped children's (cutime + cstime). A process
 counts from the first sample (from nothing if it was born after it) to its last. A child reaped
-meanwhile adds its whole lifetime to its parent's children's time, so that is taken back out for
-every child seen and gone; a process too short to be seen (a step's `true`) stays counted in the
-one that reaped it, and so does the time a seen one spent between its last sample and its exit.
+meanwhile adds its whole lifetime to its parent's children's time: the part its samples showed is
+taken back out, and the rest (what it spent after its last sample: up to a fifth of a second of a busy
+worker's stepping) is counted in the child's group. A process too short to be seen (a step's
+`true`) is counted in the one that reaped it, or with the seen ones reaped beside it.
 
 Kind's nodes are containers on this host's kernel, so their pods' processes are in this /proc too.
 """
@@ -19,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-SAMPLE_SECONDS = 0.5
+SAMPLE_SECONDS = 0.2  # a sweep of /proc takes ~7 ms for ~150 processes: 3% of a core
 TICKS = os.sysconf("SC_CLK_TCK")
 
 # A process's group from its command line; one that matches none takes its parent's.
@@ -29,7 +30,9 @@ _BY_NAME = {"kube-apiserver": "kube-apiserver", "etcd": "etcd", "kube-controller
             "dockerd": "container runtime", "docker-proxy": "container runtime"}
 _BY_WORD = (("retex-operator", "operator"), ("retex-worker", "worker and its steps"),
             ("retex/worker/", "worker and its steps"), ("e2e.rig.agent", "node agent (rig)"),
-            ("e2e.bench", "bench"), ("pytest", "bench"))
+            ("e2e.bench", "bench"), ("pytest", "bench"),
+            # kind's nodes: our pod network's loop (e2e/kind/node-cni.sh: kubectl every 5 s on each node)
+            ("node-cni.sh", "kind's node-cni loop"))
 
 
 def group_of(argv: list[str]) -> str | None:
@@ -76,9 +79,11 @@ class _Seen:
 
 
 def account(seen: dict[tuple[int, int], _Seen]) -> dict[str, float]:
-    """Seconds of CPU by group: each process's growth from its first sample to its last, less the
-    lifetimes of its children that were seen and are gone (the reap folded them into its children's
-    time, and they are counted on their own)."""
+    """Seconds of CPU by group: each process's growth from its first sample to its last. A reaper's
+    children's time grew by the whole lifetimes of the children it reaped: what the seen ones had
+    at their last sample is counted with them already; the rest (what they spent after it, and
+    children too short to be seen) goes to the reaped ones' group when they had one group (a
+    worker stepping until it exits is still the worker), else stays with the reaper."""
     latest = {s.pid: s for s in sorted(seen.values(), key=lambda s: s.first.start)}
 
     def group(s: _Seen) -> str:
@@ -91,69 +96,104 @@ def account(seen: dict[tuple[int, int], _Seen]) -> dict[str, float]:
             s = latest[s.first.ppid]
         return "other"
 
-    reaped: dict[int, int] = {}  # by the reaper's pid: its children's time that is theirs
+    reaped: dict[int, int] = {}  # by the reaper's pid: the lifetimes its seen children had when last seen
+    reaped_groups: dict[int, set[str]] = {}
     for s in seen.values():
         if s.gone:
             reaped[s.last.ppid] = reaped.get(s.last.ppid, 0) + s.last.own_ticks + s.last.children_ticks
-    seconds: dict[str, float] = {}
+            reaped_groups.setdefault(s.last.ppid, set()).add(group(s))
+    ticks_by_group: dict[str, int] = {}
+
+    def add(name: str, ticks: int) -> None:
+        ticks_by_group[name] = ticks_by_group.get(name, 0) + ticks
+
     for s in seen.values():
-        ticks = s.last.own_ticks - s.first.own_ticks + s.last.children_ticks - s.first.children_ticks
-        if latest[s.pid] is s:
-            ticks -= reaped.get(s.pid, 0)
-        name = group(s)
-        seconds[name] = seconds.get(name, 0.0) + max(ticks, 0) / TICKS
+        own = s.last.own_ticks - s.first.own_ticks
+        children = s.last.children_ticks - s.first.children_ticks
+        if latest[s.pid] is s and s.pid in reaped:
+            children = max(children - reaped[s.pid], 0)
+            if len(reaped_groups[s.pid]) == 1:
+                add(next(iter(reaped_groups[s.pid])), children)
+                children = 0
+        add(group(s), own + children)
+    seconds = {name: ticks / TICKS for name, ticks in ticks_by_group.items()}
     return dict(sorted(seconds.items(), key=lambda item: -item[1]))
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    at: float  # time.time(): comparable with the ledger's timestamps (one host clock)
+    busy_ticks: int
+    processes: dict[tuple[int, int], ProcStat]  # by (pid, starttime)
+
+
+def seen_between(snapshots: list[Snapshot], argv: dict[tuple[int, int], list[str]]) -> dict[tuple[int, int], _Seen]:
+    """Every process of these snapshots, from the first (from nothing if born after it) to the last
+    that shows it, gone if the last snapshot does not."""
+    first, final = snapshots[0].processes, snapshots[-1].processes
+    seen: dict[tuple[int, int], _Seen] = {}
+    for snapshot in snapshots:
+        for key, stat in snapshot.processes.items():
+            if key not in seen:
+                start = first.get(key, ProcStat(stat.ppid, 0, 0, stat.start))
+                seen[key] = _Seen(key[0], argv.get(key, []), start, stat, gone=key not in final)
+            seen[key].last = stat
+    return seen
+
+
 class CpuAccount:
-    """`with CpuAccount() as cpu: ...`, then `cpu.seconds` by group, `cpu.busy_cores` (the whole
-    machine's) and `cpu.elapsed`."""
+    """`with CpuAccount() as cpu: ...`, then `cpu.between(start, end)` (seconds by group, or the
+    whole window without bounds) and `cpu.busy_cores_between(...)` (the whole machine's)."""
 
-    def cores(self) -> dict[str, float]:
-        """Each group's CPU as cores kept busy over the window."""
-        return {group: seconds / max(self.elapsed, 1e-9) for group, seconds in self.seconds.items()}
-
-    def __init__(self, proc: Path = Path("/proc")):
-        self.proc = proc
-        self.seconds: dict[str, float] = {}
-        self.busy_cores = self.elapsed = 0.0
-        self._seen: dict[tuple[int, int], _Seen] = {}
-        self._sampled = False
+    def __init__(self, proc: Path = Path("/proc"), sample_seconds: float = SAMPLE_SECONDS):
+        self.proc, self.sample_seconds = proc, sample_seconds
+        self.snapshots: list[Snapshot] = []
+        self._argv: dict[tuple[int, int], list[str]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
 
     def _sample(self) -> None:
-        alive = set()
+        processes = {}
         for entry in os.scandir(self.proc):
             if not entry.name.isdigit():
                 continue
-            pid = int(entry.name)
             try:
                 stat = parse_stat((self.proc / entry.name / "stat").read_text())
-                key = (pid, stat.start)
-                if key not in self._seen:
+                key = (int(entry.name), stat.start)
+                if key not in self._argv:
                     argv = (self.proc / entry.name / "cmdline").read_bytes().split(b"\0")
-                    # Born in the window (not in the first sample): all its time is in it.
-                    first = ProcStat(stat.ppid, 0, 0, stat.start) if self._sampled else stat
-                    self._seen[key] = _Seen(pid, [a.decode(errors="replace") for a in argv if a], first, stat)
+                    self._argv[key] = [a.decode(errors="replace") for a in argv if a]
             except (FileNotFoundError, ProcessLookupError, ValueError):
                 continue  # gone between listing and reading
-            self._seen[key].last = stat
-            alive.add(key)
-        for key, seen in self._seen.items():
-            seen.gone = key not in alive
-        self._sampled = True
-
-    def _busy(self) -> tuple[int, float]:
-        return busy_ticks((self.proc / "stat").read_text()), time.monotonic()
+            processes[key] = stat
+        self.snapshots.append(Snapshot(time.time(), busy_ticks((self.proc / "stat").read_text()), processes))
 
     def _sample_until_stopped(self) -> None:
-        while not self._stop.wait(SAMPLE_SECONDS):
+        while not self._stop.wait(self.sample_seconds):
             self._sample()
+
+    def _within(self, start: float | None, end: float | None) -> list[Snapshot]:
+        """The snapshots from the last one at or before `start` to the first at or after `end`."""
+        times = [snapshot.at for snapshot in self.snapshots]
+        first = 0 if start is None else max((i for i, at in enumerate(times) if at <= start), default=0)
+        last = len(times) - 1 if end is None else min((i for i, at in enumerate(times) if at >= end), default=len(times) - 1)
+        return self.snapshots[first:max(last, first + 1) + 1]
+
+    def between(self, start: float | None = None, end: float | None = None) -> dict[str, float]:
+        """CPU seconds by group from about `start` to about `end` (the snapshots around them)."""
+        return account(seen_between(self._within(start, end), self._argv))
+
+    def span(self, start: float | None = None, end: float | None = None) -> float:
+        """The seconds `between` covers for these bounds."""
+        within = self._within(start, end)
+        return within[-1].at - within[0].at
+
+    def busy_cores_between(self, start: float | None = None, end: float | None = None) -> float:
+        within = self._within(start, end)
+        return (within[-1].busy_ticks - within[0].busy_ticks) / TICKS / max(within[-1].at - within[0].at, 1e-9)
 
     def __enter__(self) -> CpuAccount:
         self._sample()
-        self._started = self._busy()
         self._thread.start()
         return self
 
@@ -161,7 +201,3 @@ class CpuAccount:
         self._stop.set()
         self._thread.join()
         self._sample()
-        ticks, at = self._busy()
-        self.elapsed = at - self._started[1]
-        self.busy_cores = (ticks - self._started[0]) / TICKS / max(self.elapsed, 1e-9)
-        self.seconds = account(self._seen)

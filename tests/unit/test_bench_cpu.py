@@ -3,6 +3,7 @@ once whether it is still running, was born in the window, or was reaped in it.""
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from e2e.cpu import TICKS, CpuAccount, ProcStat, _Seen, account, busy_ticks, group_of, parse_stat
@@ -29,6 +30,7 @@ def test_processes_fall_in_their_groups_and_an_unnamed_one_in_none():
     assert group_of(["/venv/bin/python", "/venv/bin/retex-operator", "--health", "x"]) == "operator"
     assert group_of(["/usr/local/bin/python", "-I", "-S", "/app/retex/worker/tether.py", "12"]) == "worker and its steps"
     assert group_of(["/usr/local/bin/kube-apiserver", "--etcd-servers=x"]) == "kube-apiserver"
+    assert group_of(["/bin/bash", "/usr/local/bin/node-cni.sh"]) == "kind's node-cni loop"
     assert group_of(["true"]) is None
     assert group_of([]) is None
 
@@ -61,5 +63,27 @@ def test_a_child_that_burns_and_exits_in_the_window_is_counted_whole():
     # The child (born in the window, reaped by this process) is in this process's group: at least
     # its 0.6 s; the machine's busy cores show it too.
     here = group_of(Path("/proc/self/cmdline").read_bytes().decode().split("\0")) or "other"
-    assert cpu.seconds.get(here, 0) >= 0.55, cpu.seconds
-    assert cpu.busy_cores > 0.2
+    assert cpu.between().get(here, 0) >= 0.55, cpu.between()
+    assert cpu.busy_cores_between() > 0.2
+
+
+def test_a_window_counts_only_what_was_spent_around_it():
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.8: pass"
+    with CpuAccount(sample_seconds=0.05) as cpu:
+        time.sleep(0.5)
+        idle_until = time.time()
+        subprocess.run([sys.executable, "-c", burn], check=True)
+    here = group_of(Path("/proc/self/cmdline").read_bytes().decode().split("\0")) or "other"
+    assert cpu.between(end=idle_until - 0.1).get(here, 0) < 0.1, "the burn is not before it started"
+    assert cpu.between(start=idle_until).get(here, 0) >= 0.75
+    assert cpu.span(end=idle_until - 0.1) < 0.6
+
+
+def test_a_busy_process_time_after_its_last_sample_stays_in_its_own_group_not_its_reapers():
+    # On kind: a worker stepping until it exits, reaped by its container's shim. Its last sample
+    # showed 64 ticks of lifetime; the shim's children's time grew by its whole lifetime, 107.
+    processes = {
+        (10, 10): seen(10, ["/usr/local/bin/containerd-shim-runc-v2", "-id", "x"], 1, (5, 15), (6, 122)),
+        (11, 11): seen(11, ["/opt/retex/bin/python", "/opt/retex/bin/retex-worker"], 10, (42, 2), (62, 2), gone=True),
+    }
+    assert account(processes) == {"worker and its steps": (20 + 43) / TICKS, "container runtime": 1 / TICKS}
