@@ -325,6 +325,9 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     figures = []
     measured = sizes.checkpoint_steps - 1  # after the gate
     for parallel in dict.fromkeys((1, sizes.checkpoint_parallel)):  # once each, in that order
+        # Not beside an earlier run's or round's clean-up (a namespace being deleted, Jobs ending):
+        # one task stepping is bound by round trips, and any load slows it.
+        quiet = _quiet_api_writes(system)
         names = {f"checkpoint-{parallel}-{i}" for i in range(parallel)}
         uids = [system.create_task(name, [{"name": "gate", "exec": {"command": system.markers.gate_command(name)},
                                            "idempotent": True}]
@@ -373,6 +376,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             # were spread over the window rather than their steps contending.
             detail={"retex_seconds_per_step": step_seconds, "commit_seconds": parallel / commit_rate,
                     "tasks_stepping_at_once": stepping / window,
+                    "quiet_wait_seconds": quiet.waited,
                     "cpu_busy_cores": busy,
                     "cpu_ms_per_step_by_group": _rounded(ms_per_step),
                     "cpu_cores_by_group": _rounded(stepping_cores),
