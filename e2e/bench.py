@@ -1,7 +1,7 @@
 """`make bench`: retex measured side by side with what users would run instead, on the local rig or kind.
 
     python -m e2e.bench [--quick] [--size NAME=N ...] [MEASURE ...]
-        measures: checkpoint latency throughput recovery node-loss profile ledger writes scale
+        measures: writes checkpoint latency throughput recovery node-loss profile ledger scale (run in this order)
 
 On the local rig it starts by default; with RETEX_KUBECONFIG (and RETEX_KIND_CLUSTER, RETEX_POD_HOST,
 RETEX_WORKER_IMAGE), the variables the scenario tests run on kind with (e2e/kind/run.sh), it runs on
@@ -95,13 +95,16 @@ class Sizes:
     writes_tasks: int = 10
     scale_tasks: int = 5000  # all of them, the runnable ones included
     scale_runnable: int = 50
+    # How long a window of `writes` or a round of `checkpoint` waits for the cluster to stop
+    # writing; the smoke's is short (it shares its cluster with the other tests' leftovers).
+    quiet_timeout_seconds: int = 120
 
     @classmethod
     def quick(cls) -> Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
                    throughput_limit=2, recovery_runs=1, node_loss_runs=1,
                    node_loss_job_toleration_seconds=5, profile_tasks=1, ledger_tasks=10,
-                   writes_tasks=2, scale_tasks=40, scale_runnable=4)
+                   writes_tasks=2, scale_tasks=40, scale_runnable=4, quiet_timeout_seconds=10)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
         """These sizes with `NAME=N` overrides (e.g. `latency_tasks=10`): sizes between --quick and full."""
@@ -327,7 +330,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     for parallel in dict.fromkeys((1, sizes.checkpoint_parallel)):  # once each, in that order
         # Not beside an earlier run's or round's clean-up (a namespace being deleted, Jobs ending):
         # one task stepping is bound by round trips, and any load slows it.
-        quiet = _quiet_api_writes(system)
+        quiet = _quiet_api_writes(system, sizes.quiet_timeout_seconds)
         names = {f"checkpoint-{parallel}-{i}" for i in range(parallel)}
         uids = [system.create_task(name, [{"name": "gate", "exec": {"command": system.markers.gate_command(name)},
                                            "idempotent": True}]
@@ -691,18 +694,19 @@ def measure_writes(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     elections both land there."""
     count = sizes.writes_tasks
     steps = [{"name": f"s{i}", "exec": {"command": ["true"]}, "idempotent": True} for i in range(WRITES_STEPS)]
-    quiet_before_tasks = before = _quiet_api_writes(system)
+    quiet_before_tasks = before = _quiet_api_writes(system, sizes.quiet_timeout_seconds)
     uids = [system.create_task(f"writes-task-{i}", steps) for i in range(count)]
     wait_for(f"{count} tasks Succeeded", lambda: system.succeeded(uids) == count, timeout=60 + 10 * count, interval=0.5)
     wait_for("their Jobs complete", lambda: system.jobs_finished_by_label("retex.dev/task-uid") >= count, timeout=60)
-    after = _quiet_api_writes(system)  # the status mirror's last patch, the Job controller's last status
+    # Closed once the status mirror's last patch and the Job controller's last status are in.
+    after = _quiet_api_writes(system, sizes.quiet_timeout_seconds)
     retex_writes = _counts_between(before.writes, after.writes)
     before = after
     names = {f"writes-job-{i}" for i in range(count)}
     for name in names:
         system.create_job(name, ["sh", "-c", "; ".join(["true"] * WRITES_STEPS)])
     wait_for(f"{count} Jobs complete", lambda: system.jobs_finished(names) == count, timeout=60 + 10 * count, interval=0.5)
-    after = _quiet_api_writes(system)
+    after = _quiet_api_writes(system, sizes.quiet_timeout_seconds)
     job_writes = _counts_between(before.writes, after.writes)
 
     def per_task(writes: dict[str, int], *, leases: bool) -> float:
@@ -746,19 +750,19 @@ def _api_requests(system: BenchSystem, verbs: frozenset[str] = WRITE_VERBS) -> d
 @dataclass(frozen=True)
 class QuietWrites:
     writes: dict[str, int]
-    waited: float | None  # None: the writes never stopped within QUIET_TIMEOUT
+    waited: float | None  # None: the writes never stopped within the timeout
 
 
-QUIET_SECONDS, QUIET_TIMEOUT = 3.0, 120.0
+QUIET_SECONDS = 3.0
 
 
-def _quiet_api_writes(system: BenchSystem) -> QuietWrites:
+def _quiet_api_writes(system: BenchSystem, timeout: float) -> QuietWrites:
     """The write counters once nothing but leases and node status has been written for
     QUIET_SECONDS and no namespace is being deleted: a window opened or closed there holds only
     its own side's writes (not an earlier measure's clean-up, nor the tail of its own work)."""
     started = time.monotonic()
     last = _api_requests(system)
-    while time.monotonic() - started < QUIET_TIMEOUT:
+    while time.monotonic() - started < timeout:
         time.sleep(QUIET_SECONDS)
         now = _api_requests(system)
         moved = [key for key in _counts_between(last, now) if key.split("/")[0] not in BACKGROUND_RESOURCES]
@@ -766,7 +770,7 @@ def _quiet_api_writes(system: BenchSystem) -> QuietWrites:
         if not moved and not terminating:
             return QuietWrites(now, time.monotonic() - started)
         last = now
-    say(f"  the API server never went quiet in {QUIET_TIMEOUT:.0f} s: these writes hold others'")
+    say(f"  the API server never went quiet in {timeout:.0f} s: these writes hold others'")
     return QuietWrites(last, None)
 
 
@@ -1108,7 +1112,12 @@ def _kill_and_time_restart(system: BenchSystem, name: str, selector: str) -> tup
     return killed, system.starts(name)[1] - killed
 
 
+# In the order they run, whatever order they are asked in. `writes` first: every Job retex runs is
+# deleted its TTL (600 s) after it ends, and an earlier measure's Jobs being deleted one by one
+# would keep the writes measure's windows from ever going quiet (seen: 120 s of them, after
+# `throughput`'s 300).
 MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
+    "writes": measure_writes,
     "checkpoint": measure_checkpoint,
     "latency": measure_latency,
     "throughput": measure_throughput,
@@ -1116,9 +1125,13 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "node-loss": measure_node_loss,
     "profile": measure_profile,
     "ledger": measure_ledger,
-    "writes": measure_writes,
     "scale": measure_scale,
 }
+
+
+def in_run_order(asked: list[str]) -> list[str]:
+    """The measures asked for (all when none), in MEASURES' order."""
+    return [name for name in MEASURES if not asked or name in asked]
 
 
 def measure(name: str, system: BenchSystem, sizes: Sizes) -> tuple[list[Figure], dict[str, str] | None]:
@@ -1242,7 +1255,7 @@ def main(argv: list[str] | None = None) -> int:
     out, chart_dir = args.out or out, args.charts or chart_dir
     postgres.start()
     try:
-        results = run(rig, postgres, args.measures or list(MEASURES), sizes)
+        results = run(rig, postgres, in_run_order(args.measures), sizes)
     finally:
         postgres.destroy()
         if isinstance(rig, Rig):  # started here; another cluster is left as it was

@@ -182,18 +182,23 @@ def test_a_writes_window_opens_only_once_writes_have_stopped_leases_and_nodes_as
              metrics_page({("pods", "DELETE"): 5, ("leases", "PUT"): 2}),  # someone's clean-up still going
              metrics_page({("pods", "DELETE"): 9, ("leases", "PUT"): 3})]
     pages += [metrics_page({("pods", "DELETE"): 9, ("leases", "PUT"): n}) for n in range(4, 100)]  # renewals only
-    quiet = bench._quiet_api_writes(quiet_system(pages))
+    quiet = bench._quiet_api_writes(quiet_system(pages), 120)
     assert quiet.writes == {"pods/ DELETE": 9, "leases/ PUT": 4}
     assert quiet.waited == 3 * bench.QUIET_SECONDS
 
 
 def test_a_namespace_being_deleted_keeps_the_window_closed_though_no_write_came_yet(fake_clock):
     pages = [metrics_page({("pods", "DELETE"): 1})] * 3 + [metrics_page({("pods", "DELETE"): 4})]
-    seen = bench._quiet_api_writes(quiet_system(pages, terminating=[True, True]))
+    seen = bench._quiet_api_writes(quiet_system(pages, terminating=[True, True]), 120)
     # Terminating at the first two looks, its pods' deletes at the third; quiet at the fourth.
     assert seen.writes == {"pods/ DELETE": 4} and seen.waited == 4 * bench.QUIET_SECONDS
 
 
 def test_writes_that_never_stop_are_reported_as_such_not_waited_on_for_ever(fake_clock):
     pages = [metrics_page({("events", "POST"): n}) for n in range(1000)]
-    assert bench._quiet_api_writes(quiet_system(pages)).waited is None
+    assert bench._quiet_api_writes(quiet_system(pages), 120).waited is None
+
+
+def test_writes_runs_before_the_measures_whose_jobs_would_be_deleted_in_its_windows():
+    assert bench.in_run_order(["scale", "checkpoint", "writes"]) == ["writes", "checkpoint", "scale"]
+    assert bench.in_run_order([])[0] == "writes" and set(bench.in_run_order([])) == set(bench.MEASURES)
