@@ -64,9 +64,10 @@ def parse_stat(text: str) -> ProcStat:
 
 
 def busy_ticks(proc_stat: str) -> int:
-    """All CPUs' non-idle ticks from /proc/stat's first line (idle and iowait are not busy)."""
-    values = [int(v) for v in proc_stat.splitlines()[0].split()[1:9]]
-    return sum(values) - values[3] - values[4]
+    """All CPUs' busy ticks from /proc/stat's first line: user, nice, system, irq and softirq (not
+    idle, iowait, or steal: time the hypervisor gave elsewhere; guest time is inside user's)."""
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in proc_stat.splitlines()[0].split()[1:8])
+    return user + nice + system + irq + softirq
 
 
 @dataclass
@@ -76,15 +77,22 @@ class _Seen:
     first: ProcStat
     last: ProcStat
     gone: bool = False
+    last_seen: int = 0  # the index of the last snapshot that shows it
 
 
 def account(seen: dict[tuple[int, int], _Seen]) -> dict[str, float]:
-    """Seconds of CPU by group: each process's growth from its first sample to its last. A reaper's
-    children's time grew by the whole lifetimes of the children it reaped: what the seen ones had
-    at their last sample is counted with them already; the rest (what they spent after it, and
-    children too short to be seen) goes to the reaped ones' group when they had one group (a
-    worker stepping until it exits is still the worker), else stays with the reaper."""
-    latest = {s.pid: s for s in sorted(seen.values(), key=lambda s: s.first.start)}
+    """Seconds of CPU by group: each process's growth from its first sample to its last.
+
+    A reaper's children's time grows by the whole lifetime of each child it reaps. For a seen
+    child, what its last sample showed is counted with it already, so that is taken out of its
+    reaper's: the nearest ancestor still sampled after the child was (a parent last seen no later
+    than its child reaped it, if at all, after its own last sample, and so handed it on, inside its
+    own lifetime, to its reaper; a worker killing its tether as it exits does that). The rest of
+    the reaper's growth (what the reaped spent after their last samples, and children too short
+    to be seen) goes to the reaped ones' group when they had one group (a worker stepping until it
+    exits is still the worker), else stays with the reaper."""
+    ordered = sorted(seen.values(), key=lambda s: s.first.start)
+    latest = {s.pid: s for s in ordered}  # a pid used again: the newer process
 
     def group(s: _Seen) -> str:
         for _ in range(64):  # up the parents to one that is named; a loop would be a /proc oddity
@@ -96,27 +104,35 @@ def account(seen: dict[tuple[int, int], _Seen]) -> dict[str, float]:
             s = latest[s.first.ppid]
         return "other"
 
-    reaped: dict[int, int] = {}  # by the reaper's pid: the lifetimes its seen children had when last seen
+    def reaper(child: _Seen) -> _Seen | None:
+        parent = latest.get(child.last.ppid)
+        for _ in range(64):
+            if parent is None or not parent.gone or parent.last_seen > child.last_seen:
+                return parent
+            parent = latest.get(parent.last.ppid)
+        return None
+
+    reaped: dict[int, int] = {}  # by the reaper's id(): the lifetimes its seen children had when last seen
     reaped_groups: dict[int, set[str]] = {}
-    for s in seen.values():
-        if s.gone:
-            reaped[s.last.ppid] = reaped.get(s.last.ppid, 0) + s.last.own_ticks + s.last.children_ticks
-            reaped_groups.setdefault(s.last.ppid, set()).add(group(s))
+    for s in ordered:
+        if s.gone and (by := reaper(s)) is not None:
+            reaped[id(by)] = reaped.get(id(by), 0) + s.last.own_ticks + s.last.children_ticks
+            reaped_groups.setdefault(id(by), set()).add(group(s))
     ticks_by_group: dict[str, int] = {}
 
     def add(name: str, ticks: int) -> None:
         ticks_by_group[name] = ticks_by_group.get(name, 0) + ticks
 
-    for s in seen.values():
+    for s in ordered:
         own = s.last.own_ticks - s.first.own_ticks
         children = s.last.children_ticks - s.first.children_ticks
-        if latest[s.pid] is s and s.pid in reaped:
-            children = max(children - reaped[s.pid], 0)
-            if len(reaped_groups[s.pid]) == 1:
-                add(next(iter(reaped_groups[s.pid])), children)
+        if id(s) in reaped:
+            children = max(children - reaped[id(s)], 0)
+            if len(reaped_groups[id(s)]) == 1:
+                add(next(iter(reaped_groups[id(s)])), children)
                 children = 0
         add(group(s), own + children)
-    seconds = {name: ticks / TICKS for name, ticks in ticks_by_group.items()}
+    seconds = {name: ticks / TICKS for name, ticks in ticks_by_group.items() if ticks}
     return dict(sorted(seconds.items(), key=lambda item: -item[1]))
 
 
@@ -132,12 +148,12 @@ def seen_between(snapshots: list[Snapshot], argv: dict[tuple[int, int], list[str
     that shows it, gone if the last snapshot does not."""
     first, final = snapshots[0].processes, snapshots[-1].processes
     seen: dict[tuple[int, int], _Seen] = {}
-    for snapshot in snapshots:
+    for index, snapshot in enumerate(snapshots):
         for key, stat in snapshot.processes.items():
             if key not in seen:
                 start = first.get(key, ProcStat(stat.ppid, 0, 0, stat.start))
                 seen[key] = _Seen(key[0], argv.get(key, []), start, stat, gone=key not in final)
-            seen[key].last = stat
+            seen[key].last, seen[key].last_seen = stat, index
     return seen
 
 

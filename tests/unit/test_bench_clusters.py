@@ -202,3 +202,10 @@ def test_writes_that_never_stop_are_reported_as_such_not_waited_on_for_ever(fake
 def test_writes_runs_before_the_measures_whose_jobs_would_be_deleted_in_its_windows():
     assert bench.in_run_order(["scale", "checkpoint", "writes"]) == ["writes", "checkpoint", "scale"]
     assert bench.in_run_order([])[0] == "writes" and set(bench.in_run_order([])) == set(bench.MEASURES)
+
+
+def test_a_figure_whose_conditions_did_not_hold_is_printed_and_charted_as_not_judged(tmp_path):
+    assert [bench.verdict(met) for met in (True, False, None)] == ["PASS", "FALL SHORT", "NOT JUDGED"]
+    void = {"measure": "API server writes", "unit": "writes", "retex": 124.0, "baseline": 31.0, "baseline_name": "bare Job",
+            "ratio": 4.0, "target": "≤ 12", "met": None}
+    assert [p.name for p in bench.charts({"figures": [void]}, tmp_path)] == ["api-server-writes.png"]

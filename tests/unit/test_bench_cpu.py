@@ -3,10 +3,11 @@ once whether it is still running, was born in the window, or was reaped in it.""
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from e2e.cpu import TICKS, CpuAccount, ProcStat, _Seen, account, busy_ticks, group_of, parse_stat
+import pytest
+
+from e2e.cpu import TICKS, CpuAccount, ProcStat, Snapshot, _Seen, account, busy_ticks, group_of, parse_stat
 
 
 def stat_line(pid, comm, ppid, utime, stime, cutime, cstime, start):
@@ -20,8 +21,9 @@ def test_a_command_name_with_spaces_and_parentheses_does_not_shift_the_fields():
     assert parsed == ProcStat(ppid=3, own_ticks=23, children_ticks=27, start=99)
 
 
-def test_busy_ticks_leave_out_idle_and_iowait():
-    assert busy_ticks("cpu  1 2 3 1000 2000 4 5 6 0 0\ncpu0 1 1 1 1 1 1 1 1\n") == 1 + 2 + 3 + 4 + 5 + 6
+def test_busy_ticks_leave_out_idle_iowait_and_steal():
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    assert busy_ticks("cpu  1 2 3 1000 2000 4 5 600 1 0\ncpu0 1 1 1 1 1 1 1 1\n") == 1 + 2 + 3 + 4 + 5
 
 
 def test_processes_fall_in_their_groups_and_an_unnamed_one_in_none():
@@ -67,16 +69,27 @@ def test_a_child_that_burns_and_exits_in_the_window_is_counted_whole():
     assert cpu.busy_cores_between() > 0.2
 
 
-def test_a_window_counts_only_what_was_spent_around_it():
-    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.8: pass"
-    with CpuAccount(sample_seconds=0.05) as cpu:
-        time.sleep(0.5)
-        idle_until = time.time()
-        subprocess.run([sys.executable, "-c", burn], check=True)
-    here = group_of(Path("/proc/self/cmdline").read_bytes().decode().split("\0")) or "other"
-    assert cpu.between(end=idle_until - 0.1).get(here, 0) < 0.1, "the burn is not before it started"
-    assert cpu.between(start=idle_until).get(here, 0) >= 0.75
-    assert cpu.span(end=idle_until - 0.1) < 0.6
+def snapshot(at, processes):
+    """A snapshot at `at` of {pid: (ppid, own ticks, children's ticks)}, each pid started at its pid."""
+    return Snapshot(at, 0, {(pid, pid): ProcStat(ppid, own, children, pid) for pid, (ppid, own, children) in processes.items()})
+
+
+def window_account(snapshots, argv):
+    cpu = CpuAccount()
+    cpu.snapshots = snapshots
+    cpu._argv = {(pid, pid): line for pid, line in argv.items()}
+    return cpu
+
+
+def test_a_window_counts_only_what_was_spent_from_the_snapshot_before_it_to_the_one_after():
+    worker = {2: ["retex-worker"]}
+    cpu = window_account([snapshot(10.0, {2: (1, 100, 0)}), snapshot(10.2, {2: (1, 130, 0)}),
+                          snapshot(10.4, {2: (1, 150, 0)}), snapshot(10.6, {2: (1, 190, 0)})], worker)
+    assert cpu.between(10.25, 10.35) == {"worker and its steps": 20 / TICKS}  # 10.2 to 10.4
+    assert cpu.span(10.25, 10.35) == pytest.approx(0.2)
+    assert cpu.between(10.2, 10.4) == {"worker and its steps": 20 / TICKS}  # on a snapshot: that one
+    assert cpu.between() == {"worker and its steps": 90 / TICKS}
+    assert cpu.between(end=10.1) == {"worker and its steps": 30 / TICKS}  # from the first
 
 
 def test_a_busy_process_time_after_its_last_sample_stays_in_its_own_group_not_its_reapers():
@@ -87,3 +100,28 @@ def test_a_busy_process_time_after_its_last_sample_stays_in_its_own_group_not_it
         (11, 11): seen(11, ["/opt/retex/bin/python", "/opt/retex/bin/retex-worker"], 10, (42, 2), (62, 2), gone=True),
     }
     assert account(processes) == {"worker and its steps": (20 + 43) / TICKS, "container runtime": 1 / TICKS}
+
+
+def test_a_tether_killed_with_its_worker_is_taken_out_of_the_shims_time_not_counted_twice():
+    # The worker (pid 1 of its container) exits; the kernel kills its tether and the dying worker
+    # reaps it after both were last seen; the shim reaps the worker, whose lifetime now holds the
+    # tether's. Last seen: the worker at 152 ticks of its own, the tether at 61.
+    shim, worker, tether = ["/usr/local/bin/containerd-shim-runc-v2"], ["retex-worker"], ["/x/retex/worker/tether.py"]
+    cpu = window_account([
+        snapshot(1.0, {10: (1, 5, 0), 11: (10, 100, 0), 12: (11, 40, 0)}),
+        snapshot(1.2, {10: (1, 5, 0), 11: (10, 152, 0), 12: (11, 61, 0)}),
+        snapshot(1.4, {10: (1, 5, 152 + 61 + 2)}),  # 2 ticks of their ends after the last samples
+    ], {10: shim, 11: worker, 12: tether})
+    assert cpu.between() == {"worker and its steps": (52 + 21 + 2) / TICKS}
+
+
+def test_a_reaper_last_seen_after_its_child_keeps_the_reap_in_its_own_sampled_time():
+    # The tether ends first (the worker reaps it while still sampled), then the worker.
+    shim, worker, tether = ["/usr/local/bin/containerd-shim-runc-v2"], ["retex-worker"], ["/x/retex/worker/tether.py"]
+    cpu = window_account([
+        snapshot(1.0, {10: (1, 5, 0), 11: (10, 100, 0), 12: (11, 40, 0)}),
+        snapshot(1.2, {10: (1, 5, 0), 11: (10, 120, 0), 12: (11, 50, 0)}),
+        snapshot(1.4, {10: (1, 5, 0), 11: (10, 130, 51)}),  # the tether's 50, and 1 after its last sample
+        snapshot(1.6, {10: (1, 6, 130 + 51)}),
+    ], {10: shim, 11: worker, 12: tether})
+    assert cpu.between() == {"worker and its steps": (30 + 10 + 1) / TICKS, "container runtime": 1 / TICKS}
