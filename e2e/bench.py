@@ -385,6 +385,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                     "tasks_stepping_at_once": stepping / window,
                     "quiet_wait_seconds": quiet.waited,
                     "cpu_busy_cores": busy,
+                    "cpu_busy_cores_at_the_gates": at_the_gates.busy_cores_between(),
                     "cpu_ms_per_step_by_group": _rounded(ms_per_step),
                     "cpu_cores_by_group": _rounded(stepping_cores),
                     "cpu_cores_by_group_at_the_gates": _rounded(gates_cores),
