@@ -363,13 +363,12 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         window = max(commits) - min(begins)
         # The CPU of the stepping window alone (the snapshots around it: not the gates' opening
         # nor the tasks' ends), as cores, and as CPU time a step at the window's pace.
-        stepping_cores = _per(cpu.between(min(begins), max(commits)), cpu.span(min(begins), max(commits)))
-        busy = cpu.busy_cores_between(min(begins), max(commits))
+        stepping_cores = cpu.cores_between(min(begins), max(commits))
+        busy, busy_at_the_gates = cpu.busy_cores_between(min(begins), max(commits)), at_the_gates.busy_cores_between()
         ms_per_step = {group: cores * window * 1000 / len(commits) for group, cores in stepping_cores.items()}
-        gates_cores = _per(at_the_gates.between(), at_the_gates.span())
         retex_rate = len(commits) / window
         say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s; "
-            f"{busy:.2f} cores busy ({at_the_gates.busy_cores_between():.2f} at the gates), CPU ms a step: "
+            f"{busy:.2f} cores busy ({busy_at_the_gates:.2f} at the gates), CPU ms a step: "
             + ", ".join(f"{group} {ms:.1f}" for group, ms in ms_per_step.items()))
         commit_rate = _commit_loop_rate(system.postgres, measured, clients=parallel)
         spawn_seconds = _spawn_seconds(measured)
@@ -385,10 +384,10 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                     "tasks_stepping_at_once": stepping / window,
                     "quiet_wait_seconds": quiet.waited,
                     "cpu_busy_cores": busy,
-                    "cpu_busy_cores_at_the_gates": at_the_gates.busy_cores_between(),
+                    "cpu_busy_cores_at_the_gates": busy_at_the_gates,
                     "cpu_ms_per_step_by_group": _rounded(ms_per_step),
                     "cpu_cores_by_group": _rounded(stepping_cores),
-                    "cpu_cores_by_group_at_the_gates": _rounded(gates_cores),
+                    "cpu_cores_by_group_at_the_gates": _rounded(at_the_gates.cores_between()),
                     # What the API server was asked from the gates' opening to all Succeeded, by every client.
                     "api_requests_in_window": dict(sorted(requests.items(), key=lambda item: -item[1])),
                     "spawn_seconds": spawn_seconds,
@@ -397,10 +396,6 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
 
 
 GATE_CONTROL_SECONDS = 3.0
-
-
-def _per(seconds: dict[str, float], span: float) -> dict[str, float]:
-    return {key: value / max(span, 1e-9) for key, value in seconds.items()}
 
 
 def _rounded(values: dict[str, float]) -> dict[str, float]:

@@ -199,6 +199,11 @@ class CpuAccount:
         """CPU seconds by group from about `start` to about `end` (the snapshots around them)."""
         return account(seen_between(self._within(start, end), self._argv))
 
+    def cores_between(self, start: float | None = None, end: float | None = None) -> dict[str, float]:
+        """Each group's CPU as cores kept busy from about `start` to about `end`."""
+        span = max(self.span(start, end), 1e-9)
+        return {group: seconds / span for group, seconds in self.between(start, end).items()}
+
     def span(self, start: float | None = None, end: float | None = None) -> float:
         """The seconds `between` covers for these bounds."""
         within = self._within(start, end)
