@@ -47,7 +47,15 @@ from e2e.cpu import CpuAccount
 from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
 from e2e.rig.external import ExternalCluster, RigUnavailable, from_environment
-from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
+from e2e.system import (
+    OperatorProcess,
+    bind_finalizer_policy,
+    discard_namespace,
+    install_crd,
+    prepare_namespace,
+    serves_mutating_policies,
+    unbind_finalizer_policy,
+)
 from retex.api import GROUP, PLURAL, VERSION
 from retex.kube.election import ElectionTiming
 from retex.ledger import Ledger, TaskAdmission
@@ -234,6 +242,9 @@ class BenchSystem:
         self.dsn = postgres.dsn(dbname=database)
         install_crd(rig.kubectl)
         prepare_namespace(rig.kubectl, self.namespace)
+        # As the chart installs retex where the API server serves it (Kubernetes 1.36 and later).
+        self.finalizer_binding = (bind_finalizer_policy(rig.kubectl, self.namespace)
+                                  if serves_mutating_policies(rig.kubectl) else None)
         self.operator_log = workdir / "operator.log"
         self.operator = OperatorProcess.on(rig, self.dsn, self.operator_log, extra_env={"RETEX_NAMESPACES": self.namespace})
         # The leader election and the resync as deployed, not the tests' short ones (made for
@@ -266,6 +277,8 @@ class BenchSystem:
         self._api.close()
         self.markers.close()
         discard_namespace(self.rig.kubectl, self.namespace)
+        if self.finalizer_binding:
+            unbind_finalizer_policy(self.rig.kubectl, self.finalizer_binding)
 
     # -- what both sides run -----------------------------------------------------------------
 
@@ -1174,7 +1187,8 @@ def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str
             "cluster": cluster_record(rig),
             "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS,
                          "leader_election_seconds": asdict(DEPLOYED_ELECTION),
-                         "status_resync_seconds": DEPLOYED_RESYNC_SECONDS},
+                         "status_resync_seconds": DEPLOYED_RESYNC_SECONDS,
+                         "finalizer_at_create": system.finalizer_binding is not None},
             "figures": [asdict(f) for f in figures], "not_measured": not_measured}
 
 

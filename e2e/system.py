@@ -31,6 +31,10 @@ TENANT = REPO / "manifests" / "tenant"
 # Tasks, and the one that keeps a worker to its own Lease (docs/security.md).
 TASK_POLICY = REPO / "manifests" / "base" / "task-policy.yaml"
 LEASE_POLICY = REPO / "manifests" / "base" / "lease-policy.yaml"
+# The operator's finalizer on each Task at its creation (Kubernetes 1.36 and later; the chart
+# binds it to the namespaces the operator serves).
+FINALIZER_POLICY = REPO / "manifests" / "finalizer-at-create" / "task-finalizer-policy.yaml"
+FINALIZER = "retex.dev/finalizer"
 # The suite's tenant namespaces: their tests choose images, ServiceAccounts and placement freely
 # (an unpullable image, a ServiceAccount without Lease rights, a node that does not exist).
 # tests/cluster/test_tenancy_policy.py proves the policy with namespaces of its own.
@@ -122,6 +126,41 @@ def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
         refusal = kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False).stderr
         return not any(sign in refusal for sign in (NO_TASK_POLICY, POLICY_NOT_CONFIGURED)), refusal.strip()[-200:]
     rig_wait_for(f"the TaskPolicy of {namespace} in force", in_force, 30)
+
+
+def serves_mutating_policies(kubectl) -> bool:
+    """Whether the API server serves MutatingAdmissionPolicy (GA in Kubernetes 1.36)."""
+    found = kubectl("api-resources", "--api-group=admissionregistration.k8s.io", "-o", "name", check=False).stdout.split()
+    return "mutatingadmissionpolicies.admissionregistration.k8s.io" in found
+
+
+def bind_finalizer_policy(kubectl, namespace: str) -> str:
+    """manifests/finalizer-at-create's policy, bound to `namespace` alone as the chart binds it to
+    watchNamespaces, both named for that namespace: the suite's other namespaces keep kopf's own
+    finalizer PATCH, and no object is left for helm to refuse (test_chart_on_rig installs the
+    chart's). Waits until a Task created there (a dry run) carries the finalizer; returns the name,
+    for unbind_finalizer_policy."""
+    policy, binding = [doc for doc in yaml.safe_load_all(FINALIZER_POLICY.read_text()) if doc]
+    name = f"{policy['metadata']['name']}-{namespace}"
+    policy["metadata"]["name"] = binding["metadata"]["name"] = binding["spec"]["policyName"] = name
+    binding["spec"]["matchResources"] = {"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [namespace]}]}}
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
+    probe = task_manifest("finalizer-probe", [{"name": "only", "exec": {"command": ["true"]}}])
+
+    def in_force():
+        created = kubectl("create", "-n", namespace, "--dry-run=server", "-o", "json", "-f", "-", input=probe, check=False)
+        if created.returncode != 0:
+            return False, created.stderr.strip()[-200:]
+        finalizers = json.loads(created.stdout)["metadata"].get("finalizers") or []
+        return FINALIZER in finalizers, f"finalizers {finalizers}"
+    rig_wait_for(f"the finalizer policy bound to {namespace}", in_force, 30)
+    return name
+
+
+def unbind_finalizer_policy(kubectl, name: str) -> None:
+    kubectl("delete", "mutatingadmissionpolicybinding", name, "--ignore-not-found")
+    kubectl("delete", "mutatingadmissionpolicy", name, "--ignore-not-found")
 
 
 class OperatorProcess:

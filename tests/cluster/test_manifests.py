@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 EXAMPLES = ROOT / "examples"
 OVERLAYS = {"base": MANIFESTS / "base", "dev": MANIFESTS / "overlays" / "dev",
-            "local": MANIFESTS / "overlays" / "local"}
+            "local": MANIFESTS / "overlays" / "local", "finalizer-at-create": MANIFESTS / "finalizer-at-create"}
 TASK_EXAMPLES = sorted(EXAMPLES.glob("*.yaml")) + [EXAMPLES / "custom-worker" / "task.yaml"]
 
 

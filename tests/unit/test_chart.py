@@ -1,5 +1,6 @@
 """charts/retex renders the same objects as the kustomize manifests (no cluster: helm and kubectl's
-kustomize, both local). Default values give `manifests/base` but its Namespace, object by object;
+kustomize, both local). Default values give `manifests/base` but its Namespace, object by object,
+and `manifests/finalizer-at-create` besides where the API server serves MutatingAdmissionPolicy;
 `tenants` gives `manifests/tenant` in each namespace; the monitoring values give
 `manifests/monitoring`. A change to either side alone fails here."""
 
@@ -26,7 +27,10 @@ def kustomize(directory: Path) -> list[dict]:
 
 # kustomize (5.5) does not know the admission policies are cluster-scoped and gives them the
 # kustomization's namespace, which kubectl drops when it applies them.
-CLUSTER_SCOPED = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+CLUSTER_SCOPED = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"}
+# What helm finds on an API server of Kubernetes 1.36 or later (`helm template` alone knows no cluster).
+SERVES_MUTATING_POLICIES = ("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
 
 
 def without_blank_lines(value):
@@ -78,6 +82,19 @@ def test_default_values_render_the_kustomize_base_but_its_namespace_object_by_ob
     # The Namespace is created before the release (Helm keeps its release record in it).
     assert [o["metadata"]["name"] for o in base if o["kind"] == "Namespace"] == ["retex-system"]
     assert_same_objects(template(include_crds=True), [o for o in base if o["kind"] != "Namespace"])
+
+
+def test_where_the_api_server_serves_mutating_policies_the_chart_adds_manifests_finalizer_at_create():
+    base = [o for o in kustomize(MANIFESTS / "base") if o["kind"] != "Namespace"]
+    assert_same_objects(template(*SERVES_MUTATING_POLICIES, include_crds=True),
+                        base + kustomize(MANIFESTS / "finalizer-at-create"))
+
+
+def test_the_finalizer_policy_is_bound_only_to_the_watched_namespaces():
+    objects = template(*SERVES_MUTATING_POLICIES, "--set", "watchNamespaces={shop,billing}")
+    [binding] = [o for o in objects if o["kind"] == "MutatingAdmissionPolicyBinding"]
+    assert binding["spec"]["matchResources"] == {"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["shop", "billing"]}]}}
 
 
 def test_the_crds_are_in_helms_crds_directory_not_in_the_templates():
