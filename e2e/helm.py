@@ -12,6 +12,9 @@ import yaml
 from e2e.rig.controlplane import GOBUILD, REPO, say
 
 CHART = REPO / "charts" / "retex"
+# `helm template` knows no cluster: what helm finds on an API server of Kubernetes 1.36 or later
+# (the rig's and kind's are 1.37), for the templates that ask (charts/retex/templates/task-finalizer-policy.yaml).
+SERVES_MUTATING_POLICIES = ("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
 
 
 def _pinned_version() -> str:

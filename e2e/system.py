@@ -129,22 +129,32 @@ def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
 
 
 def serves_mutating_policies(kubectl) -> bool:
-    """Whether the API server serves MutatingAdmissionPolicy (GA in Kubernetes 1.36)."""
-    found = kubectl("api-resources", "--api-group=admissionregistration.k8s.io", "-o", "name", check=False).stdout.split()
-    return "mutatingadmissionpolicies.admissionregistration.k8s.io" in found
+    """Whether the API server serves MutatingAdmissionPolicy in v1 (GA in Kubernetes 1.36), what
+    the shipped policy is written in; the beta (1.34, off by default) does not count."""
+    group = kubectl("get", "--raw", "/apis/admissionregistration.k8s.io/v1", check=False)
+    if group.returncode != 0:
+        return False
+    return any(r["name"] == "mutatingadmissionpolicies" for r in json.loads(group.stdout)["resources"])
 
 
 def bind_finalizer_policy(kubectl, namespace: str) -> str:
     """manifests/finalizer-at-create's policy, bound to `namespace` alone as the chart binds it to
-    watchNamespaces, both named for that namespace: the suite's other namespaces keep kopf's own
-    finalizer PATCH, and no object is left for helm to refuse (test_chart_on_rig installs the
-    chart's). Waits until a Task created there (a dry run) carries the finalizer; returns the name,
-    for unbind_finalizer_policy."""
+    watchNamespaces (apply_finalizer_policy)."""
     policy, binding = [doc for doc in yaml.safe_load_all(FINALIZER_POLICY.read_text()) if doc]
-    name = f"{policy['metadata']['name']}-{namespace}"
-    policy["metadata"]["name"] = binding["metadata"]["name"] = binding["spec"]["policyName"] = name
     binding["spec"]["matchResources"] = {"namespaceSelector": {"matchExpressions": [
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [namespace]}]}}
+    return apply_finalizer_policy(kubectl, [policy, binding], namespace)
+
+
+def apply_finalizer_policy(kubectl, objects: list[dict[str, Any]], namespace: str) -> str:
+    """The finalizer policy and its binding (`objects`, bound to `namespace`), both renamed for that
+    namespace: the suite's other namespaces keep kopf's own finalizer PATCH, and no object is left
+    for helm to refuse (test_chart_on_rig installs the chart's). Waits until a Task created there (a
+    dry run) carries the finalizer; returns the name, for unbind_finalizer_policy."""
+    policy, binding = (next(o for o in objects if o["kind"] == kind)
+                       for kind in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"))
+    name = f"{policy['metadata']['name']}-{namespace}"
+    policy["metadata"]["name"] = binding["metadata"]["name"] = binding["spec"]["policyName"] = name
     kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
     probe = task_manifest("finalizer-probe", [{"name": "only", "exec": {"command": ["true"]}}])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e.helm import CHART, run_helm, template
+from e2e.helm import CHART, SERVES_MUTATING_POLICIES, run_helm, template
 from e2e.rig.controlplane import wait_for
 from e2e.system import NO_TASK_POLICY, discard_namespace, task_manifest, wait_established
 
@@ -20,9 +20,8 @@ RELEASE, NAMESPACE = "retex", "retex-system"
 SHOP, BILLING, NOT_ONBOARDED = "chart-shop", "chart-billing", "chart-not-onboarded"
 CRDS = ("tasks.retex.dev", "taskpolicies.retex.dev")
 INSTALL_VALUES = ("--set", f"tenants={{{SHOP},{BILLING}}}")
-# The rig's API server (1.37) serves MutatingAdmissionPolicy, which helm finds there at install;
-# `helm template` knows no cluster and is told.
-ON_THE_RIG = ("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
+# The rig's API server (1.37) serves MutatingAdmissionPolicy, which helm finds there at install.
+ON_THE_RIG = SERVES_MUTATING_POLICIES
 UPGRADE_VALUES = ("--set", f"tenants={{{SHOP}}}", "--set", "replicas=3", "--set", "image.operator.tag=0.2.0",
                   "--set", "grafanaDashboard.enabled=true")
 
@@ -41,7 +40,7 @@ def cluster(rig):
     for namespace in (SHOP, BILLING, NOT_ONBOARDED):
         rig.kubectl("create", "namespace", namespace, check=False)
     had_base = rig.kubectl("get", "clusterrole", "retex-operator", check=False).returncode == 0
-    everything = template("--set", f"tenants={{{SHOP},{BILLING}}}", "--set", "grafanaDashboard.enabled=true")
+    everything = template("--set", f"tenants={{{SHOP},{BILLING}}}", "--set", "grafanaDashboard.enabled=true", *ON_THE_RIG)
     found = [o for o in everything if o["kind"] != "TaskPolicy"]  # the tenant namespaces are new
     rig.kubectl("delete", "--ignore-not-found", "-f", "-", input=as_list(found))
     yield rig

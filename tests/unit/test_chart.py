@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.helm import CHART, run_helm, template
+from e2e.helm import CHART, SERVES_MUTATING_POLICIES, run_helm, template
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -29,8 +29,6 @@ def kustomize(directory: Path) -> list[dict]:
 # kustomization's namespace, which kubectl drops when it applies them.
 CLUSTER_SCOPED = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
                   "MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"}
-# What helm finds on an API server of Kubernetes 1.36 or later (`helm template` alone knows no cluster).
-SERVES_MUTATING_POLICIES = ("--api-versions", "admissionregistration.k8s.io/v1/MutatingAdmissionPolicy")
 
 
 def without_blank_lines(value):
@@ -95,6 +93,12 @@ def test_the_finalizer_policy_is_bound_only_to_the_watched_namespaces():
     [binding] = [o for o in objects if o["kind"] == "MutatingAdmissionPolicyBinding"]
     assert binding["spec"]["matchResources"] == {"namespaceSelector": {"matchExpressions": [
         {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["shop", "billing"]}]}}
+
+
+def test_namespaces_set_through_extra_env_are_refused_for_watch_namespaces():
+    result = run_helm("template", "retex", str(CHART), "--set", "extraEnv[0].name=RETEX_NAMESPACES",
+                      "--set", "extraEnv[0].value=shop", check=False)
+    assert result.returncode != 0 and "set the namespaces the operator serves with watchNamespaces" in result.stderr
 
 
 def test_the_crds_are_in_helms_crds_directory_not_in_the_templates():
