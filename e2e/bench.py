@@ -1168,6 +1168,7 @@ def cluster_record(rig: Rig | ExternalCluster) -> dict[str, Any]:
 
 
 def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str], sizes: Sizes) -> dict[str, Any]:
+    started = datetime.now().astimezone()
     workdir = Path(tempfile.mkdtemp(prefix="retex-bench-"))
     figures: list[Figure] = []
     not_measured: list[dict[str, str]] = []
@@ -1183,7 +1184,9 @@ def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str
                 figures.append(figure)
     finally:
         system.close()
-    return {"machine": {"cores": os.cpu_count(), "memory_gib": _memory_gib(), "platform": platform.platform()},
+    return {"run": {"code": _code_version(), "started": started.isoformat(timespec="seconds"),
+                    "finished": datetime.now().astimezone().isoformat(timespec="seconds")},
+            "machine": {"cores": os.cpu_count(), "memory_gib": _memory_gib(), "platform": platform.platform()},
             "cluster": cluster_record(rig),
             "settings": {**asdict(sizes), "recovery_lease_seconds": LEASE_SECONDS,
                          "leader_election_seconds": asdict(DEPLOYED_ELECTION),
@@ -1198,6 +1201,18 @@ def default_outputs(cluster_type: str) -> tuple[Path, Path]:
     if cluster_type == "rig":
         return RESULTS, CHARTS
     return RESULTS.with_name(f"results-{cluster_type}.json"), CHARTS / cluster_type
+
+
+def _code_version() -> str | None:
+    """The commit the bench ran from, `+changes` when the work tree differed from it (but in what
+    the bench itself writes: its results and charts); None outside git."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                              f":!{CHARTS.relative_to(REPO)}", f":!{RESULTS.parent.relative_to(REPO)}"],
+                             capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+changes" if changed else "")
 
 
 def _memory_gib() -> float:
