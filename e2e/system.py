@@ -120,10 +120,9 @@ def apply_task_policy(kubectl, namespace: str, policy: dict[str, Any]) -> None:
     "no params found" (both seen failing tests that created a Task right after)."""
     install_policies(kubectl)  # the TaskPolicy kind, and what judges Tasks by it
     kubectl("apply", "--server-side", "--force-conflicts", "-n", namespace, "-f", "-", input=json.dumps(policy))
-    probe = task_manifest("policy-probe", [{"name": "only", "exec": {"command": ["true"]}}])
 
     def in_force():
-        refusal = kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False).stderr
+        refusal = dry_run_task(kubectl, namespace, "policy-probe").stderr
         return not any(sign in refusal for sign in (NO_TASK_POLICY, POLICY_NOT_CONFIGURED)), refusal.strip()[-200:]
     rig_wait_for(f"the TaskPolicy of {namespace} in force", in_force, 30)
 
@@ -156,10 +155,9 @@ def apply_finalizer_policy(kubectl, objects: list[dict[str, Any]], namespace: st
     name = f"{policy['metadata']['name']}-{namespace}"
     policy["metadata"]["name"] = binding["metadata"]["name"] = binding["spec"]["policyName"] = name
     kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump_all([policy, binding]))
-    probe = task_manifest("finalizer-probe", [{"name": "only", "exec": {"command": ["true"]}}])
 
     def in_force():
-        created = kubectl("create", "-n", namespace, "--dry-run=server", "-o", "json", "-f", "-", input=probe, check=False)
+        created = dry_run_task(kubectl, namespace, "finalizer-probe", "-o", "json")
         if created.returncode != 0:
             return False, created.stderr.strip()[-200:]
         finalizers = json.loads(created.stdout)["metadata"].get("finalizers") or []
@@ -297,6 +295,13 @@ def request_requeue(kubectl, task: str, value: str) -> str:
     user = kubectl("auth", "whoami", "-o", "jsonpath={.status.userInfo.username}").stdout.strip()
     kubectl("annotate", "--overwrite", "task", task, f"retex.dev/requeue={value}", f"retex.dev/requested-by={user}")
     return user
+
+
+def dry_run_task(kubectl, namespace: str, name: str, *args: str) -> subprocess.CompletedProcess:
+    """A one-step Task created in `namespace` as a server-side dry run (`args`: kubectl's more): what
+    the API server's admission makes of it, and nothing stored."""
+    probe = task_manifest(name, [{"name": "only", "exec": {"command": ["true"]}}])
+    return kubectl("create", "-n", namespace, "--dry-run=server", *args, "-f", "-", input=probe, check=False)
 
 
 def task_manifest(name: str, steps: list[dict[str, Any]], **spec: Any) -> str:

@@ -13,15 +13,15 @@ import pytest
 
 from e2e.helm import CHART, SERVES_MUTATING_POLICIES, run_helm, template
 from e2e.rig.controlplane import wait_for
-from e2e.system import NO_TASK_POLICY, discard_namespace, task_manifest, wait_established
+from e2e.system import NO_TASK_POLICY, discard_namespace, dry_run_task, wait_established
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE, NAMESPACE = "retex", "retex-system"
 SHOP, BILLING, NOT_ONBOARDED = "chart-shop", "chart-billing", "chart-not-onboarded"
 CRDS = ("tasks.retex.dev", "taskpolicies.retex.dev")
 INSTALL_VALUES = ("--set", f"tenants={{{SHOP},{BILLING}}}")
-# The rig's API server (1.37) serves MutatingAdmissionPolicy, which helm finds there at install.
-ON_THE_RIG = SERVES_MUTATING_POLICIES
+# The rig's API server (1.37) serves MutatingAdmissionPolicy, which helm finds there at install:
+# `helm template` is told (SERVES_MUTATING_POLICIES) to render what `helm install` installs.
 UPGRADE_VALUES = ("--set", f"tenants={{{SHOP}}}", "--set", "replicas=3", "--set", "image.operator.tag=0.2.0",
                   "--set", "grafanaDashboard.enabled=true")
 
@@ -40,7 +40,7 @@ def cluster(rig):
     for namespace in (SHOP, BILLING, NOT_ONBOARDED):
         rig.kubectl("create", "namespace", namespace, check=False)
     had_base = rig.kubectl("get", "clusterrole", "retex-operator", check=False).returncode == 0
-    everything = template("--set", f"tenants={{{SHOP},{BILLING}}}", "--set", "grafanaDashboard.enabled=true", *ON_THE_RIG)
+    everything = template("--set", f"tenants={{{SHOP},{BILLING}}}", "--set", "grafanaDashboard.enabled=true", *SERVES_MUTATING_POLICIES)
     found = [o for o in everything if o["kind"] != "TaskPolicy"]  # the tenant namespaces are new
     rig.kubectl("delete", "--ignore-not-found", "-f", "-", input=as_list(found))
     yield rig
@@ -68,8 +68,7 @@ def present(rig, objects: list[dict]) -> list[str]:
 
 def task_admission(rig, namespace: str) -> str:
     """The API server's answer to a Task created in `namespace` (a dry run): '' when accepted."""
-    probe = task_manifest("chart-probe", [{"name": "only", "exec": {"command": ["true"]}}])
-    answer = rig.kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", input=probe, check=False)
+    answer = dry_run_task(rig.kubectl, namespace, "chart-probe")
     return "" if answer.returncode == 0 else answer.stderr.strip()
 
 
@@ -79,7 +78,7 @@ def test_install_upgrade_uninstall(cluster):
     helm(rig, "install", RELEASE, str(CHART), "-n", NAMESPACE, *INSTALL_VALUES)
     for crd in CRDS:
         wait_established(rig.kubectl, crd)
-    installed = template(*INSTALL_VALUES, *ON_THE_RIG)
+    installed = template(*INSTALL_VALUES, *SERVES_MUTATING_POLICIES)
     assert {"MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding"} <= {o["kind"] for o in installed}
     assert len(present(rig, installed)) == len(installed), set(
         f"{o['kind'].lower()}/{o['metadata']['name']}" for o in installed) - set(present(rig, installed))
@@ -113,7 +112,7 @@ def test_install_upgrade_uninstall(cluster):
     assert [(h["revision"], h["status"]) for h in history] == [(1, "superseded"), (2, "deployed")]
 
     # Uninstall: every object of the release gone; the CRDs (and so every Task) kept.
-    upgraded = template(*UPGRADE_VALUES, *ON_THE_RIG)
+    upgraded = template(*UPGRADE_VALUES, *SERVES_MUTATING_POLICIES)
     helm(rig, "uninstall", RELEASE, "-n", NAMESPACE)
     wait_for("the release's objects deleted", lambda: (present(rig, upgraded) == [], present(rig, upgraded)), 30)
     assert rig.kubectl("get", "crd", *CRDS, "-o", "name").stdout.split() == [f"customresourcedefinition.apiextensions.k8s.io/{c}"
@@ -131,7 +130,7 @@ def test_helm_template_is_accepted_by_the_api_server_dry_run(cluster):
         wait_established(rig.kubectl, crd)
     rendered = run_helm("template", RELEASE, str(CHART), "-n", NAMESPACE, "--set", f"tenants={{{SHOP},{BILLING}}}",
                         "--set", "grafanaDashboard.enabled=true", "--set", "database.dsn=host=db sslmode=verify-full",
-                        "--set", f"watchNamespaces={{{SHOP}}}", *ON_THE_RIG).stdout
+                        "--set", f"watchNamespaces={{{SHOP}}}", *SERVES_MUTATING_POLICIES).stdout
     result = rig.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered, check=False)
     assert result.returncode == 0, result.stderr
     assert "Warning" not in result.stderr, result.stderr
