@@ -108,7 +108,7 @@ e2e-kind: $(STAMP)
 # What CI runs on kind (a cold run of the whole suite does not fit CI's time; docs/testing.md):
 # the smoke, a lost node (R14), three crash-matrix rows where the worker is its container's PID 1
 # (R5: killed holding its lease; R7: killed after a commit; R11: frozen from outside), and the
-# deployed chaos run (evictions, operator and Postgres pods killed, a node partitioned), and the
+# deployed chaos run (evictions, operator and Postgres pods killed, a node's network cut), and the
 # dev Postgres keeping every acknowledged commit through a forced delete of its pod.
 E2E_KIND_SUBSET = tests/cluster/test_crash_matrix.py tests/cluster/test_deployed_chaos.py tests/cluster/test_dev_postgres.py \
                   -k "R5_ or R7_ or R11_ or R14_ or deployed or force_deleted"

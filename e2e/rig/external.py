@@ -1,8 +1,9 @@
 """An existing cluster behind the `rig` interface (RETEX_KUBECONFIG): how the same scenarios run
 on kind. Clients yes; the rig's process-level nemeses as far as kind's node containers allow
-them (a node's loss and return through `docker kill` / `docker start`, its partition by `docker
-pause`, a pod frozen and resumed by signals sent from its node's container, the API server and
-controller manager stopped through the control-plane node's container runtime; not etcd).
+them (a node's loss and return through `docker kill` / `docker start`, its partition by DROP
+rules on its link set from inside its container, a pod frozen and resumed by signals sent from its
+node's container, the API server and controller manager stopped through the control-plane node's
+container runtime; not etcd).
 
 Its pods are containers: they reach the host's services (the operator a test runs, the stubs)
 at RETEX_POD_HOST, the host's address on the cluster's network, run RETEX_WORKER_IMAGE, and their
@@ -36,6 +37,29 @@ def from_environment() -> ExternalCluster | None:
 # A kind node's cpuset cgroups: its own subtree, where kind mounts it (cgroup v1); the unified
 # hierarchy on a cgroup v2 host (not tried: these hosts are v1).
 _CPUSET_ROOT = "$(test -d /sys/fs/cgroup/cpuset && echo /sys/fs/cgroup/cpuset || echo /sys/fs/cgroup)"
+
+# A kind node's partition: iptables rules set from inside its container (`docker exec` needs no
+# network), tagged so that healing deletes exactly them and nothing kube-proxy or Docker set. A
+# DROP in any table netfilter runs drops, so the node's iptables backend (legacy or nft) does not
+# matter. IPv6 is cut too where the node has it; `-w` waits for the lock kube-proxy may hold.
+PARTITION_TAG = "retex-partition"
+_EACH_FAMILY = "for ipt in iptables $(test -e /proc/net/if_inet6 && echo ip6tables); do"
+# Deletes every rule tagged PARTITION_TAG; none left is no error (heal is idempotent).
+HEAL_SCRIPT = (f"{_EACH_FAMILY} for chain in INPUT OUTPUT FORWARD; do "
+               "rules=$($ipt -w 10 -S $chain) || exit 1; "
+               f"echo \"$rules\" | grep -e '--comment {PARTITION_TAG}' | sed 's/^-A /-D /' | "
+               "while read -r rule; do $ipt -w 10 $rule || exit 1; done || exit 1; done; done")
+# Drops every packet through the node's link (its default route's interface: the kind network),
+# in and out, the node's own and its pods' (forwarded), ahead of every other rule; traffic inside
+# the node (loopback, pod to pod there) goes on, as when a node's link fails. Starts by healing, so
+# a retried partition does not set its rules twice. Prints the link.
+PARTITION_SCRIPT = (f"{HEAL_SCRIPT}; "
+                    "link=$(ip route show default | sed -n '1s/.* dev \\([^ ]*\\).*/\\1/p'); "
+                    "test -n \"$link\" || { echo 'no default route' >&2; exit 1; }; "
+                    f"{_EACH_FAMILY} for spec in 'INPUT -i' 'OUTPUT -o' 'FORWARD -i' 'FORWARD -o'; do "
+                    f"$ipt -w 10 -I $spec \"$link\" -m comment --comment {PARTITION_TAG} -j DROP || exit 1; "
+                    "done; done; echo \"$link\"")
+API_SERVER_PORT = 6443  # kubeadm's, which kind's nodes dial
 
 
 class _PodEnds:
@@ -207,8 +231,9 @@ class KindCluster(ExternalCluster):
         super().__init__(kubeconfig)
         self._node_cpusets: dict[str, str] = {}
         with self.api_client() as api:
-            self._control_plane = client.CoreV1Api(api).list_node(
-                label_selector="node-role.kubernetes.io/control-plane").items[0].metadata.name
+            control_plane = client.CoreV1Api(api).list_node(label_selector="node-role.kubernetes.io/control-plane").items[0]
+        self._control_plane = control_plane.metadata.name
+        self._api_server_address = next(a.address for a in control_plane.status.addresses if a.type == "InternalIP")
 
     def kill_node(self, node: str) -> None:
         subprocess.run(["docker", "kill", node], check=True, capture_output=True, timeout=60)
@@ -220,14 +245,28 @@ class KindCluster(ExternalCluster):
             wait_for(f"node {node} Ready", lambda: self._ready(node), 180)
 
     def partition_node(self, node: str) -> None:
-        """Freeze the node's container (`docker pause`: its kubelet and its pods' processes stop,
-        its heartbeats with them): a node cut off, alive, that comes back as it was."""
-        subprocess.run(["docker", "pause", node], check=True, capture_output=True, timeout=60)
-        say(f"partitioned node {node} (docker pause of its container)")
+        """Cut the node off the network while everything on it keeps running (kubelet, runtime,
+        pods): its kubelet cannot reach the API server, its pods neither it nor anything off the
+        node (PARTITION_SCRIPT), until `heal_node`. `reaches_api_server` shows the cut."""
+        link = self._on_node(node, PARTITION_SCRIPT, attempts=3)
+        say(f"partitioned node {node} (every packet through its link {link} dropped: iptables rules {PARTITION_TAG})")
 
     def heal_node(self, node: str) -> None:
-        subprocess.run(["docker", "unpause", node], check=True, capture_output=True, timeout=60)
-        say(f"healed node {node} (docker unpause)")
+        """Delete the partition's rules; a node with none is healed already."""
+        self._on_node(node, HEAL_SCRIPT, attempts=3)
+        say(f"healed node {node} (iptables rules {PARTITION_TAG} deleted)")
+
+    def reaches_api_server(self, node: str, seconds: float = 3) -> bool:
+        """Whether a TCP connection from inside the node to the API server (the control-plane
+        node's address, as the node's kubelet dials it) opens within `seconds`. False only when it
+        times out, as packets dropped make it; anything else (refused, no bash) is an error, since
+        it shows no partition."""
+        probe = f"exec 3<>/dev/tcp/{self._api_server_address}/{API_SERVER_PORT}"
+        done = subprocess.run(["docker", "exec", node, "timeout", str(seconds), "bash", "-c", probe],
+                              capture_output=True, text=True, timeout=seconds + 60)
+        if done.returncode not in (0, 124):  # 124: timeout's exit when it ended the probe
+            raise RigError(f"on {node}: {probe!r} failed (exit {done.returncode}): {done.stderr.strip()}")
+        return done.returncode == 0
 
     def _ready(self, node: str) -> bool:
         from kubernetes import client
@@ -276,13 +315,7 @@ class KindCluster(ExternalCluster):
         script = (f"for f in $({every} | awk -F/ '{{print NF, $0}}' | sort {order} | cut -d' ' -f2-); do "
                   f"echo '{cpus}' > $f 2>/dev/null || test ! -e $f || exit 1; done; "
                   f"test -z \"$({every} -exec cat {{}} + | grep -vx '{cpus}')\"")
-        for tried in range(3):
-            try:
-                self._on_node(node, script)
-                return
-            except RigError:
-                if tried == 2:
-                    raise
+        self._on_node(node, script, attempts=3)
 
     def _signal_pod(self, namespace: str, name: str, signal_name: str, containers_only: bool = False) -> None:
         from kubernetes import client
@@ -341,8 +374,15 @@ class KindCluster(ExternalCluster):
         return self._on_node(self._control_plane, script)
 
     @staticmethod
-    def _on_node(node: str, script: str) -> str:
-        done = subprocess.run(["docker", "exec", node, "sh", "-c", script], capture_output=True, text=True, timeout=60)
-        if done.returncode != 0:
-            raise RigError(f"on {node}: {script!r} failed (exit {done.returncode}): {done.stderr.strip()}")
-        return done.stdout.strip()
+    def _on_node(node: str, script: str, attempts: int = 1) -> str:
+        """The script's output; a script that may fail for a moment (a race, a busy Docker) and is
+        safe to run again gets `attempts` tries, a second apart."""
+        for attempt in range(1, attempts + 1):
+            done = subprocess.run(["docker", "exec", node, "sh", "-c", script], capture_output=True, text=True, timeout=60)
+            if done.returncode == 0:
+                return done.stdout.strip()
+            failure = f"on {node}: {script!r} failed (exit {done.returncode}): {done.stderr.strip()}"
+            if attempt < attempts:
+                say(f"{failure}; trying again")
+                time.sleep(1)
+        raise RigError(failure)

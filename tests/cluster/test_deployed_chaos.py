@@ -2,8 +2,10 @@
 Deployment and the dev Postgres StatefulSet, in retex-system), not the host processes the other
 scenarios start. A worker pod evicted through the Eviction API (SIGTERM: the drain), the
 operator's pod and Postgres's pod deleted with no grace (their controllers start new ones; the
-ledger is on Postgres's volume), and a worker's node frozen (`docker pause` of its container: no
-kubelet, no heartbeat, its pods' processes stopped — a partition) for longer than the lease.
+ledger is on Postgres's volume), and a worker's node cut off the network for longer than the lease
+(`KindCluster.partition_node`: everything through its link dropped while its kubelet and pods keep
+running: its worker can neither renew its Lease nor reach anything off the node, the operator
+starts the next attempt, and the cut-off attempt must be fenced when it is heard again).
 
 Every task ends as in test_chaos: Succeeded with each effect executed once, or NeedsAttention at
 `notify` (neither idempotent nor verifiable) with it executed at most once; the notifier counts
@@ -15,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -124,14 +125,18 @@ def test_a_deployed_retex_finishes_every_task_once_through_pod_evictions_kills_a
         return kill_pod_of("app.kubernetes.io/component=postgres")
 
     def partition_worker_node():
+        """Proven from inside the node: its connection to the API server opens before the cut,
+        times out during it, and opens again after the heal."""
         node = a_running_worker()["spec"]["nodeName"]
-        rig.partition_node(node)
+        wait_for(lambda: rig.reaches_api_server(node), timeout=30, what=f"node {node} reaching the API server")
         try:
-            paused = subprocess.run(["docker", "inspect", "-f", "{{.State.Paused}}", node], capture_output=True, text=True)
-            assert paused.stdout.strip() == "true", f"node {node} not frozen: {paused.stdout}{paused.stderr}"
-            time.sleep(PARTITION_SECONDS)
+            rig.partition_node(node)
+            cut = time.monotonic()
+            assert not rig.reaches_api_server(node), f"node {node} still reaches the API server: not cut off"
+            time.sleep(max(0.0, PARTITION_SECONDS - (time.monotonic() - cut)))
         finally:
             rig.heal_node(node)
+        wait_for(lambda: rig.reaches_api_server(node), timeout=30, what=f"node {node} reaching the API server again")
         return node
 
     nemeses = [evict_worker, kill_operator, kill_postgres, partition_worker_node]
