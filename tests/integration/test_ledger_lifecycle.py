@@ -238,6 +238,24 @@ def test_a_delete_of_a_running_task_without_a_worker_ends_it_at_once_as_task_del
     assert phases(ledger, [follower]) == ["Running"]
 
 
+def test_a_cancel_without_a_lease_holder_keeps_the_key_while_a_worker_that_claimed_the_attempt_may_run(ledger):
+    # The worker claimed its attempt and began a step before the delete; then the reaper saw no
+    # lease held by it (its Lease deleted with the Task's dependents first: a foreground delete, a
+    # namespace deletion). The task ends now, but the step may still be running: its key and slot
+    # stay taken until the reaper knows that worker dead.
+    uid = admitted(ledger, concurrency_key="k")
+    follower = admitted(ledger, concurrency_key="k")
+    ledger.claim_attempt(uid, 1, pod="worker-1", node="node-a")
+    ledger.begin_step(uid, 1, 0, actor="worker")
+    ledger.request_cancel(uid, reason="TaskDeleted")
+    record = ledger.cancel_unheld(uid, 1)
+    assert (record.phase, record.reason) == (TaskPhase.CANCELLED, "TaskDeleted")
+    assert phases(ledger, [follower]) == ["Queued"]
+    assert [(w.uid, w.epoch, w.current) for w in ledger.watched()] == [(uid, 1, False)]
+    ledger.settle_attempt(uid, 1)  # the reaper, once the worker is known dead
+    assert phases(ledger, [follower]) == ["Running"]
+
+
 def test_a_running_task_deleted_by_its_user_ends_as_task_deleted_when_its_worker_stops(ledger):
     uid = admitted(ledger)
     ledger.claim_attempt(uid, 1, pod="worker-1", node=None)

@@ -136,10 +136,7 @@ def fail_unstarted(cur: Cursor, uid: str, epoch: int, error: str, *, actor: str,
     worker may take the lease and claim the attempt (under this row lock) after the caller
     saw no lease, and may then be inside a step."""
     task = lock_task(cur, uid)
-    if task.epoch != epoch or task.phase != TaskPhase.RUNNING:
-        return readers.get(cur, uid)
-    if scalar(cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s",
-                          (uid, epoch))) is not None:
+    if task.epoch != epoch or task.phase != TaskPhase.RUNNING or _claimed(cur, uid, epoch):
         return readers.get(cur, uid)
     end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
     failures = task.failures + 1
@@ -152,15 +149,25 @@ def fail_unstarted(cur: Cursor, uid: str, epoch: int, error: str, *, actor: str,
 
 def cancel_unheld(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecord:
     """A cancel (or delete) was requested and attempt `epoch` holds no lease (never took it, or
-    its worker is gone): no worker will reach a step boundary, so the task ends now with its
-    cancel reason. A worker that starts later is fenced at its first write.
+    its Lease is gone): no worker will reach a step boundary, so the task ends now with its
+    cancel reason. A worker that starts later is fenced at its first write. One that claimed the
+    attempt may have begun a step before the cancel and be inside it still (its Lease deleted
+    under it): the attempt then keeps its slot and key until the reaper knows it dead
+    (`settle_attempt`), as fail_unstarted leaves such an attempt running.
     No-op unless `epoch` is current, Running and cancel was requested."""
     task = lock_task(cur, uid)
     if task.epoch != epoch or task.phase != TaskPhase.RUNNING or not task.cancel_requested:
         return readers.get(cur, uid)
-    end_attempt(cur, uid, epoch, "cancelled")
+    end_attempt(cur, uid, epoch, "cancelled", settled=not _claimed(cur, uid, epoch))
     transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))
     return readers.get(cur, uid)
+
+
+def _claimed(cur: Cursor, uid: str, epoch: int) -> bool:
+    """Whether a worker claimed attempt `epoch` (`claim_attempt`, under the task row lock the
+    caller holds): it took the lease, and may have begun a step."""
+    pod = scalar(cur.execute("SELECT pod FROM retex.attempts WHERE task_uid = %s AND epoch = %s", (uid, epoch)))
+    return pod is not None
 
 
 # -- due tasks and deadlines (the promoter) -------------------------------------------------
