@@ -264,7 +264,8 @@ def test_a_url_with_a_host_and_a_port_in_range_is_accepted(url):
     TaskSpec.model_validate({"steps": [{"name": "only", "http": {"method": "GET", "url": url}}]})
 
 
-def test_the_shown_phases_are_the_ledgers_phases_and_refused():
-    from retex.api.models import REFUSED, ShownPhase
+def test_the_shown_phases_are_the_ledgers_phases_refused_and_ledger_behind():
+    from retex.api.models import LEDGER_BEHIND, REFUSED, ShownPhase
 
-    assert {(p.name, p.value) for p in ShownPhase} == {(p.name, p.value) for p in TaskPhase} | {("REFUSED", REFUSED)}
+    assert {(p.name, p.value) for p in ShownPhase} == {(p.name, p.value) for p in TaskPhase} | {
+        ("REFUSED", REFUSED), ("LEDGER_BEHIND", LEDGER_BEHIND)}

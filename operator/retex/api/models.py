@@ -665,11 +665,15 @@ class ConditionType(enum.StrEnum):
     DEAD_LETTERED = "DeadLettered"  # failed for good: retry and disruption budgets spent
     NEEDS_ATTENTION = "NeedsAttention"
     COMPLETED = "Completed"  # ended for good, whatever the outcome: Succeeded, Failed, Cancelled or Refused
+    LEDGER_BEHIND = "LedgerBehind"  # frozen: the ledger holds less of the task than its status showed
 
 
 # What status.phase shows: the ledger's phase, or Refused for a Task the operator did not admit
 # (an invalid spec, a Job the API server would refuse, a duplicate idempotencyKey): never run.
 REFUSED = "Refused"
+# What status.phase shows of a frozen task: the ledger holds less of it than its status showed (the
+# ledger restored from a backup, failed over with commits lost); nothing runs until a human recovers it.
+LEDGER_BEHIND = "LedgerBehind"
 
 
 # TaskPhase's members and REFUSED, spelled out so type checkers can read them
@@ -685,6 +689,7 @@ class ShownPhase(enum.StrEnum):
     CANCELLED = TaskPhase.CANCELLED.value
     NEEDS_ATTENTION = TaskPhase.NEEDS_ATTENTION.value
     REFUSED = REFUSED
+    LEDGER_BEHIND = LEDGER_BEHIND
 
 
 class StatusModel(ApiModel):
@@ -757,7 +762,8 @@ class TaskStatus(StatusModel):
 
     phase: ShownPhase | None = None
     """Pending, Scheduled, Queued, Running, Retrying, Succeeded, Failed, Cancelled or NeedsAttention;
-    Refused when the operator did not accept the Task (see the Accepted condition)."""
+    Refused when the operator did not accept the Task (see the Accepted condition); LedgerBehind when
+    the ledger holds less of the task than this status showed: frozen until a human recovers it."""
     attempt: Annotated[int, Field(ge=0)] | None = None
     """The current attempt (epoch), from 1; every lost or failed attempt is replaced by the next."""
     progress: Annotated[str, Field(max_length=16, pattern=r"^[0-9]+/[0-9]+$")] | None = None
@@ -787,7 +793,7 @@ class TaskStatus(StatusModel):
         ]
         | None
     ) = None
-    """Accepted, Running, Succeeded, Failed, DeadLettered and NeedsAttention, one of each at most."""
+    """Accepted, Running, Succeeded, Failed, DeadLettered, NeedsAttention, Completed and LedgerBehind, one of each at most."""
     ledger_version: Annotated[int, Field(ge=0)] | None = None
     """The ledger version this status mirrors; the API server refuses a status with a lower one."""
     observed_generation: Annotated[int, Field(ge=0)] | None = None

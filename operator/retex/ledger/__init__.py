@@ -14,8 +14,10 @@ from typing import TYPE_CHECKING, Any
 from retex.ledger.errors import (
     CancelRequested,
     FenceRejected,
+    InstallMismatch,
     LedgerError,
     LedgerUnavailable,
+    NotFrozen,
     NotLeader,
     ResultTooLarge,
     StepNotFound,
@@ -44,8 +46,8 @@ from retex.ledger.records import (
 __all__ = [
     "NOTIFY_CHANNEL", "RESULT_LIMIT_BYTES", "AdmitResult", "AttemptRecord", "CancelRequested", "Dispatch",
     "DispatchOutcomes",
-    "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "LedgerFigures", "Ledger", "LedgerError",
-    "LedgerUnavailable", "NotLeader", "Refusal", "ResultTooLarge",
+    "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "InstallMismatch", "LedgerFigures", "Ledger",
+    "LedgerError", "LedgerUnavailable", "NotFrozen", "NotLeader", "Refusal", "ResultTooLarge",
     "SessionLimits", "StepNotFound", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord",
     "TaskRef", "UnstorableValue", "WatchedAttempt",
     "spec_hash", "step_idempotency_key",

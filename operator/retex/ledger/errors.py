@@ -72,3 +72,19 @@ class NotLeader(LedgerError):
 
 class LedgerUnavailable(LedgerError):
     """Postgres stayed unreachable for longer than the retry window."""
+
+
+class NotFrozen(LedgerError):
+    """A recovery asked for a task that is not frozen: there is nothing to recover."""
+
+
+class InstallMismatch(LedgerError):
+    """This ledger belongs to another install of retex (another namespace or cluster)."""
+
+    def __init__(self, owner_uid: str, owner_namespace: str, uid: str, namespace: str):
+        super().__init__(
+            f"this ledger belongs to the retex install {owner_uid} (operator namespace {owner_namespace!r}); "
+            f"this operator is install {uid} (namespace {namespace!r}). Two installs must not share one ledger: "
+            "point this one at a database of its own. If this install replaces that one (retex reinstalled, "
+            f"its namespace recreated), start it once with RETEX_ADOPT_LEDGER={owner_uid}")
+        self.owner_uid, self.owner_namespace = owner_uid, owner_namespace

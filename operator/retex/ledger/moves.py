@@ -44,6 +44,10 @@ def lock_task_if_any(cur: Cursor, uid: str) -> TaskRow | None:
 
 
 def fence(task: TaskRow, epoch: int) -> None:
+    """A worker's write goes through only for the task's current epoch while it is Running and
+    not frozen: a frozen task's ledger is behind what its Task showed, so nothing may step on it."""
+    if task.frozen_reason is not None:
+        raise FenceRejected(task.uid, epoch, task.epoch, f"{task.phase}, frozen: {task.frozen_reason}")
     if task.epoch != epoch or task.phase != TaskPhase.RUNNING:
         raise FenceRejected(task.uid, epoch, task.epoch, task.phase)
 

@@ -47,6 +47,16 @@ class NotAdmitted(Exception):
 
 def admit(cur: Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
     """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
+    inserted = insert_task(cur, admission, actor=actor)
+    if inserted is None:
+        return AdmitResult(uid=admission.uid, created=False)  # admitted before
+    place(cur, inserted, "first", actor)
+    return AdmitResult(uid=admission.uid, created=True)
+
+
+def insert_task(cur: Cursor, admission: TaskAdmission, *, actor: str) -> TaskRow | None:
+    """The task's row, its steps and its history's first line, Pending (None: it was admitted
+    before). Raises NotAdmitted when a final decision stands for it (refused, purged, duplicate)."""
     inserted = fetch_one(
         cur, TaskRow,
         f"""INSERT INTO retex.tasks (uid, namespace, name, spec, spec_hash, idempotency_key, phase,
@@ -66,7 +76,7 @@ def admit(cur: Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
     if verdict is not None:
         raise NotAdmitted(verdict)
     if inserted is None:
-        return AdmitResult(uid=admission.uid, created=False)  # admitted before
+        return None
     step_specs = admission.spec.get("steps") or [None] * len(admission.step_names)
     for idx, (name, step_spec) in enumerate(zip(admission.step_names, step_specs, strict=True)):
         cur.execute(
@@ -74,8 +84,7 @@ def admit(cur: Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
             (admission.uid, idx, name, step_idempotency_key(admission.uid, name, step_spec)),
         )
     record_history(cur, admission.uid, actor, "admit", to_state=TaskPhase.PENDING)
-    place(cur, inserted, "first", actor)
-    return AdmitResult(uid=admission.uid, created=True)
+    return inserted
 
 
 def refuse(cur: Cursor, refusal: Refusal) -> Refusal:
@@ -177,7 +186,7 @@ def promote_due(cur: Cursor, *, limit: int, actor: str) -> list[str]:
     deadline, and fill the free slots. Returns the uids that were due."""
     overdue = fetch_all(
         cur, TaskRow,
-        f"""SELECT {column_list(TaskRow)} FROM retex.tasks WHERE deadline_at <= now()
+        f"""SELECT {column_list(TaskRow)} FROM retex.tasks WHERE deadline_at <= now() AND frozen_reason IS NULL
             AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled') LIMIT %s FOR UPDATE SKIP LOCKED""",
         (limit,),
     )
@@ -189,7 +198,7 @@ def promote_due(cur: Cursor, *, limit: int, actor: str) -> list[str]:
     due = fetch_all(
         cur, TaskRow,
         f"""SELECT {column_list(TaskRow)} FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')
-            AND not_before <= now() ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
+            AND not_before <= now() AND frozen_reason IS NULL ORDER BY not_before LIMIT %s FOR UPDATE SKIP LOCKED""",
         (limit,),
     )
     for task in due:

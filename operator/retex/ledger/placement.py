@@ -79,7 +79,9 @@ def start_attempt(cur: Cursor, task: TaskRow, event: TaskEvent, cause: str,
                          started_at=task.started_at or NOW, **columns)
     cur.execute("INSERT INTO retex.attempts (task_uid, epoch, cause) VALUES (%s, %s, %s)",
                 (task.uid, epoch, cause))
-    cur.execute("INSERT INTO retex.outbox (task_uid, epoch) VALUES (%s, %s)", (task.uid, epoch))
+    # A frozen task's dispatch is held (never due) until a human recovers it (retex.ledger.witness).
+    cur.execute("INSERT INTO retex.outbox (task_uid, epoch, not_before) VALUES (%s, %s, %s)",
+                (task.uid, epoch, "infinity" if task.frozen_reason else None))
     return updated
 
 
@@ -123,12 +125,12 @@ def fill_slots(cur: Cursor, actor: str) -> None:
         f"""SELECT {column_list(QueuedCandidate)} FROM (
                SELECT DISTINCT ON (namespace, concurrency_key) uid, namespace, concurrency_key, priority,
                       coalesce(submitted_at, created_at) AS submitted, created_at
-               FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL
+               FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NOT NULL AND frozen_reason IS NULL
                ORDER BY namespace, concurrency_key, coalesce(submitted_at, created_at), created_at, uid
            ) AS key_heads
            UNION ALL
            SELECT uid, namespace, concurrency_key, priority, coalesce(submitted_at, created_at), created_at
-           FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL
+           FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL AND frozen_reason IS NULL
            ORDER BY priority DESC, submitted, created_at, uid""")
     for candidate in candidates:
         if limits.max_running is not None and total >= limits.max_running:

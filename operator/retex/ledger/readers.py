@@ -283,4 +283,5 @@ def task_record(row: TaskRow, steps: list[StepRow]) -> TaskRecord:
         max_disruptions=row.max_disruptions, not_before=row.not_before, concurrency_key=row.concurrency_key,
         priority=row.priority, deadline_at=row.deadline_at, cancel_requested=row.cancel_requested,
         last_error=row.last_error, version=row.version, created_at=row.created_at, updated_at=row.updated_at,
-        started_at=row.started_at, finished_at=row.finished_at, steps=tuple(step_record(s) for s in steps))
+        started_at=row.started_at, finished_at=row.finished_at, steps=tuple(step_record(s) for s in steps),
+        frozen_reason=row.frozen_reason, witness=row.witness)

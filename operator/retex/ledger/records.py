@@ -101,6 +101,8 @@ class TaskRecord:
     started_at: datetime | None
     finished_at: datetime | None
     steps: tuple[StepRecord, ...]
+    frozen_reason: str | None = None  # LedgerBehind or LedgerLost (retex.ledger.witness)
+    witness: dict[str, Any] | None = None  # the Task's status when it was frozen
 
     @property
     def terminal(self) -> bool:

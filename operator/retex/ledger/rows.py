@@ -90,6 +90,8 @@ class TaskRow:
     next_cause: str | None  # of a Queued task: the cause its attempt will start with
     submitted_at: datetime | None
     cancel_reason: str | None
+    frozen_reason: str | None  # LedgerBehind or LedgerLost: its Task showed more than the ledger held
+    witness: dict[str, Any] | None  # the Task's status when it was frozen
 
 
 @dataclass(frozen=True)

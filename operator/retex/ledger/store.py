@@ -6,6 +6,8 @@ that take a cursor, split by caller, so a test can run one inside a transaction 
 - retex.ledger.operator_operations: admission, attempts, deadlines, human actions, retention
 - retex.ledger.outbox: the relay's dispatch batch and how each record is settled
 - retex.ledger.worker_operations: the fenced operations a worker asks for through the endpoint
+- retex.ledger.witness: tasks frozen when their Task shows more than the ledger holds, their
+  recovery, and the install that owns the ledger
 - retex.ledger.readers: operations that write nothing
 - retex.ledger.placement: run limits, concurrency keys and the task's phase moves
 - retex.ledger.moves: the lock, the fence, step moves and history that all of them share
@@ -31,6 +33,7 @@ import psycopg
 
 from retex.failpoints import failpoint
 from retex.ledger import operator_operations, outbox, placement, readers, transactions, worker_operations
+from retex.ledger import witness as witness_operations
 from retex.ledger.errors import LedgerUnavailable, NotLeader
 from retex.ledger.migrate import migrate
 from retex.ledger.moves import check_result_size, record_history
@@ -124,8 +127,9 @@ class Ledger:
                 raise
             idle = f" for {self._limits.idle_in_transaction_seconds:g}s" if self._limits else ""
             why = f"the server ended this transaction after it sat idle{idle}: nothing of it was written"
-            # A frozen leader's, or a live leader's slow batch (API calls inside it): asked in a
-            # fresh transaction, only a changed term makes it NotLeader; else the loops retry it.
+            # A frozen leader's, or a live one's that stalled (no operation makes an API call inside
+            # its transaction): asked in a fresh transaction, only a changed term makes it
+            # NotLeader; else the loops retry it.
             try:
                 with transactions.transaction(self._pool) as cur:
                     current = transactions.current_term(cur)
@@ -223,6 +227,33 @@ class Ledger:
                                                          actor=actor),
             uid=uid, op="resolve_step")
 
+    # -- the Task as the ledger's witness; the install that owns the ledger (retex.ledger.witness) --
+
+    def freeze(self, uid: str, *, reason: str, witness: dict[str, Any], shown_version: int,
+               actor: str = "operator") -> TaskRecord:
+        return self._lead(witness_operations.freeze, uid, reason=reason, witness=witness, shown_version=shown_version,
+                          actor=actor)
+
+    def admit_lost(self, admission: TaskAdmission, *, witness: dict[str, Any], shown_version: int,
+                   actor: str = "operator") -> TaskRecord | AdmitResult:
+        """The task frozen (LedgerLost), or the final verdict that stands for its uid instead."""
+        try:
+            record = self._lead(witness_operations.admit_lost, admission, witness=witness,
+                                shown_version=shown_version, actor=actor)
+        except operator_operations.NotAdmitted as not_admitted:
+            return not_admitted.verdict
+        if record is None:
+            raise LookupError(f"task {admission.uid} neither admitted nor refused")
+        return record
+
+    def recover(self, uid: str, *, from_status: bool, actor: str) -> TaskRecord:
+        return self._lead(witness_operations.recover, uid, from_status=from_status, actor=actor)
+
+    def claim_install(self, *, uid: str, namespace: str, adopt_from: str | None) -> None:
+        """At every start, before the replica competes for the term: raises InstallMismatch for
+        a ledger another install owns."""
+        self._run(witness_operations.claim_install, uid=uid, namespace=namespace, adopt_from=adopt_from)
+
     def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
         """Configuration every replica writes as it starts (from its own settings), leader or not."""
         self._run(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
@@ -234,23 +265,30 @@ class Ledger:
 
     # -- the outbox relay (retex.ledger.outbox) --------------------------------------------------
 
-    @contextlib.contextmanager
-    def dispatch_batch(self, *, limit: int = 20) -> Iterator[tuple[list[Dispatch], DispatchOutcomes]]:
-        """Claim unsent dispatch records that are due (`FOR UPDATE SKIP LOCKED`) inside one open
-        transaction.
+    def dispatch_batch(self, *, limit: int, claim_seconds: float) -> tuple[list[Dispatch], DispatchOutcomes]:
+        """Claim up to `limit` unsent dispatch records that are due (`FOR UPDATE SKIP LOCKED`) for
+        `claim_seconds`, in a short transaction of their own that commits before this returns.
 
-        Yields the records that are still current and a `DispatchOutcomes` on which the caller
-        settles each record on its own: sent, rejected (the task fails), dropped (the task is
-        cancelled) or deferred (that record alone is retried later). A record left unsettled
-        stays unsent and is claimed again. Records whose epoch was superseded are marked stale
-        and not yielded; a record of a task whose cancel was requested carries its cancel reason
-        (the relay drops it, after looking for a Job a dead relay may have created).
-        If the caller dies before the transaction commits, the claims vanish with it and another
-        relay sends them again; the deterministic Job name turns that into AlreadyExists, which
-        is success. Not retried: the caller's own work happens inside the transaction.
+        Returns the records that are still current and a `DispatchOutcomes` on which the caller
+        settles each record on its own, each in a fenced transaction of its own: sent, rejected
+        (the task fails), dropped (the task is cancelled) or deferred (that record alone is
+        retried later). Records whose epoch was superseded are marked stale and not returned; a
+        record of a task whose cancel was requested carries its cancel reason (the relay drops
+        it, after looking for a Job a dead relay may have created). A record left unsettled
+        (the caller died, or stopped leading) is claimed again once its claim lapses; the
+        deterministic Job name turns the repeated create into AlreadyExists, which is success.
         """
-        with self._transaction(leader=True) as cur:
-            yield outbox.claim(cur, limit=limit)
+        def claim(cur: Cursor) -> outbox.Claim:
+            claimed = outbox.claim(cur, limit=limit, claim_seconds=claim_seconds)
+            for dispatch in claimed.dispatches:  # a leader frozen holding its claims' locks
+                failpoint("in-dispatch-batch", task=dispatch.name, uid=dispatch.task_uid)
+            return claimed
+
+        claimed = self._tx(claim, op="dispatch_batch", leader=True)
+        return claimed.dispatches, DispatchOutcomes(claimed, self._settle_dispatch)
+
+    def _settle_dispatch(self, settle: Callable[[Cursor], T]) -> T:
+        return self._tx(settle, op="settle_dispatch", leader=True)
 
     # -- the worker's operations (retex.ledger.worker_operations) ----------------------------------
 
