@@ -48,6 +48,16 @@ def test_a_frozen_task_takes_no_worker_write_and_its_dispatch_is_held(ledger, ds
     assert again.version == 41 and again.witness["ledgerVersion"] == 40, "a second freeze changes nothing"
 
 
+def test_a_task_the_ledger_holds_at_the_version_shown_or_past_it_is_not_frozen(ledger):
+    uid = admitted(ledger)
+    version = ledger.get(uid).version
+
+    assert ledger.freeze(uid, reason="LedgerBehind", witness=shown("Running", version=version),
+                         shown_version=version).frozen_reason is None
+    assert ledger.freeze(uid, reason="LedgerBehind", witness=shown("Running", version=version - 1),
+                         shown_version=version - 1).frozen_reason is None
+
+
 def test_a_frozen_task_is_not_started_promoted_or_timed_out(ledger, dsn):
     ledger.set_run_limits(max_running=1, max_running_per_namespace=None)
     holder = admitted(ledger)

@@ -22,7 +22,7 @@ class FakeLedger:
 
     def figures(self):
         empty = Histogram(count=0, total=0.0, cumulative=[0] * len(BUCKETS))
-        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, outbox_lag_seconds=0.0,
+        return LedgerFigures(tasks_by_phase={}, dead_lettered=0, frozen=0, outbox_lag_seconds=0.0,
                              deadline_overrun_seconds=0.0, submitted=0,
                              finished_by_phase={}, dead_lettered_ever=0, attempts_by_cause={},
                              step_seconds=empty, task_seconds=empty, first_step_seconds=empty)

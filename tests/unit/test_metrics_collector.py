@@ -38,7 +38,7 @@ class FakeLedger:
 
 def figures(submitted: int) -> LedgerFigures:
     seconds = Histogram(count=0, total=0.0, cumulative=[0] * len(DURATION_BUCKETS))
-    return LedgerFigures(tasks_by_phase={}, dead_lettered=0, outbox_lag_seconds=0.0, deadline_overrun_seconds=0.0,
+    return LedgerFigures(tasks_by_phase={}, dead_lettered=0, frozen=0, outbox_lag_seconds=0.0, deadline_overrun_seconds=0.0,
                          submitted=submitted, finished_by_phase={}, dead_lettered_ever=0, attempts_by_cause={},
                          step_seconds=seconds, task_seconds=seconds, first_step_seconds=seconds)
 

@@ -23,7 +23,6 @@ from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
 from retex.operator.metrics import REGISTRY
 from retex.operator.status import (
-    ANNOUNCED_PER_RESYNC,
     DEAD_LETTER_LABEL,
     EVENT_POST_TRIES,
     SAME_PHASE_WRITE_FLOOR_SECONDS,
@@ -65,6 +64,14 @@ class FakeLedger:
 
     def phases_of(self, uids):
         return {uid: self.records[uid].phase for uid in uids if uid in self.records}
+
+    def freeze(self, uid, *, reason, witness, shown_version):
+        """As retex.ledger.witness.freeze: only when the version shown is past the ledger's."""
+        held = self.records[uid]
+        if held.frozen_reason is None and shown_version > held.version:
+            self.records[uid] = replace(held, frozen_reason=reason, witness=witness,
+                                        version=max(held.version, shown_version) + 1)
+        return self.records[uid]
 
 
 class FakeKube:
@@ -121,8 +128,9 @@ def resync_and_write(m):
     return m.round()
 
 
-@pytest.mark.parametrize("shown, written", [(None, True), (6, True), (7, False), (8, False)])
+@pytest.mark.parametrize("shown, written", [(None, True), (6, True), (7, False)])
 def test_a_status_is_written_only_when_the_ledger_is_ahead_of_the_version_shown(shown, written):
+    """(A status ahead of the ledger freezes the task: the tests of freezing below.)"""
     kube = FakeKube(task_object("u", shown_version=shown))
     mirror(FakeLedger(rec("u", version=7)), kube).mirror("u")
     assert kube.written == ([("u", 7, "Running")] if written else [])
@@ -417,75 +425,44 @@ def test_a_resync_under_way_holds_up_no_status_write():
     assert [uid for uid, _, _ in kube.written] == ["changed", "other"], "what the resync found, written next"
 
 
-def ahead_of_ledger() -> float:
-    return REGISTRY.get_sample_value("retex_tasks_ahead_of_ledger") or 0.0
+def frozen_lines(caplog):
+    return [r for r in caplog.records if r.getMessage() == "task frozen: the ledger is behind the Task's status"]
 
 
-def test_a_task_whose_status_is_ahead_of_the_ledger_is_announced_once_and_counted_while_it_lasts(caplog):
+def test_a_task_whose_status_is_ahead_of_the_ledger_is_frozen_and_shown_ledger_behind_once(caplog):
     """A shown ledgerVersion above the ledger's: the ledger forgot commits it acknowledged (or was
-    restored from an older backup), and steps it forgot may run again. Nothing is written over
-    the status (the CRD refuses a lower version anyway); people are told, once per Task."""
+    restored from an older backup), and steps it forgot would run again. The resync freezes it; its
+    status then says so (what it showed kept), with one Warning Event and one ERROR line."""
     ledger = FakeLedger(rec("ahead", version=5), rec("current", version=7))
     kube = FakeKube(task_object("ahead", shown_version=9), task_object("current", shown_version=7))
+    kube.tasks["t-ahead"]["status"]["phase"] = "Succeeded"
     m = mirror(ledger, kube)
     with caplog.at_level(logging.ERROR, logger="retex.operator.status"):
         resync_and_write(m)
         resync_and_write(m)
-    assert ahead_of_ledger() == 1
-    assert kube.events == ["LedgerBehindStatus"], "one Warning Event, not one per resync"
-    assert [r.getMessage() for r in caplog.records].count("the ledger is behind the Task's status") == 1
-    assert kube.written == []
-    m.may_write = lambda: False
-    assert ahead_of_ledger() == 0, "a standby's last resync may be from long ago: it counts nothing"
-    m.may_write = lambda: True
-    ledger.records["ahead"] = rec("ahead", version=10)  # the ledger moved past it
-    resync_and_write(m)
-    assert ahead_of_ledger() == 0
+    assert ledger.records["ahead"].frozen_reason == "LedgerBehind" and ledger.records["ahead"].version == 10
+    assert kube.written == [("ahead", 10, "LedgerBehind")], "written once, past the version shown"
+    assert posted(m, kube) == ["LedgerBehind"]
+    assert len(frozen_lines(caplog)) == 1
+    assert ledger.records["current"].frozen_reason is None
 
 
-def test_a_replica_that_leads_again_finds_and_announces_the_tasks_ahead_afresh():
-    """What it found when it last led may be long gone: it counts nothing until its first resync,
-    and announces what that finds, though it announced the same Task before."""
+def test_the_mirror_freezes_a_task_it_finds_ahead_of_the_ledger_without_waiting_for_a_resync():
     ledger = FakeLedger(rec("ahead", version=5))
     kube = FakeKube(task_object("ahead", shown_version=9))
     m = mirror(ledger, kube)
-    resync_and_write(m)
-    m.may_write = lambda: False  # stood by, then leads again
-    m.may_write = lambda: True
-    m.take_over()
-    assert ahead_of_ledger() == 0
-    resync_and_write(m)
-    assert ahead_of_ledger() == 1 and kube.events == ["LedgerBehindStatus"] * 2
+    m.mark("ahead")
+    m.round()
+    assert ledger.records["ahead"].frozen_reason == "LedgerBehind"
+    assert kube.written == [("ahead", 10, "LedgerBehind")]
 
 
-def test_tasks_announced_before_an_event_post_failed_are_not_announced_again():
-    ledger = FakeLedger(rec("a", version=5), rec("b", version=5))
-    kube = FakeKube(task_object("a", shown_version=9), task_object("b", shown_version=9))
-    posted = []
-
-    def post_event(task, *, reason, message, warning):
-        if task["metadata"]["uid"] == "b" and not posted.count("b"):
-            posted.append("b")
-            raise ConnectionResetError("the API server went away")
-        kube.events.append(task["metadata"]["uid"])
-
-    kube.post_event = post_event
-    m = mirror(ledger, kube)
-    with pytest.raises(ConnectionResetError):
-        m.resync.round()
-    resync_and_write(m)
-    assert kube.events == ["a", "b"], "a announced once, b once its Event could be posted"
-
-
-def test_a_restore_that_puts_many_tasks_behind_is_announced_a_bounded_number_per_resync(caplog):
-    count = ANNOUNCED_PER_RESYNC + 5
+def test_a_restore_that_puts_many_tasks_behind_freezes_them_all_in_one_resync():
+    count = 3 * WRITE_BATCH
     ledger = FakeLedger(*(rec(f"u{n}", version=1) for n in range(count)))
     kube = FakeKube(*(task_object(f"u{n}", shown_version=4) for n in range(count)))
-    m = mirror(ledger, kube)
-    resync_and_write(m)
-    assert ahead_of_ledger() == count and len(kube.events) == ANNOUNCED_PER_RESYNC
-    resync_and_write(m)
-    assert len(kube.events) == count, "the rest at the next resync, none twice"
+    mirror(ledger, kube).resync.round()
+    assert all(r.frozen_reason == "LedgerBehind" for r in ledger.records.values())
 
 
 def test_a_status_written_while_the_resync_reads_is_not_taken_for_a_ledger_behind_it():
@@ -502,7 +479,7 @@ def test_a_status_written_while_the_resync_reads_is_not_taken_for_a_ledger_behin
 
     kube.list_tasks = a_write_lands_meanwhile
     resync_and_write(mirror(ledger, kube))
-    assert ahead_of_ledger() == 0 and kube.events == []
+    assert ledger.records["u"].frozen_reason is None and kube.events == []
 
 
 def test_the_resync_marks_a_task_whose_dead_letter_label_disagrees_though_its_status_is_current():

@@ -170,8 +170,11 @@ def figures(cur: Cursor) -> LedgerFigures:
     purges took (LedgerFigures says which figures are counts)."""
     phases = {phase: n for phase, n in cur.execute("SELECT phase, count(*) FROM retex.tasks GROUP BY phase")}
     dead = scalar(cur.execute("SELECT count(*) FROM retex.tasks WHERE dead_lettered"))
+    frozen = scalar(cur.execute("SELECT count(*) FROM retex.tasks WHERE frozen_reason IS NOT NULL"))
+    # A frozen task's dispatch is held on purpose (its own alert says so), not a relay falling behind.
     lag = scalar(cur.execute("SELECT extract(epoch FROM now() - min(created_at)) FROM retex.outbox "
-                             "WHERE sent_at IS NULL"))
+                             "WHERE sent_at IS NULL AND task_uid NOT IN "
+                             "(SELECT uid FROM retex.tasks WHERE frozen_reason IS NOT NULL)"))
     # The promoter fails a task at its deadline: one left unfinished past it means that did not happen.
     overrun = scalar(cur.execute(f"SELECT extract(epoch FROM now() - min(deadline_at)) FROM retex.tasks "
                                  f"WHERE deadline_at <= now() AND phase NOT IN {_ENDED_PHASES}"))
@@ -189,6 +192,7 @@ def figures(cur: Cursor) -> LedgerFigures:
     return LedgerFigures(
         tasks_by_phase=phases,
         dead_lettered=dead,
+        frozen=frozen,
         outbox_lag_seconds=float(lag or 0.0),
         deadline_overrun_seconds=float(overrun or 0.0),
         submitted=int(counts.get(("submitted", ""), 0)),

@@ -190,6 +190,7 @@ class LedgerFigures:
 
     tasks_by_phase: dict[str, int]
     dead_lettered: int  # tasks dead-lettered now (a requeue clears it)
+    frozen: int  # tasks frozen now: their Task showed more than the ledger holds (retex.ledger.witness)
     outbox_lag_seconds: float  # age of the oldest unsent dispatch record
     deadline_overrun_seconds: float  # how far the unfinished task furthest past its deadline is past it
     submitted: int  # tasks admitted

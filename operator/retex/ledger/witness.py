@@ -34,9 +34,11 @@ def freeze(cur: Cursor, uid: str, *, reason: str, witness: dict[str, Any], shown
            actor: str) -> TaskRecord:
     """Freeze a task its Task showed at `shown_version`, above the ledger's version: its unsent
     dispatches are held, and its version jumps past the one shown, so the status mirror can
-    write the frozen status (the API server refuses a lower ledgerVersion). Already frozen: as it was."""
+    write the frozen status (the API server refuses a lower ledgerVersion). Already frozen, or
+    the ledger at or past `shown_version` under the row's lock (a status read before a commit
+    that a worker made meanwhile is no evidence of loss): as it was."""
     task = lock_task(cur, uid)
-    if task.frozen_reason is None:
+    if task.frozen_reason is None and shown_version > task.version:
         _freeze(cur, task, reason=reason, witness=witness, shown_version=shown_version, actor=actor)
     return readers.get(cur, uid)
 

@@ -67,10 +67,6 @@ LOOP_ROUNDS = Counter("retex_loop_rounds_total", "Completed rounds of an operato
                       registry=REGISTRY)
 LEADER = Gauge("retex_leader", "1 while this replica leads (it alone writes), 0 on a standby",
               registry=REGISTRY)
-# Read at scrape time from the status mirror, as its last resync found them (0 on a standby): a Task
-# showing a ledgerVersion above the ledger's means the ledger forgot commits it acknowledged.
-TASKS_AHEAD_OF_LEDGER = Gauge("retex_tasks_ahead_of_ledger", "Tasks whose status shows a ledgerVersion above "
-                              "the ledger's: the ledger lost acknowledged commits", registry=REGISTRY)
 MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change seen to its status written",
                        buckets=BUCKETS, registry=REGISTRY)
 # Read at scrape time from the status mirror (retex.operator.status): unlike MIRROR_LAG, observed
@@ -185,6 +181,9 @@ class LedgerCollector:
         yield phases
         yield GaugeMetricFamily("retex_dead_lettered_tasks", "Tasks dead-lettered now (failed for good, not requeued)",
                                 value=figures.dead_lettered)
+        yield GaugeMetricFamily("retex_frozen_tasks", "Tasks frozen now: their Task showed more than the ledger holds "
+                                "(the ledger restored from a backup or lost commits); nothing runs until recovered",
+                                value=figures.frozen)
         yield CounterMetricFamily("retex_tasks_submitted", "Tasks admitted into the ledger", value=figures.submitted)
         finished = CounterMetricFamily("retex_tasks_finished", "Times a task reached a terminal phase (again after a "
                                        "requeue)", labels=["outcome"])

@@ -33,7 +33,8 @@ from retex.ledger import Ledger, LedgerError, TaskNotFound, TaskRecord
 from retex.logs import log_line
 from retex.machine import TaskPhase
 from retex.operator.loop import STOPPED_LEADING, Loop
-from retex.operator.metrics import EVENTS_DROPPED, EVENTS_QUEUED, MIRROR_LAG, MIRROR_PENDING, TASKS_AHEAD_OF_LEDGER, count_failure
+from retex.operator.metrics import EVENTS_DROPPED, EVENTS_QUEUED, MIRROR_LAG, MIRROR_PENDING, count_failure
+from retex.operator.witness import behind, frozen_status, recovered_conditions, shown_version
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,6 @@ WRITE_BATCH = 2 * WRITERS
 # many quick steps moves its ledger version at every step, and a dashboard needs no more. A phase
 # change is written at once.
 SAME_PHASE_WRITE_FLOOR_SECONDS = 1.0
-# Tasks found ahead of the ledger announced (log line, Event) per resync; the rest at the next ones.
-ANNOUNCED_PER_RESYNC = 20
 # Events waiting to be posted, at most. Past it an Event that is not a task's end or its wait for
 # a human (`_FINAL_EVENTS`) is dropped and counted, as client-go's broadcaster drops past its
 # 1,000: Events are for people, the status carries the state, and an API server that posts slower
@@ -87,12 +86,13 @@ _PHASE_EVENTS = {
     ShownPhase.FAILED: ("Failed", True),
     ShownPhase.CANCELLED: ("Cancelled", False),
     ShownPhase.NEEDS_ATTENTION: ("NeedsAttention", True),
+    ShownPhase.LEDGER_BEHIND: ("LedgerBehind", True),
 }
 # Posted whatever the Event limiter says: the Event of a task's end, or of its wait for a human,
 # must not be crowded out by the AttemptStarted catch-up before it. A task enters these phases a
 # bounded number of times (once more only after a human action), so they cannot flood anything.
 _FINAL_EVENTS = frozenset(_PHASE_EVENTS[phase][0] for phase in (
-    ShownPhase.SUCCEEDED, ShownPhase.FAILED, ShownPhase.CANCELLED, ShownPhase.NEEDS_ATTENTION))
+    ShownPhase.SUCCEEDED, ShownPhase.FAILED, ShownPhase.CANCELLED, ShownPhase.NEEDS_ATTENTION, ShownPhase.LEDGER_BEHIND))
 
 
 def _summary(value: Any) -> str | None:
@@ -208,7 +208,9 @@ def _events_between(previous: TaskStatus | None, current: TaskStatus) -> list[tu
     if previous is None or previous.phase != current.phase:
         if current.phase in _PHASE_EVENTS:
             reason, warning = _PHASE_EVENTS[current.phase]
-            events.append((reason, current.last_error or f"task {current.phase}", warning))
+            frozen = find_condition(current.conditions, ConditionType.LEDGER_BEHIND)
+            why = frozen.message if current.phase == ShownPhase.LEDGER_BEHIND and frozen else current.last_error
+            events.append((reason, why or f"task {current.phase}", warning))
     return events
 
 
@@ -415,10 +417,7 @@ class StatusMirror(Loop):
         self._written: dict[str, tuple[float, TaskPhase]] = {}  # uid -> when and in which phase this mirror last wrote it
         self._lock = threading.Lock()
         self._limiter = EventLimiter()
-        self._ahead: set[str] = set()  # Tasks ahead of the ledger, as the last resync found them
-        self._announced: set[str] = set()  # those of them announced since they went ahead
         MIRROR_PENDING.set_function(self.oldest_pending_seconds)
-        TASKS_AHEAD_OF_LEDGER.set_function(self.tasks_ahead_of_ledger)
 
     def oldest_pending_seconds(self) -> float:
         """How long the oldest mark not yet settled (written, or found nothing to write) has waited,
@@ -426,10 +425,6 @@ class StatusMirror(Loop):
         with self._lock:
             oldest = min(self._marked_at.values(), default=None)
         return 0.0 if oldest is None or not self.may_write() else self._clock() - oldest
-
-    def tasks_ahead_of_ledger(self) -> int:
-        """As the last resync found them; 0 on a standby, whose last resync may be from long ago."""
-        return len(self._ahead) if self.may_write() else 0
 
     def _settled(self, uid: str) -> float | None:
         """The mark of `uid` needs no more writing: when it was made."""
@@ -485,7 +480,6 @@ class StatusMirror(Loop):
             # (`mark` on a standby), and its first mark's time would show as pending for ever.
             self._marked_at = dict.fromkeys(self._dirty, now)
             self._retry = {uid: retry for uid, retry in self._retry.items() if uid in self._dirty}
-        self._ahead, self._announced = set(), set()  # as found when this replica last led: found again
         self.events.forget()
         self.resync.wake.set()
 
@@ -631,48 +625,35 @@ class StatusMirror(Loop):
     def mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
         label disagrees with it (a label patch lost with a leadership), is marked for a write.
-        A Task showing a version the ledger has not reached is announced (`_ahead_of_ledger`)."""
+        A Task showing a version the ledger has not reached is frozen (`_freeze`)."""
         # The first page before the versions: the LIST is a snapshot of when that page was served (the
         # later pages continue it), so a status written meanwhile is never ahead of the versions read.
         # list_tasks pages lazily, and only a page at a time is held (5,000 Tasks at scale).
         pages = self._kube.list_tasks()
         first = next(pages, None)
         ledger_versions, dead = self._ledger.versions(), self._ledger.dead_lettered_uids()
-        ahead = []
         for task in itertools.chain([first], pages) if first is not None else ():
             uid = task["metadata"]["uid"]
-            if uid not in ledger_versions:
+            if uid not in ledger_versions:  # not admitted yet, refused, purged; or lost: admission judges it
                 continue
-            shown = (task.get("status") or {}).get("ledgerVersion", -1)
-            if shown > ledger_versions[uid]:
-                ahead.append((task, shown, ledger_versions[uid]))
-            if shown < ledger_versions[uid] or _labelled_dead(task) != (uid in dead):
+            if behind(task, ledger_versions[uid]):
+                self._freeze(task, ledger_versions[uid])
+            elif (shown_version(task) or -1) < ledger_versions[uid] or _labelled_dead(task) != (uid in dead):
                 self.mark(uid)
-        self._ahead_of_ledger(ahead)
 
-    def _ahead_of_ledger(self, ahead: list[tuple[dict[str, Any], int, int]]) -> None:
-        """The ledger is behind what a Task's status showed of it: it lost commits (two servers on
-        one data directory, a failover to an asynchronous replica) or was restored from an older
-        backup. Steps it no longer records may run again, and the status is not written until
-        the ledger passes the version shown (the CRD refuses a lower one). Counted while it
-        lasts; announced once per Task while it lasts and this replica leads (an ERROR line, a
-        Warning Event), at most `ANNOUNCED_PER_RESYNC` a resync: a restore puts thousands behind
-        at once, and thousands of Events would crowd the API server the status writes need."""
-        self._ahead = {task["metadata"]["uid"] for task, _, _ in ahead}
-        self._announced &= self._ahead  # one that cleared is announced again if it recurs
-        unannounced = [found for found in ahead if found[0]["metadata"]["uid"] not in self._announced]
-        for task, shown, version in unannounced[:ANNOUNCED_PER_RESYNC]:
-            meta = task["metadata"]
-            log_line(log, logging.ERROR, "the ledger is behind the Task's status", uid=meta["uid"],
-                     namespace=meta["namespace"], name=meta["name"], shown_version=shown, ledger_version=version)
-            self.warn(task, "LedgerBehindStatus",
-                      f"the ledger holds version {version} of this task, its status showed {shown}: the ledger "
-                      "lost commits or was restored from an older backup, and steps it no longer records as "
-                      "done may run again")
-            self._announced.add(meta["uid"])
-        if len(unannounced) > ANNOUNCED_PER_RESYNC:
-            log_line(log, logging.ERROR, "more Tasks are behind the ledger; announced at the next resyncs",
-                     count=len(unannounced) - ANNOUNCED_PER_RESYNC)
+    def _freeze(self, task: dict[str, Any], ledger_version: int) -> TaskRecord:
+        """The ledger is behind what the Task's status showed of it: it lost commits (a failover to
+        an asynchronous replica) or was restored from an older backup, and steps it no longer
+        records as done would run again. The task is frozen (retex.ledger.witness) and marked:
+        its status then says so, with a Warning Event."""
+        meta = task["metadata"]
+        shown = shown_version(task) or 0
+        record = self._ledger.freeze(meta["uid"], reason="LedgerBehind", witness=task.get("status") or {},
+                                     shown_version=shown)
+        log_line(log, logging.ERROR, "task frozen: the ledger is behind the Task's status", uid=meta["uid"],
+                 namespace=meta["namespace"], name=meta["name"], shown_version=shown, ledger_version=ledger_version)
+        self.mark(meta["uid"])
+        return record
 
     def mirror(self, uid: str) -> None:
         """Write the status of one task if the ledger is ahead of what the Task shows."""
@@ -685,6 +666,8 @@ class StatusMirror(Loop):
         if task is None or task["metadata"]["uid"] != uid:
             self._settled(uid)
             return  # deleted (or a newer Task with the same name): nothing to mirror onto
+        if record.frozen_reason is None and behind(task, record.version):
+            record = self._freeze(task, record.version)
         shown = task.get("status") or {}
         if shown.get("ledgerVersion", -1) >= record.version:
             self._settled(uid)
@@ -694,8 +677,12 @@ class StatusMirror(Loop):
             return
         previous = TaskStatus.model_validate(shown) if shown else None
         lease = self._leases.get(record.namespace, lease_name(record.name, uid), uid)
-        status = compute_status(record, lease=lease, generation=task["metadata"].get("generation"),
-                                previous=previous, now=datetime.now(UTC))
+        generation, now = task["metadata"].get("generation"), datetime.now(UTC)
+        if record.frozen_reason is not None:
+            status = frozen_status(record, generation=generation, now=now)
+        else:
+            status = compute_status(record, lease=lease, generation=generation,
+                                    previous=recovered_conditions(previous, generation=generation, now=now), now=now)
         failpoint("in-status-mirror", task=record.name, uid=uid)
         try:
             self._kube.patch_task_status(record.namespace, record.name, uid, as_merge_patch(status))
