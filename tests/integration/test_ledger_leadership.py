@@ -7,11 +7,14 @@ row) for ever. Without `leader_fenced` (the CLI's administrator writes) nothing 
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
 
-from retex.ledger import Ledger, LedgerUnavailable, NotLeader
+from retex.ledger import Ledger, LedgerUnavailable, NotLeader, operator_operations
+from retex.ledger.rows import Cursor
 from retex.ledger.transactions import SessionLimits
 from tests.integration.ledger_helpers import admission, admitted
 
@@ -25,6 +28,19 @@ def replicas(dsn, ledger):
     with (Ledger(dsn, retry_for_seconds=5, limits=LIMITS, leader_fenced=True) as a,
           Ledger(dsn, retry_for_seconds=5, limits=LIMITS, leader_fenced=True) as b):
         yield a, b
+
+
+@contextmanager
+def writing(leader: Ledger) -> Iterator[Cursor]:
+    """A leader's write transaction the test keeps open, as a process that froze (or stalled)
+    inside one would: the Ledger's own fenced transaction."""
+    with leader._transaction(leader=True) as cur:
+        yield cur
+
+
+def cancel(cur: Cursor, uid: str) -> None:
+    """A leader's write in that transaction."""
+    operator_operations.request_cancel(cur, uid, reason="Cancelled", actor="operator")
 
 
 def outbox_rows(ledger: Ledger) -> int:
@@ -47,8 +63,8 @@ def test_a_replaced_leaders_writes_are_refused_and_write_nothing(replicas, ledge
     history = ledger.history(uid)
     with pytest.raises(NotLeader, match="term is 2, this writer's is 1"):
         old.admit(admission())
-    with pytest.raises(NotLeader), old.dispatch_batch() as _:
-        pytest.fail("the relay's batch opened under a stale term")
+    with pytest.raises(NotLeader):
+        old.dispatch_batch(limit=20, claim_seconds=5)
     for write in (lambda: old.request_cancel(uid), lambda: old.promote_due(), lambda: old.fill_slots(),
                   lambda: old.replace_attempt(uid, 1, cause="test"), lambda: old.requeue(uid, actor="test")):
         with pytest.raises(NotLeader):
@@ -63,13 +79,12 @@ def test_taking_a_term_waits_for_the_predecessors_write_under_way_which_commits_
     old, new = replicas
     old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
     uid = admitted(old)
-    with old.dispatch_batch() as (batch, outcomes):
-        assert [d.task_uid for d in batch] == [uid]
+    with writing(old) as cur:
         with pytest.raises(psycopg.errors.LockNotAvailable):
-            new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)  # the batch holds the term: the successor waits (here, its lock timeout)
-        outcomes.sent(batch[0], "job-1")
-    assert new.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 2  # after the batch committed
-    assert ledger.attempts(uid)[0].job_name == "job-1"
+            new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)  # the write holds the term: the successor waits (here, its lock timeout)
+        cancel(cur, uid)
+    assert new.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 2  # after the write committed
+    assert ledger.get(uid).cancel_requested
 
 
 def test_a_predecessor_frozen_in_its_transaction_is_ended_by_the_server_and_its_write_refused(replicas, ledger):
@@ -77,16 +92,16 @@ def test_a_predecessor_frozen_in_its_transaction_is_ended_by_the_server_and_its_
     old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
     uid = admitted(old)
     taken: list[int] = []
-    with pytest.raises(NotLeader, match="sat idle for 1s: nothing of it was written"):
-        with old.dispatch_batch() as (batch, outcomes):
-            successor = threading.Thread(target=lambda: taken.append(take_until_taken(new)))
-            successor.start()
-            successor.join(timeout=10)  # frozen: no statement while the successor waits
-            assert taken == [2], "the successor never took the term from a frozen predecessor"
-            outcomes.sent(batch[0], "job-of-the-frozen-one")
-    assert ledger.attempts(uid)[0].job_name is None
-    with new.dispatch_batch() as (batch, _):
-        assert [d.task_uid for d in batch] == [uid], "the frozen one's claim still holds the record"
+    with pytest.raises(NotLeader, match="sat idle for 1s: nothing of it was written"), writing(old) as cur:
+        cur.execute("SELECT 1 FROM retex.tasks WHERE uid = %s FOR UPDATE", (uid,))
+        successor = threading.Thread(target=lambda: taken.append(take_until_taken(new)))
+        successor.start()
+        successor.join(timeout=10)  # frozen: no statement while the successor waits
+        assert taken == [2], "the successor never took the term from a frozen predecessor"
+        cancel(cur, uid)
+    assert not ledger.get(uid).cancel_requested
+    new.request_cancel(uid)  # the frozen one's row lock is gone with it
+    assert ledger.get(uid).cancel_requested
 
 
 def test_a_predecessor_frozen_while_its_statement_waits_for_a_lock_does_not_hold_the_term_for_ever(replicas, ledger):
@@ -192,24 +207,24 @@ def test_no_term_is_taken_between_the_leading_answer_and_the_increment(replicas,
 
 
 
-def test_a_live_leaders_batch_cut_for_sitting_idle_is_no_loss_of_leadership(replicas, ledger):
-    """A relay batch whose API calls are slow sits idle in its transaction past the session's limit
-    and is ended by the server: nobody took the term, so that is a retryable LedgerUnavailable (the
-    loops count it), not NotLeader; the leader goes on writing."""
+def test_a_live_leaders_transaction_cut_for_sitting_idle_is_no_loss_of_leadership(replicas, ledger):
+    """A leader that stalled inside a write transaction past the session's limit has it ended by
+    the server: nobody took the term, so that is a retryable LedgerUnavailable (the loops count
+    it), not NotLeader; the leader goes on writing."""
     leader, _ = replicas
     leader.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
-    admitted(leader)
-    with pytest.raises(LedgerUnavailable, match="sat idle"), leader.dispatch_batch() as (batch, outcomes):
+    uid = admitted(leader)
+    with pytest.raises(LedgerUnavailable, match="sat idle"), writing(leader) as cur:
         time.sleep(1.5)
-        outcomes.sent(batch[0], "job-1")
+        cancel(cur, uid)
     leader.promote_due()
 
 
-def test_a_batch_cut_for_sitting_idle_after_a_successor_took_the_term_is_not_leader(replicas, ledger):
+def test_a_transaction_cut_for_sitting_idle_after_a_successor_took_the_term_is_not_leader(replicas, ledger):
     old, new = replicas
     old.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
-    admitted(old)
-    with pytest.raises(NotLeader), old.dispatch_batch() as (batch, outcomes):
+    uid = admitted(old)
+    with pytest.raises(NotLeader), writing(old) as cur:
         time.sleep(1.5)  # the server ends it after 1 s; the successor takes the term
         new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
-        outcomes.sent(batch[0], "job-1")
+        cancel(cur, uid)

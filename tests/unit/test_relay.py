@@ -1,11 +1,12 @@
 """The outbox relay's decisions, driven with small fakes of the ledger's batch and the API calls:
 each record is settled on its own (sent, dropped, rejected, deferred), a record that ends unsent
 first deletes a Job a dead relay may have left, a ledger spec that differs from the live Task's
-gets no Job, a transient error defers that record alone until the limit, and an error repeating
-cannot cure fails the task at once."""
+gets no Job, a transient error defers that record alone until the limit, an error repeating
+cannot cure fails the task at once, and a record that is no longer the relay's claim when it
+comes to settle it is left as it is."""
 
 import itertools
-from contextlib import contextmanager
+import logging
 
 import pytest
 from kubernetes.client.exceptions import ApiException
@@ -19,6 +20,7 @@ from retex.operator.dispatch import Relay
 
 SPEC = TaskSpec.model_validate({"steps": [{"name": "only", "exec": {"command": ["true"]}}]}).as_admitted()
 DEFER_LIMIT = 300.0
+CLAIM_SECONDS = 5.0
 _ids = itertools.count(1)
 
 
@@ -36,34 +38,41 @@ def job_of(uid, epoch=1):
 
 
 class FakeOutcomes:
-    """What the relay settled, by task uid."""
+    """What the relay settled, by task uid; the records of `lost` (task uids) are no longer the
+    relay's claim: their settlements write nothing."""
 
-    def __init__(self, claimed):
-        self.claimed = claimed
+    def __init__(self, claimed, lost=()):
+        self.claimed, self.lost = claimed, set(lost)
         self.settled = {}
 
+    def _settle(self, dispatch, outcome):
+        if dispatch.task_uid in self.lost:
+            return False
+        self.settled[dispatch.task_uid] = outcome
+        return True
+
     def sent(self, dispatch, job_name):
-        self.settled[dispatch.task_uid] = ("sent", job_name)
+        return self._settle(dispatch, ("sent", job_name))
 
     def dropped(self, dispatch, *, reason, job_name=None):
-        self.settled[dispatch.task_uid] = ("dropped", reason, job_name)
+        return self._settle(dispatch, ("dropped", reason, job_name))
 
     def rejected(self, dispatch, message, *, reason, job_name=None):
-        self.settled[dispatch.task_uid] = ("rejected", reason, message, job_name)
+        return self._settle(dispatch, ("rejected", reason, message, job_name))
 
     def deferred(self, dispatch, error):
-        self.settled[dispatch.task_uid] = ("deferred", error)
-        return 1.0
+        return 1.0 if self._settle(dispatch, ("deferred", error)) else None
 
 
 class FakeLedger:
-    def __init__(self, batch, *, attempts_error=None):
-        self.batch, self.outcomes = batch, FakeOutcomes(len(batch))
+    def __init__(self, batch, *, attempts_error=None, lost=()):
+        self.batch, self.outcomes = batch, FakeOutcomes(len(batch), lost)
         self._attempts_error = attempts_error
+        self.claims = []  # (limit, claim_seconds) of each claim
 
-    @contextmanager
-    def dispatch_batch(self, *, limit):
-        yield self.batch, self.outcomes
+    def dispatch_batch(self, *, limit, claim_seconds):
+        self.claims.append((limit, claim_seconds))
+        return self.batch, self.outcomes
 
     def attempts(self, uid):
         if self._attempts_error:
@@ -106,7 +115,7 @@ class FakeKube:
 
 def relay(ledger, kube):
     defaults = WorkerDefaults(image="retex-worker:test", service_account="retex-worker", ledger_url="http://ledger")
-    return Relay(ledger, kube, lambda: defaults, interval=1.0, defer_limit_seconds=DEFER_LIMIT)
+    return Relay(ledger, kube, lambda: defaults, interval=1.0, claim_seconds=CLAIM_SECONDS, defer_limit_seconds=DEFER_LIMIT)
 
 
 def settle(batch, kube, **ledger_options):
@@ -267,7 +276,7 @@ def test_a_failed_ownership_read_after_a_creates_conflict_defers_the_record():
     assert settle([record("a")], kube)["a"][0] == "deferred"
 
 
-def test_a_ledger_error_mid_batch_is_raised_so_the_whole_batch_rolls_back():
+def test_a_ledger_error_mid_batch_is_raised_and_ends_the_batch_settling_nothing():
     kube = FakeKube({"t-a": live("a")})
     ledger = FakeLedger([record("a", epoch=2)], attempts_error=LedgerUnavailable("postgres down"))
     with pytest.raises(LedgerUnavailable):
@@ -277,8 +286,8 @@ def test_a_ledger_error_mid_batch_is_raised_so_the_whole_batch_rolls_back():
 
 @pytest.mark.parametrize("where", ["create_job", "delete_job_of"])
 def test_a_write_refused_because_this_replica_stopped_leading_settles_nothing_and_ends_the_batch(where):
-    """The batch ends there (its claims roll back for the next leader): not a rejected task, not
-    a deferral, and the records behind it are not tried."""
+    """The batch ends there (its claims lapse, for the next leader): not a rejected task, not a
+    deferral, and the records behind it are not tried."""
     not_leading = NotLeading("create Job ns/x")
     if where == "create_job":
         kube = FakeKube({f"t-{u}": live(u) for u in ("a", "b")}, refuse={"a": not_leading})
@@ -290,3 +299,23 @@ def test_a_write_refused_because_this_replica_stopped_leading_settles_nothing_an
     with pytest.raises(NotLeading):
         relay(ledger, kube).relay_once()
     assert ledger.outcomes.settled == {}
+
+
+def test_the_batch_is_claimed_for_the_relays_claim_time():
+    ledger = FakeLedger([record("a")])
+    relay(ledger, FakeKube({"t-a": live("a")})).relay_once()
+    assert ledger.claims == [(Relay.batch_size, CLAIM_SECONDS)]
+
+
+@pytest.mark.parametrize("ending", ["sent", "dropped", "deferred"])
+def test_a_record_no_longer_the_relays_claim_is_left_as_it_is_and_the_next_records_are_settled(ending, caplog):
+    """Claimed again by another relay after this claim lapsed, or settled meanwhile: whoever holds
+    the record settles it; this relay says so and goes on."""
+    tasks = {"t-a": live("a"), "t-b": live("b")}
+    kube = FakeKube({**tasks, "t-a": None} if ending == "dropped" else tasks,
+                    refuse={"a": ApiException(status=503, reason="Service Unavailable")} if ending == "deferred" else {})
+    ledger = FakeLedger([record("a"), record("b")], lost={"a"})
+    with caplog.at_level(logging.WARNING, logger="retex.operator.dispatch"):
+        assert relay(ledger, kube).relay_once() == 2
+    assert ledger.outcomes.settled == {"b": ("sent", job_of("b"))}
+    assert [r.getMessage() for r in caplog.records if "no longer this relay's claim" in r.getMessage()]

@@ -103,7 +103,10 @@ def fill_slots(cur: Cursor, actor: str) -> None:
 
     Serialized by a transaction-scoped advisory lock, so concurrent placements never exceed
     a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
-    while holding the lock (whoever holds that row places it when it is done)."""
+    while holding the lock (whoever holds that row places it when it is done). The lock is held
+    to the end of the caller's transaction, every placement waiting for it meanwhile: no caller
+    waits on anything outside the ledger inside one (the relay settles each dispatch record in a
+    transaction of its own, after its API calls)."""
     cur.execute("SELECT pg_advisory_xact_lock(%s)", (PLACEMENT_LOCK_KEY,))
     limits = fetch_one(cur, RunLimits, f"SELECT {column_list(RunLimits)} FROM retex.run_limits")
     if limits is None:

@@ -38,6 +38,12 @@ class _Unsent:
 class Relay(Loop):
     """Outbox → Lease + Job. Wakes when poked, and every `interval` seconds regardless.
 
+    A round claims one batch of due records in a short ledger transaction, then makes each
+    record's API calls outside any transaction, and settles the record in a short transaction of
+    its own, fenced by the leadership term and only while the record is still its claim: a slow
+    API server holds no ledger transaction open (whose idle limit would end it) and no lock
+    (placement's among them) while it answers.
+
     Each record is settled on its own, so no record can hold up the ones behind it: sent; rejected
     when the API server refuses its Lease or Job for good (the task fails with reason JobRejected
     and the server's message); dropped when its task was cancelled or deleted, or its Task object
@@ -45,32 +51,35 @@ class Relay(Loop):
     deferred, with a backoff of its own, on a transient error or an API error answering a read
     (the Task's GET), for at most `defer_limit_seconds`
     since the first deferral; past that, or on an error repeating cannot cure, the task fails with
-    reason DispatchFailed. A relay that dies mid-batch loses nothing: the claims roll back, and the
-    next relay meets its Jobs as AlreadyExists (ours, so success) — or, if it ends the record
-    unsent, deletes such a Job and leaves the attempt to the reaper until its worker is dead."""
+    reason DispatchFailed. A relay that dies mid-batch loses nothing: its claims lapse after
+    `claim_seconds` and the next relay claims the records again, meets their Jobs as AlreadyExists
+    (ours, so success) — or, if it ends a record unsent, deletes such a Job and leaves the attempt
+    to the reaper until its worker is dead. The operator's `claim_seconds` is the election's
+    D − R: a claim taken while leading has lapsed by the time a successor may lead."""
 
     name = "relay"
+    batch_size = 10  # a round's length is bounded by one batch's API calls (the probes judge it)
 
     def __init__(self, ledger: Ledger, kube: KubeCalls, defaults: Callable[[], WorkerDefaults], *, interval: float,
-                 defer_limit_seconds: float, failpoints_from_annotations: bool = False):
+                 claim_seconds: float, defer_limit_seconds: float, failpoints_from_annotations: bool = False):
         super().__init__()
         self._ledger, self._kube, self._defaults, self._interval = ledger, kube, defaults, interval
         self.period = interval
+        self._claim_seconds = claim_seconds
         self._defer_limit = defer_limit_seconds
         self._failpoints = failpoints_from_annotations
 
     def round(self) -> float:
-        while self.relay_once():
-            pass
-        return self._interval
+        # One batch a round, the next at once while records are due: between batches the loop
+        # asks again whether this replica may write.
+        return 0.0 if self.relay_once() else self._interval
 
     def relay_once(self) -> int:
-        """Relay one batch; return how many records it claimed (0: nothing is due)."""
-        with self._ledger.dispatch_batch(limit=20) as (batch, outcomes):
-            for dispatch in batch:
-                failpoint("in-dispatch-batch", task=dispatch.name, uid=dispatch.task_uid)  # a leader frozen holding locks
-                self._settle(dispatch, outcomes)
-            return outcomes.claimed
+        """Claim and relay one batch; return how many records it claimed (0: nothing is due)."""
+        batch, outcomes = self._ledger.dispatch_batch(limit=self.batch_size, claim_seconds=self._claim_seconds)
+        for dispatch in batch:
+            self._settle(dispatch, outcomes)
+        return outcomes.claimed
 
     def _settle(self, dispatch: Dispatch, outcomes: DispatchOutcomes) -> None:
         who: dict[str, Any] = {"uid": dispatch.task_uid, "namespace": dispatch.namespace, "name": dispatch.name,
@@ -78,7 +87,7 @@ class Relay(Loop):
         try:
             result = self._send_unless_ended(dispatch)
         except (LedgerError, *STOPPED_LEADING):
-            raise  # the ledger is away, or this replica no longer leads: the whole batch waits (its claims roll back)
+            raise  # the ledger is away, or this replica no longer leads: the batch ends (its claims lapse)
         except Exception as exc:
             count_failure(self.name, exc)
             # A create's refusal for good arrives as `Refused`; any API answer left came from a
@@ -90,10 +99,11 @@ class Relay(Loop):
                 return
             result = given_up
         if isinstance(result, str):
-            outcomes.sent(dispatch, result)
+            if not outcomes.sent(dispatch, result):
+                self._not_ours(who)
             return
         # Ending without a Job, so make sure there is none: a relay that died between creating it
-        # and its commit (crash-matrix R3) left one, and its worker may be inside a step.
+        # and settling the record (crash-matrix R3) left one, and its worker may be inside a step.
         name = job_name(dispatch.name, dispatch.task_uid, dispatch.epoch)
         try:
             found = self._kube.delete_job_of(dispatch.namespace, name, dispatch.task_uid)
@@ -115,9 +125,12 @@ class Relay(Loop):
                      **who, outcome="dropped" if result.error is None else "rejected", why=f"{type(exc).__name__}: {exc}"[:300])
         left = name if found else None
         if result.error is None:
-            outcomes.dropped(dispatch, reason=result.reason, job_name=left)
+            settled = outcomes.dropped(dispatch, reason=result.reason, job_name=left)
         else:
-            outcomes.rejected(dispatch, result.error, reason=result.reason, job_name=left)
+            settled = outcomes.rejected(dispatch, result.error, reason=result.reason, job_name=left)
+        if not settled:
+            self._not_ours(who)
+            return
         fields = {**who, **({"why": result.error[:300]} if result.error else {}),
                   **({"job_deleted": left} if left else {})}
         log_line(log, logging.INFO if result.error is None else logging.WARNING, result.why, **fields)
@@ -173,8 +186,17 @@ class Relay(Loop):
         """429, 5xx, a dropped connection, an API error answering a read: this record alone waits."""
         why = f"{type(exc).__name__}: {exc}"
         delay = outcomes.deferred(dispatch, why)
+        if delay is None:
+            self._not_ours(who)
+            return
         log_line(log, logging.WARNING, "dispatch deferred after an error that may clear", **who, retry_in_seconds=delay,
                  why=why[:300])
+
+    @staticmethod
+    def _not_ours(who: dict[str, Any]) -> None:
+        """The record was no longer this relay's claim when it came to settle it: settled, claimed
+        again after this claim lapsed, or held (its task frozen). It is left to whoever holds it."""
+        log_line(log, logging.WARNING, "dispatch record no longer this relay's claim: left as it is", **who)
 
     def _send(self, dispatch: Dispatch, task: dict[str, Any], spec: TaskSpec) -> str:
         failpoint_armed = None

@@ -94,7 +94,7 @@ class Runtime:
         self.leases = LeaseObserver(api)
         self.pods = PodEndings(api)
         self.relay = Relay(self.ledger, self.kube, self.worker_defaults, interval=settings.relay_interval_seconds,
-                           defer_limit_seconds=settings.dispatch_defer_limit_seconds,
+                           claim_seconds=timing.request_timeout, defer_limit_seconds=settings.dispatch_defer_limit_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
         retention = settings.history_retention_days
         self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)
