@@ -228,3 +228,20 @@ def test_a_transaction_cut_for_sitting_idle_after_a_successor_took_the_term_is_n
         time.sleep(1.5)  # the server ends it after 1 s; the successor takes the term
         new.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
         cancel(cur, uid)
+
+
+def run_limits(ledger: Ledger) -> tuple[int | None, int | None]:
+    with psycopg.connect(ledger._dsn) as conn:
+        return conn.execute("SELECT max_running, max_running_per_namespace FROM retex.run_limits").fetchone()
+
+
+def test_the_run_limits_are_the_leaders_a_standbys_other_setting_changes_nothing(replicas, ledger):
+    leader, standby = replicas
+    leader.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    leader.set_run_limits(max_running=3, max_running_per_namespace=None)
+    with pytest.raises(NotLeader):
+        standby.set_run_limits(max_running=7, max_running_per_namespace=2)  # started with other settings
+    assert run_limits(ledger) == (3, None)
+    standby.take_term(lock_timeout_seconds=TAKE_TIMEOUT)  # it leads now: its settings are the ledger's
+    standby.set_run_limits(max_running=7, max_running_per_namespace=2)
+    assert run_limits(ledger) == (7, 2)

@@ -34,13 +34,22 @@ class FakeLeadership:
         return self._leading()
 
 
-def runtime(ledger: Ledger, leading: Callable[[], bool]) -> Any:
+def runtime(ledger: Ledger, leading: Callable[[], bool], *, max_running: int | None = None,
+            max_running_per_namespace: int | None = None) -> Any:
     rt: Any = object.__new__(Runtime)
     rt.ledger, rt.leadership = ledger, FakeLeadership(leading)
     rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
     rt._leaderships_lock = threading.Lock()
     rt._term_wanted_since = None
+    rt._max_running, rt._max_running_per_namespace = max_running, max_running_per_namespace
     return rt
+
+
+def run_limits(dsn: str) -> tuple[int | None, int | None]:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT max_running, max_running_per_namespace FROM retex.run_limits").fetchone()
+    assert row is not None
+    return row[0], row[1]
 
 
 def ledger_term(dsn: str) -> int:
@@ -159,3 +168,23 @@ def test_a_leader_that_cannot_take_the_term_for_a_lease_duration_may_not_keep_th
         assert not taker.is_alive()
         assert a._waiting_for_term() is None
         old_leader.rollback()
+
+
+def test_a_replica_writes_its_run_limits_under_the_term_it_takes_before_its_writers_wake(dsn, ledger):
+    """RETEX_MAX_RUNNING and RETEX_MAX_RUNNING_PER_NAMESPACE are the leader's: a replica writes
+    its own as it takes the term, and a writer it wakes places tasks under them."""
+    with (Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as la,
+          Ledger(dsn, retry_for_seconds=2, limits=LIMITS, leader_fenced=True) as lb):
+        seen_by_writers: list[tuple[int | None, int | None]] = []
+        writer = types.SimpleNamespace(wake=types.SimpleNamespace(set=lambda: seen_by_writers.append(run_limits(dsn))))
+        a = runtime(la, lambda: True, max_running=3)
+        a._writers = [writer]
+        a._take_term(1)
+        assert run_limits(dsn) == (3, None)
+        assert seen_by_writers == [(3, None)], "a writer woke before the leader's limits were written"
+        b = runtime(lb, lambda: True, max_running=7, max_running_per_namespace=2)  # takes over
+        b._take_term(1)
+        assert run_limits(dsn) == (7, 2)
+        with pytest.raises(NotLeader):
+            la.set_run_limits(max_running=3, max_running_per_namespace=None)  # the deposed leader's
+        assert run_limits(dsn) == (7, 2)

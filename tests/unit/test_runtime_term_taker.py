@@ -17,6 +17,9 @@ class TermLedger:
     def take_term(self, **_: Any) -> int:
         return self.term
 
+    def set_run_limits(self, **_: Any) -> None:
+        """Written under the term just taken."""
+
 
 def runtime(ledger: TermLedger, leading: Any, *, retry_period: float, lease_duration: float = 15) -> Any:
     """A Runtime with only what `_take_term` uses, in its first leadership."""
@@ -28,6 +31,7 @@ def runtime(ledger: TermLedger, leading: Any, *, retry_period: float, lease_dura
     rt._term_taken, rt._writers, rt._leaderships = threading.Event(), [], 1
     rt._leaderships_lock = threading.Lock()
     rt._term_wanted_since = 0.0
+    rt._max_running = rt._max_running_per_namespace = None
     return rt
 
 

@@ -255,8 +255,9 @@ class Ledger:
         self._run(witness_operations.claim_install, uid=uid, namespace=namespace, adopt_from=adopt_from)
 
     def set_run_limits(self, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
-        """Configuration every replica writes as it starts (from its own settings), leader or not."""
-        self._run(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
+        """The leader's configuration, written as it takes the term: a standby started with other
+        settings changes nothing."""
+        self._lead(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
 
     def fill_slots(self, *, actor: str = "operator") -> None:
         """Start what may start: the periodic backstop for a placement that skipped a briefly

@@ -84,8 +84,9 @@ class Runtime:
         self._leaderships = 0  # how many times this replica became leader: a term taker's own
         self._leaderships_lock = threading.Lock()
         self._term_wanted_since: float | None = None  # monotonic: this leadership began without a term
-        self.ledger.set_run_limits(max_running=settings.max_running,
-                                   max_running_per_namespace=settings.max_running_per_namespace)
+        # Written by the leader alone, as it takes the term (`_take_term`): a standby started with
+        # other limits must not override the leader's.
+        self._max_running, self._max_running_per_namespace = settings.max_running, settings.max_running_per_namespace
         api = api_client()
         self.worker_defaults = LiveWorkerDefaults(settings.worker, settings.ledger_tls)
         self._wedge_floor = settings.loop_wedge_floor_seconds
@@ -198,6 +199,9 @@ class Runtime:
             try:
                 term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period,
                                              still_leading=current)
+                # This leader's run limits, under its term, before any of its writers places a task.
+                self.ledger.set_run_limits(max_running=self._max_running,
+                                           max_running_per_namespace=self._max_running_per_namespace)
             except NotLeader as exc:
                 log_line(log, logging.WARNING, "ledger term not taken: not leading at the moment", error=str(exc))
                 continue
