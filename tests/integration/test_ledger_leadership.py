@@ -13,10 +13,10 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from retex.ledger import Ledger, LedgerUnavailable, NotLeader, operator_operations
+from retex.ledger import Ledger, LedgerUnavailable, NotLeader, operator_operations, transactions
 from retex.ledger.rows import Cursor
 from retex.ledger.transactions import SessionLimits
-from tests.integration.ledger_helpers import admission, admitted
+from tests.integration.ledger_helpers import admission, admitted, run_all_steps
 
 LIMITS = SessionLimits(idle_in_transaction_seconds=1.0, lock_timeout_seconds=1.0)
 TAKE_TIMEOUT = 0.3  # what a new leader waits per try of take_term
@@ -245,3 +245,34 @@ def test_the_run_limits_are_the_leaders_a_standbys_other_setting_changes_nothing
     standby.take_term(lock_timeout_seconds=TAKE_TIMEOUT)  # it leads now: its settings are the ledger's
     standby.set_run_limits(max_running=7, max_running_per_namespace=2)
     assert run_limits(ledger) == (7, 2)
+
+
+def test_a_purge_ends_at_the_first_batch_after_its_leadership_is_lost_and_keeps_the_batches_before(
+        replicas, ledger, monkeypatch):
+    leader, successor = replicas
+    leader.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+    finished = []
+    for _ in range(5):
+        uid = admitted(leader, steps=("only",))
+        run_all_steps(leader, uid, 1)
+        leader.complete_task(uid, 1, actor="worker")
+        finished.append(uid)
+    time.sleep(0.01)
+    submitted = ledger.figures().submitted
+    checks = []
+    check_term = transactions.check_term
+
+    def successor_takes_over_before_the_second_batch(cur, term):
+        checks.append(term)
+        if len(checks) == 2:  # the first batch committed: nothing of the purge holds the term now
+            successor.take_term(lock_timeout_seconds=TAKE_TIMEOUT)
+        check_term(cur, term)
+
+    monkeypatch.setattr(transactions, "check_term", successor_takes_over_before_the_second_batch)
+    with pytest.raises(NotLeader):
+        leader.purge_finished(older_than_seconds=0, batch=2)
+    assert len(checks) == 2, "the purge went on after its leadership was lost"
+    with psycopg.connect(ledger._dsn) as conn:
+        left = {uid for (uid,) in conn.execute("SELECT uid FROM retex.tasks")}
+    assert len(left) == 3 and left < set(finished), "the first batch of 2 went, nothing after it"
+    assert ledger.figures().submitted == submitted  # the batch that went left its tallies

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 import psycopg
 import pytest
 
-from retex.ledger import Dispatch, TaskNotFound
+from retex.ledger import Dispatch, TaskNotFound, operator_operations
 from retex.machine import TaskPhase
 from tests.integration.ledger_helpers import admission, admitted, run_all_steps
 
@@ -68,6 +68,51 @@ def test_purging_keeps_unfinished_tasks_and_their_uids_admit_as_before(ledger):
     assert ledger.purge_finished(older_than_seconds=0) == 0
     assert ledger.admit(task).created is False
     assert ledger.get(task.uid).phase == TaskPhase.RUNNING
+
+
+def counted_so_far(ledger) -> dict[str, object]:
+    """The figures that count since the ledger began (LedgerFigures): a purge must keep them."""
+    figures = ledger.figures()
+    return {"submitted": figures.submitted, "finished": figures.finished_by_phase,
+            "dead_lettered": figures.dead_lettered_ever, "attempts": figures.attempts_by_cause,
+            **{name: (h.count, pytest.approx(h.total), h.cumulative) for name, h in
+               (("step", figures.step_seconds), ("task", figures.task_seconds), ("first", figures.first_step_seconds))}}
+
+
+def test_a_purge_of_more_than_a_batch_goes_a_bounded_transaction_at_a_time_and_keeps_the_tallies(ledger, monkeypatch):
+    """Each batch is a fenced transaction of its own, so a large first purge holds the leadership
+    term only a batch at a time (a successor's take_term waits for one batch, not for all)."""
+    finished = []
+    for n in range(7):
+        task = admission(steps=("only",), max_attempts=1)
+        ledger.admit(task)
+        if n % 3:
+            succeed(ledger, task.uid)
+        else:  # dead-lettered: its tallies go too
+            ledger.begin_step(task.uid, 1, 0, actor="worker")
+            ledger.fail_step(task.uid, 1, 0, "boom", retryable=True, actor="worker")
+        finished.append(task.uid)
+    running = admitted(ledger)
+    time.sleep(0.01)
+    before = counted_so_far(ledger)
+    batches: list[tuple[str, int]] = []
+    purge_batch = operator_operations.purge_finished
+
+    def purge_counted(cur, **kwargs):
+        purged = purge_batch(cur, **kwargs)
+        batches.append((cur.execute("SELECT pg_current_xact_id()::text").fetchone()[0], purged))
+        return purged
+
+    monkeypatch.setattr(operator_operations, "purge_finished", purge_counted)
+    assert ledger.purge_finished(older_than_seconds=0, batch=3) == 7
+    assert [purged for _, purged in batches] == [3, 3, 1]
+    assert len({transaction for transaction, _ in batches}) == 3, "batches shared a transaction"
+    for uid in finished:
+        with pytest.raises(TaskNotFound):
+            ledger.get(uid)
+    assert ledger.get(running).phase == TaskPhase.RUNNING
+    assert counted_so_far(ledger) == before
+    assert ledger.purge_finished(older_than_seconds=0, batch=3) == 0
 
 
 # -- lost COMMIT replies of human actions --------------------------------------------------

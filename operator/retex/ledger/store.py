@@ -203,8 +203,17 @@ class Ledger:
     def promote_due(self, *, limit: int = 100, actor: str = "operator") -> list[str]:
         return self._lead(operator_operations.promote_due, limit=limit, actor=actor)
 
-    def purge_finished(self, *, older_than_seconds: float) -> int:
-        return self._lead(operator_operations.purge_finished, older_than_seconds=older_than_seconds)
+    def purge_finished(self, *, older_than_seconds: float, batch: int = operator_operations.PURGE_BATCH) -> int:
+        """History retention, `batch` tasks at a time, each batch a fenced transaction of its own,
+        until none is due: a large purge holds the leadership term a batch at a time, so a
+        successor's take_term waits for one batch, not for the whole purge. NotLeader (the term
+        moved on) ends it; the batches before it stay done. Returns how many went."""
+        purged = 0
+        while True:
+            went = self._lead(operator_operations.purge_finished, older_than_seconds=older_than_seconds, limit=batch)
+            purged += went
+            if went < batch:
+                return purged
 
     def request_cancel(self, uid: str, *, reason: str = "Cancelled", actor: str = "operator") -> TaskRecord:
         if reason not in operator_operations.CANCEL_REASONS:
