@@ -144,7 +144,9 @@ def test_operator_runs_two_replicas_on_two_nodes_never_both_down_and_elects_with
     assert role["metadata"]["namespace"] == "retex-system"
     named = [r for r in role["rules"] if r.get("resourceNames")]
     assert named == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                      "resourceNames": ["retex-operator-leader"], "verbs": ["get", "update"]}]
+                      "resourceNames": ["retex-operator-leader"], "verbs": ["get", "update"]},
+                     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                      "resourceNames": ["retex-install"], "verbs": ["get"]}]
     [binding] = [o for o in objects if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == role["metadata"]["name"]]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "retex-operator", "namespace": "retex-system"}]
     cluster_role = next(o for o in objects if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "retex-operator")
@@ -163,6 +165,7 @@ def test_the_shipped_role_lets_the_operator_hold_the_election_lease_in_its_names
     assert can("get", "retex-system", "retex-operator-leader") and can("update", "retex-system", "retex-operator-leader")
     assert can("create", "retex-system")
     assert not can("update", "retex-system", "some-other-lease")
+    assert can("get", "retex-system", "retex-install") and not can("update", "retex-system", "retex-install")
     assert not can("get", "examples-check", "retex-operator-leader")
     assert not can("update", "examples-check", "retex-operator-leader")
 

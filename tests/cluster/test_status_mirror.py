@@ -99,27 +99,29 @@ def test_a_task_whose_status_write_is_refused_holds_up_no_other_tasks_status_and
              what="the refused Tasks shown Succeeded once allowed")
 
 
-def test_a_ledger_that_forgot_commits_a_tasks_status_showed_is_announced_and_counted(retex):
+def test_a_ledger_that_forgot_commits_a_tasks_status_showed_freezes_the_task_and_says_so(retex):
     retex.kubectl("apply", "-f", "-", input=task_manifest("remembered", echo("done")))
     wait_for(lambda: status(retex, "remembered").get("phase") == "Succeeded", timeout=60, what="remembered Succeeded")
     uid, shown = uid_of(retex, "remembered"), status(retex, "remembered")["ledgerVersion"]
-    # The fault: the ledger forgets its last commits of the task (as two Postgres servers on one data
-    # directory made it; a restore from an older backup looks the same).
+    # The fault: the ledger forgets its last commits of the task (a failover to an asynchronous
+    # replica; a restore from an older backup looks the same), while the operator runs.
     with psycopg.connect(retex.dsn, autocommit=True) as conn:
         conn.execute("UPDATE retex.tasks SET version = %s WHERE uid = %s", (shown - 2, uid))
     assert retex.ledger.get(uid).version == shown - 2
-    try:
-        announced = wait_for(lambda: events_of(retex, "remembered", "LedgerBehindStatus"), timeout=30,
-                             what="a LedgerBehindStatus Event (the resync runs every 5 s here)")
-        assert announced[0]["type"] == "Warning"
-        assert f"holds version {shown - 2} of this task, its status showed {shown}" in announced[0]["message"]
-        assert retex.operator.metrics()[("retex_tasks_ahead_of_ledger", ())] == 1
-        lines = [json.loads(line) for line in retex.operator.log_tail(10**8).splitlines() if line.startswith("{")]
-        said = [line for line in lines if line.get("msg") == "the ledger is behind the Task's status"]
-        assert [(line["uid"], line["shown_version"], line["ledger_version"], line["level"]) for line in said] == [
-            (uid, shown, shown - 2, "error")], "announced once, however many resyncs saw it"
-        assert status(retex, "remembered")["ledgerVersion"] == shown, "nothing written over the status"
-    finally:
-        with psycopg.connect(retex.dsn, autocommit=True) as conn:  # the ledger past the status again
-            conn.execute("UPDATE retex.tasks SET version = %s WHERE uid = %s", (shown + 1, uid))
-    wait_for(lambda: retex.operator.metrics()[("retex_tasks_ahead_of_ledger", ())] == 0, timeout=30, what="the count cleared")
+
+    announced = wait_for(lambda: events_of(retex, "remembered", "LedgerBehind"), timeout=30,
+                         what="a LedgerBehind Event (the resync runs every 5 s here)")
+    assert announced[0]["type"] == "Warning" and "holds an older version of this task" in announced[0]["message"]
+    frozen = status(retex, "remembered")
+    assert frozen["phase"] == "LedgerBehind" and frozen["ledgerVersion"] == shown + 1
+    assert [s["state"] for s in frozen["steps"]] == ["done"], "what it showed, kept"
+    assert retex.ledger.get(uid).frozen_reason == "LedgerBehind"
+    wait_for(lambda: retex.operator.metrics()[("retex_frozen_tasks", ())] == 1, timeout=30, what="counted frozen")
+    lines = [json.loads(line) for line in retex.operator.log_tail(10**8).splitlines() if line.startswith("{")]
+    said = [line for line in lines if line.get("msg") == "task frozen: the ledger is behind the Task's status"]
+    assert [(line["uid"], line["shown_version"], line["ledger_version"], line["level"]) for line in said] == [
+        (uid, shown, shown - 2, "error")], "said once, however many resyncs ran"
+
+    retex.ledger.recover(uid, from_status=True, actor="test")
+    wait_for(lambda: status(retex, "remembered").get("phase") == "Succeeded", timeout=30, what="recovered, Succeeded")
+    wait_for(lambda: retex.operator.metrics()[("retex_frozen_tasks", ())] == 0, timeout=30, what="the count cleared")

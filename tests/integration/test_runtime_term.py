@@ -42,6 +42,7 @@ def runtime(ledger: Ledger, leading: Callable[[], bool], *, max_running: int | N
     rt._leaderships_lock = threading.Lock()
     rt._term_wanted_since = None
     rt._max_running, rt._max_running_per_namespace = max_running, max_running_per_namespace
+    rt.mirror = types.SimpleNamespace(mark_behind=lambda: None)  # no Task to compare with the ledger
     return rt
 
 
@@ -188,3 +189,24 @@ def test_a_replica_writes_its_run_limits_under_the_term_it_takes_before_its_writ
         with pytest.raises(NotLeader):
             la.set_run_limits(max_running=3, max_running_per_namespace=None)  # the deposed leader's
         assert run_limits(dsn) == (7, 2)
+
+
+def test_a_leaderships_writers_wait_until_every_task_was_compared_with_the_ledger(dsn, ledger):
+    """The sweep that freezes Tasks showing more than the ledger holds runs under the new term and
+    before the term counts as taken (the writers start then): a ledger restored while no leader
+    watched dispatches nothing first. A sweep that fails (the API server away) is tried again."""
+    with Ledger(dsn, limits=LIMITS, leader_fenced=True) as fenced:
+        a = runtime(fenced, lambda: True)
+        compared: list[bool] = []
+
+        def mark_behind() -> None:
+            compared.append(a._term_taken.is_set())
+            if len(compared) == 1:
+                raise ConnectionError("the API server went away")
+
+        a.mirror = types.SimpleNamespace(mark_behind=mark_behind)
+        a._take_term(1)
+
+    assert compared == [False, False], "tried again after a failure, each time before the term counted as taken"
+    assert a._term_taken.is_set()
+

@@ -1,7 +1,7 @@
-"""`retex` (and `kubectl retex`): history, requeue, resolve and dead-letters.
+"""`retex` (and `kubectl retex`): history, requeue, resolve, recover and dead-letters.
 
 Two modes. By default the CLI acts as the Kubernetes user of the kubeconfig (its current
-namespace unless -n): requeue and resolve are annotations on the Task, patched with the user's own
+namespace unless -n): requeue, resolve and recover are annotations on the Task, patched with the user's own
 credentials and naming the user the API server authenticated (SelfSubjectReview; the policy
 `retex-requested-by` refuses any other name); the operator acts on them and records that name in
 the ledger's history. History and dead letters come from Task status and Events. With
@@ -26,9 +26,10 @@ from typing import TYPE_CHECKING, NoReturn
 
 import psycopg
 
+from retex.api import LEDGER_BEHIND
 from retex.cli import render
 from retex.kube import humans
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, StepNotFound, TaskNotFound, TaskRecord
+from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotFrozen, StepNotFound, TaskNotFound, TaskRecord
 from retex.ledger.tls import unverified_tls_refusal
 from retex.logs import JsonLines
 from retex.machine import IllegalTransition
@@ -142,6 +143,26 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             raise Refused(f"cannot resolve step {args.step!r} of {render.ref(task)}: {_why(task, exc)}") from None
     how = "marked done" if args.mark_done else "set to re-run"
     return _done(args, f"step {args.step!r} {how}; {render.summary(task)}", task)
+
+
+def cmd_recover(args: argparse.Namespace) -> int:
+    mode = "from-status" if args.from_status else "afresh"
+    if not _direct(args):
+        api, namespace = _cluster(args)
+        user = humans.whoami(api)
+        phase = (humans.get_task(api, namespace, args.task).get("status") or {}).get("phase")
+        if phase != LEDGER_BEHIND:
+            raise Refused(f"cannot recover {namespace}/{args.task}: it is {phase or 'not admitted yet'}; only a task "
+                          f"frozen {LEDGER_BEHIND} is recovered")
+        humans.request_recover(api, namespace, args.task, user, mode=mode)
+        return _requested(args, f"recovery {mode}", namespace, user)
+    with _ledger(args) as ledger:
+        task = _task(ledger, args)
+        try:
+            task = ledger.recover(task.uid, from_status=args.from_status, actor=actor())
+        except NotFrozen as exc:
+            raise Refused(f"cannot recover {render.ref(task)}: {exc}") from None
+    return _done(args, f"recovered {mode}: {render.summary(task)}", task)
 
 
 def cmd_dead_letters(args: argparse.Namespace) -> int:
@@ -299,6 +320,16 @@ def _parser() -> argparse.ArgumentParser:
     how.add_argument("--mark-done", action="store_true", help="the effect happened: record the step done")
     how.add_argument("--rerun", action="store_true", help="the effect did not happen: run the step again")
     resolve.add_argument("--result", metavar="JSON", help="with --mark-done: the step's result, as JSON")
+
+    recover = command("recover", cmd_recover, "let a task frozen LedgerBehind run again (the ledger was restored or "
+                      "lost commits): rebuilt from what its status showed (--from-status) or as the ledger has it (--afresh)")
+    recover.add_argument("task", help="the Task's name (or its uid)")
+    whence = recover.add_mutually_exclusive_group(required=True)
+    whence.add_argument("--from-status", action="store_true",
+                        help="steps its status showed done stay done (their result the summary shown); one shown "
+                             "started is verified or flagged, as after a crash; a task shown ended stays ended")
+    whence.add_argument("--afresh", action="store_true",
+                        help="the ledger's own steps stand: a step it does not hold as done runs again")
 
     dead = command("dead-letters", cmd_dead_letters, "Failed tasks that ran out of retries or disruptions")
     dead.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")

@@ -30,6 +30,8 @@ T = TypeVar("T")
 REQUEUE_ANNOTATION = "retex.dev/requeue"
 RESOLVE_ANNOTATION = "retex.dev/resolve"
 REQUESTED_BY_ANNOTATION = "retex.dev/requested-by"
+RECOVER_ANNOTATION = "retex.dev/recover"
+RECOVER_MODES = ("from-status", "afresh")
 
 
 class NoCluster(Exception):
@@ -135,6 +137,14 @@ def request_resolve(api: client.ApiClient, namespace: str, name: str, user: str,
         decision["result"] = result
     return _annotate(api, namespace, name, {RESOLVE_ANNOTATION: json.dumps(decision, separators=(",", ":")),
                                             REQUESTED_BY_ANNOTATION: user}, "resolve")
+
+
+def request_recover(api: client.ApiClient, namespace: str, name: str, user: str, *, mode: str) -> dict[str, Any]:
+    """Annotate a frozen Task for its recovery (`mode`: from-status or afresh), as `user`."""
+    if mode not in RECOVER_MODES:
+        raise ValueError(f"recover mode {mode!r} is not one of {', '.join(RECOVER_MODES)}")
+    decision = json.dumps({"mode": mode, "requestedAt": _now()}, separators=(",", ":"))
+    return _annotate(api, namespace, name, {RECOVER_ANNOTATION: decision, REQUESTED_BY_ANNOTATION: user}, "recover")
 
 
 def _annotate(api: client.ApiClient, namespace: str, name: str, annotations: dict[str, str], what: str) -> dict[str, Any]:

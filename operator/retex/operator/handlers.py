@@ -32,18 +32,35 @@ from typing import Any, cast
 import kopf
 import pydantic
 
-from retex.api import GROUP, PLURAL, VERSION, TaskSpec
+from retex.api import GROUP, PLURAL, REFUSED, VERSION, ConditionType, TaskSpec, TaskStatus, find_condition
 from retex.failpoints import failpoint
 from retex.kube.client import api_client
 from retex.kube.election import LeaderLease
 from retex.kube.errors import NotPermitted, Refused
-from retex.kube.humans import REQUESTED_BY_ANNOTATION, REQUEUE_ANNOTATION, RESOLVE_ANNOTATION
+from retex.kube.humans import (
+    RECOVER_ANNOTATION,
+    RECOVER_MODES,
+    REQUESTED_BY_ANNOTATION,
+    REQUEUE_ANNOTATION,
+    RESOLVE_ANNOTATION,
+)
 from retex.kube.identity import WorkerIdentities
+from retex.kube.install import install_uid
 from retex.kube.leasewatch import LeaseObserver
 from retex.kube.objects import build_job
 from retex.kube.operator_calls import KubeCalls
 from retex.kube.podwatch import PodEndings
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotLeader, Refusal, TaskNotFound
+from retex.ledger import (
+    Ledger,
+    LedgerError,
+    LedgerUnavailable,
+    NotFrozen,
+    NotLeader,
+    Refusal,
+    TaskAdmission,
+    TaskNotFound,
+    TaskRecord,
+)
 from retex.logs import log_line
 from retex.machine import IllegalTransition
 from retex.operator import ledger_endpoint
@@ -63,6 +80,7 @@ from retex.operator.metrics import serve as serve_metrics
 from retex.operator.reaper import Reaper
 from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, session_limits
 from retex.operator.status import StatusMirror
+from retex.operator.witness import behind, shown_version
 
 log = logging.getLogger(__name__)
 TASKS = (GROUP, VERSION, PLURAL)
@@ -88,6 +106,10 @@ class Runtime:
         # other limits must not override the leader's.
         self._max_running, self._max_running_per_namespace = settings.max_running, settings.max_running_per_namespace
         api = api_client()
+        # A ledger another install owns is refused (InstallMismatch) before this replica competes
+        # for its leadership term: two installs on one ledger would take it from each other.
+        self.ledger.claim_install(uid=install_uid(api, settings.operator_namespace, request_timeout=timing.request_timeout),
+                                  namespace=settings.operator_namespace, adopt_from=settings.adopt_ledger)
         self.worker_defaults = LiveWorkerDefaults(settings.worker, settings.ledger_tls)
         self._wedge_floor = settings.loop_wedge_floor_seconds
         pod = os.environ.get("POD_NAME") or socket.gethostname()  # this replica
@@ -199,6 +221,8 @@ class Runtime:
             try:
                 term = self.ledger.take_term(lock_timeout_seconds=self.leadership.timing.retry_period,
                                              still_leading=current)
+                if not self._witnessed(current):
+                    continue
                 # This leader's run limits, under its term, before any of its writers places a task.
                 self.ledger.set_run_limits(max_running=self._max_running,
                                            max_running_per_namespace=self._max_running_per_namespace)
@@ -220,6 +244,24 @@ class Runtime:
             for loop in self._writers:
                 loop.wake.set()
             return
+
+    def _witnessed(self, current: Callable[[], bool]) -> bool:
+        """Before any writer of this leadership runs: every Task whose status shows more than the
+        ledger holds is frozen (the status resync's pass), so no dispatch or attempt goes out from
+        a ledger that was restored or failed over while no leader watched. Tried again until it
+        passes or the leadership ends (False): a leader that cannot read its Tasks gives up its
+        Lease after a lease duration without the term (`_may_keep_lease`)."""
+        while current():
+            try:
+                self.mirror.mark_behind()
+                return True
+            except NotLeader:
+                raise  # the term moved on meanwhile: taken again
+            except Exception as exc:
+                log_line(log, logging.WARNING, "the Tasks could not be compared with the ledger yet: trying again",
+                         error=f"{type(exc).__name__}: {exc}")
+                time.sleep(self.leadership.timing.retry_period)
+        return False
 
     def _waiting_for_term(self) -> float | None:
         """How long this leadership has gone without the ledger's term (None: it holds it, or this
@@ -293,7 +335,7 @@ class Runtime:
 class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     """kopf's diff base (its last-handled-configuration annotation) holding only what a handler
     reacts to after creation: `spec.cancel` (the rest of the spec is immutable by CRD rule) and
-    the requeue and resolve annotations. kopf's default keeps the whole spec and every annotation, JSON with
+    the requeue, resolve and recover annotations. kopf's default keeps the whole spec and every annotation, JSON with
     non-ASCII escaped: a payload under its 64 KiB limit took up to 6 bytes a character there, next
     to kubectl apply's own copy, and the object outgrew the API server's 256 KiB annotation limit
     — no patch landed again, so the Task could not even be deleted."""
@@ -304,7 +346,8 @@ class ReducedDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
         if "cancel" in (essence.get("spec") or {}):
             reduced["spec"] = {"cancel": essence["spec"]["cancel"]}
         annotations = (essence.get("metadata") or {}).get("annotations") or {}
-        kept = {key: annotations[key] for key in (REQUEUE_ANNOTATION, RESOLVE_ANNOTATION) if key in annotations}
+        kept = {key: annotations[key] for key in (REQUEUE_ANNOTATION, RESOLVE_ANNOTATION, RECOVER_ANNOTATION)
+                if key in annotations}
         if kept:
             reduced["metadata"] = {"annotations": kept}
         return cast(kopf.BodyEssence, reduced)
@@ -367,12 +410,15 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
     runtime: Runtime = memo.runtime
     failpoint("before-admit", task=name, uid=uid)  # crash-matrix R1: the Task exists, the ledger row does not
     try:
-        runtime.ledger.get(uid)
-        admitted = True  # resumed after a restart: checked when it was admitted
+        held: TaskRecord | None = runtime.ledger.get(uid)
     except TaskNotFound:
-        admitted = False
-    if not admitted and not _admitted_now(runtime, uid=uid, namespace=namespace, name=name, spec=dict(spec),
-                                          meta=meta, body=dict(body), logger=logger):
+        held = None
+    if held is not None:  # resumed after a restart: checked when it was admitted; unless the ledger went back
+        if held.frozen_reason is None and behind(dict(body), held.version):
+            runtime.mirror.freeze(dict(body), held.version)
+            return
+    elif not _admitted_now(runtime, uid=uid, namespace=namespace, name=name, spec=dict(spec),
+                           meta=meta, body=dict(body), logger=logger):
         return
     if spec.get("cancel"):
         runtime.ledger.request_cancel(uid)
@@ -397,6 +443,8 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
     if earlier is not None:
         runtime.mirror.refuse(body, earlier.reason, earlier.message)
         return False
+    if (body.get("status") or {}).get("phase") == REFUSED:  # a refusal the ledger lost (restored, failed over)
+        return refuse(*_shown_refusal(body))
     try:
         submitted_at = datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00"))
         admission = admission_for(uid=uid, namespace=namespace, name=name, spec=spec, submitted_at=submitted_at)
@@ -405,6 +453,8 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
     too_large = annotations_refusal(dict(meta.get("annotations") or {}), own_prefix=KOPF_PREFIX)
     if too_large:
         return refuse("AnnotationsTooLarge", too_large)
+    if behind(body, None):  # its status shows the ledger held it: never admitted as new (retex.operator.witness)
+        return _frozen_as_lost(runtime, admission, body, logger)
     verdict = runtime.ledger.prior_verdict(admission)
     if verdict is None:
         job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=1,
@@ -432,6 +482,30 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
                       f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
                       f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
     return True
+
+
+def _shown_refusal(body: dict[str, Any]) -> tuple[str, str]:
+    """The refusal a Task's status showed (its Accepted=False condition): it stands."""
+    status = body.get("status") or {}
+    accepted = find_condition(TaskStatus.model_validate(status).conditions, ConditionType.ACCEPTED) if status else None
+    if accepted is not None and accepted.status == "False":
+        return accepted.reason, accepted.message
+    return "Refused", "refused before the ledger lost the refusal; it stands"
+
+
+def _frozen_as_lost(runtime: Runtime, admission: TaskAdmission, body: dict[str, Any], logger: kopf.Logger) -> bool:
+    """A Task whose status shows the ledger held it, which the ledger does not hold: into the
+    ledger frozen (LedgerLost), never run as new; or, when a final decision stands for its uid
+    (purged, refused, a duplicate), nothing. Always False: not admitted to run."""
+    frozen = runtime.ledger.admit_lost(admission, witness=body.get("status") or {},
+                                       shown_version=shown_version(body) or 0)
+    if isinstance(frozen, TaskRecord):
+        log_line(logger, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
+                 shown_version=shown_version(body), phase=(body.get("status") or {}).get("phase"))
+        runtime.mirror.mark(admission.uid)
+    elif frozen.refusal is not None:
+        runtime.mirror.refuse(body, frozen.refusal.reason, frozen.refusal.message)
+    return False
 
 
 @kopf.on.field(*TASKS, field="spec.cancel", new=True)
@@ -502,6 +576,33 @@ def resolve(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, logger:
         log_line(logger, logging.WARNING, "resolve refused", why=str(refused))
         runtime.mirror.warn(dict(body), "ResolveRefused", f"resolve of step {step!r} refused: {refused}")
         return
+    runtime.relay.wake.set()
+    runtime.mirror.mark(uid)
+
+
+@kopf.on.field(*TASKS, field=("metadata", "annotations", RECOVER_ANNOTATION))
+@leader_only
+def recover(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """`retex recover` through the API: the annotation holds the decision for a frozen task as
+    JSON ({"mode": "from-status" | "afresh", "requestedAt"}); the ledger records it with who asked."""
+    runtime: Runtime = memo.runtime
+    if not new:
+        return
+    try:
+        mode = json.loads(new)["mode"]
+        if mode not in RECOVER_MODES:
+            raise ValueError(f"mode must be one of {', '.join(RECOVER_MODES)}")
+    except (ValueError, KeyError, TypeError) as bad:
+        runtime.mirror.warn(dict(body), "RecoverIgnored", f"recover ignored: the annotation {RECOVER_ANNOTATION} "
+                            f"is not a decision ({bad}); use `retex recover`")
+        return
+    try:
+        runtime.ledger.recover(uid, from_status=mode == "from-status", actor=_actor(body, new))
+    except (NotFrozen, TaskNotFound) as refused:
+        log_line(logger, logging.WARNING, "recover refused", why=str(refused))
+        runtime.mirror.warn(dict(body), "RecoverRefused", f"recover refused: {refused}")
+        return
+    log_line(logger, logging.INFO, "frozen task recovered", mode=mode, actor=_actor(body, new))
     runtime.relay.wake.set()
     runtime.mirror.mark(uid)
 

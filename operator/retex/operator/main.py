@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import kopf
 from kopf._core.engines.peering import Identity  # the type of kopf.operator's identity, not re-exported
 
+from retex.ledger import InstallMismatch
 from retex.logs import JsonLines, log_line
 from retex.operator.health import serve_health
 from retex.operator.settings import OperatorSettings
@@ -45,7 +46,11 @@ def main() -> None:
     from retex.operator.handlers import Runtime  # registers the handlers
 
     settings = OperatorSettings.from_env()
-    runtime = Runtime(settings)
+    try:
+        runtime = Runtime(settings)
+    except InstallMismatch as refused:  # a second install pointed at this ledger: nothing was written
+        log_line(log, logging.ERROR, "not starting: the ledger belongs to another install", why=str(refused))
+        raise SystemExit(1) from None
     runtime.start(settings.metrics_port, settings.ledger_port, settings.ledger_tls)
     health = serve_health(args.health, ready=runtime.ready, live=runtime.live) if args.health else None
     try:

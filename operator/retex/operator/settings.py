@@ -44,6 +44,9 @@ class OperatorSettings:
     # Lease retex-operator-leader in RETEX_OPERATOR_NAMESPACE (the Deployment's own namespace).
     leader_election: ElectionTiming = ElectionTiming()
     operator_namespace: str = "retex-system"
+    # RETEX_ADOPT_LEDGER: the install uid of the ledger's owner that this install replaces (retex
+    # reinstalled with its old database); unset, an operator refuses a ledger another install owns.
+    adopt_ledger: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> OperatorSettings:
@@ -84,6 +87,7 @@ class OperatorSettings:
             metrics_port=_metrics_port(env),
             leader_election=_election_timing(env),
             operator_namespace=env.get("RETEX_OPERATOR_NAMESPACE", "").strip() or "retex-system",
+            adopt_ledger=env.get("RETEX_ADOPT_LEDGER", "").strip() or None,
         )
 
 

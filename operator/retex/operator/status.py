@@ -625,7 +625,7 @@ class StatusMirror(Loop):
     def mark_behind(self) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
         label disagrees with it (a label patch lost with a leadership), is marked for a write.
-        A Task showing a version the ledger has not reached is frozen (`_freeze`)."""
+        A Task showing a version the ledger has not reached is frozen (`freeze`)."""
         # The first page before the versions: the LIST is a snapshot of when that page was served (the
         # later pages continue it), so a status written meanwhile is never ahead of the versions read.
         # list_tasks pages lazily, and only a page at a time is held (5,000 Tasks at scale).
@@ -637,11 +637,11 @@ class StatusMirror(Loop):
             if uid not in ledger_versions:  # not admitted yet, refused, purged; or lost: admission judges it
                 continue
             if behind(task, ledger_versions[uid]):
-                self._freeze(task, ledger_versions[uid])
+                self.freeze(task, ledger_versions[uid])
             elif (shown_version(task) or -1) < ledger_versions[uid] or _labelled_dead(task) != (uid in dead):
                 self.mark(uid)
 
-    def _freeze(self, task: dict[str, Any], ledger_version: int) -> TaskRecord:
+    def freeze(self, task: dict[str, Any], ledger_version: int) -> TaskRecord:
         """The ledger is behind what the Task's status showed of it: it lost commits (a failover to
         an asynchronous replica) or was restored from an older backup, and steps it no longer
         records as done would run again. The task is frozen (retex.ledger.witness) and marked:
@@ -667,7 +667,7 @@ class StatusMirror(Loop):
             self._settled(uid)
             return  # deleted (or a newer Task with the same name): nothing to mirror onto
         if record.frozen_reason is None and behind(task, record.version):
-            record = self._freeze(task, record.version)
+            record = self.freeze(task, record.version)
         shown = task.get("status") or {}
         if shown.get("ledgerVersion", -1) >= record.version:
             self._settled(uid)
