@@ -86,6 +86,12 @@ MUTANTS = (
     Mutant("endpoint-pod-binding", "the ledger endpoint's check that the calling pod is a worker of the task",
            ("tests/cluster/test_tenancy.py::test_a_forged_worker_in_one_namespace_for_a_task_of_another_is_refused",
             "tests/cluster/test_tenancy.py::test_a_pod_with_the_labels_but_no_job_is_refused")),
+    Mutant("ledger-witness", "the Task as the ledger's witness (a Task showing more than the ledger holds is frozen)",
+           ("tests/cluster/test_ledger_restore.py::test_a_ledger_restored_from_a_backup_freezes_what_it_forgot_and_recovery_repeats_no_effect",
+            "tests/cluster/test_status_mirror.py::test_a_ledger_that_forgot_commits_a_tasks_status_showed_freezes_the_task_and_says_so")),
+    Mutant("install-identity", "the install that owns the ledger (another install's operator refuses to start)",
+           ("tests/integration/test_ledger_witness.py::test_a_ledger_is_owned_by_the_first_install_and_refuses_another_unless_adopted",
+            "tests/cluster/test_install_identity.py::test_an_operator_of_another_install_refuses_a_ledger_it_does_not_own")),
 )
 
 
