@@ -1,4 +1,4 @@
-"""The crash-point matrix (../shared/crash-matrix.md, docs/crash-matrix.md): every row on the rig
+"""The crash-point matrix (docs/crash-matrix.md): every row on the rig
 with the real operator, real worker pods, real Postgres and a counting stub of the outside world.
 
 Each row first proves its fault fired where the row says — the process died by SIGKILL and printed
