@@ -135,6 +135,26 @@ def test_recovery_afresh_runs_every_step_the_ledger_does_not_hold_as_done(ledger
     ledger.begin_step(lost.uid, record.epoch, 0, actor="worker")
 
 
+@pytest.mark.parametrize("phase", ["Running", "Succeeded"])
+def test_cancelling_or_deleting_a_frozen_task_decides_it_and_ends_the_freeze(ledger, dsn, phase):
+    uid = admitted(ledger)
+    if phase == "Succeeded":
+        record = ledger.get(uid)
+        for step in record.steps:
+            ledger.begin_step(uid, record.epoch, step.idx, actor="worker")
+            ledger.commit_step(uid, record.epoch, step.idx, None, actor="worker")
+        ledger.complete_task(uid, record.epoch, actor="worker")
+    ledger.freeze(uid, reason="LedgerBehind", witness=shown(phase, version=90), shown_version=90)
+
+    record = ledger.request_cancel(uid, reason="TaskDeleted")
+
+    assert record.frozen_reason is None and ledger.figures().frozen == 0
+    assert ledger.history(uid)[-1 if phase == "Succeeded" else -2].event == "thaw"
+    if phase == "Running":
+        assert record.cancel_requested and due_dispatches(dsn, uid) == 1, (
+            "its held dispatch released: the relay drops it for the cancel, ending the task")
+
+
 def test_recovering_a_task_that_is_not_frozen_is_refused(ledger):
     uid = admitted(ledger)
     with pytest.raises(NotFrozen):

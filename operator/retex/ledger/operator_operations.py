@@ -255,6 +255,12 @@ def request_cancel(cur: Cursor, uid: str, *, reason: str, actor: str) -> TaskRec
     with when the operator ends it: Cancelled, or TaskDeleted for a deletion (one of
     CANCEL_REASONS, checked by `Ledger.request_cancel` before its transaction)."""
     task = lock_task(cur, uid)
+    if task.frozen_reason is not None:  # cancelling or deleting a frozen task decides it too: nothing more runs
+        cur.execute("UPDATE retex.outbox SET not_before = NULL WHERE task_uid = %s AND sent_at IS NULL "
+                    "AND not_before = 'infinity'", (uid,))
+        touch(cur, uid, frozen_reason=None)
+        record_history(cur, uid, actor, "thaw", epoch=task.epoch, detail={"frozen": task.frozen_reason, "for": reason})
+        task = lock_task(cur, uid)
     if task.phase in TERMINAL_PHASES or task.cancel_requested:
         return readers.get(cur, uid)
     if task.phase == TaskPhase.RUNNING:
