@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+from datetime import UTC, timedelta
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from retex.ledger import Ledger
@@ -118,14 +120,32 @@ def test_resolve_mark_done_with_a_result_resumes_the_task(ledger, dsn):
     assert ledger.attempts(uid)[-1].cause == "requeue"
 
 
+def begun_earlier(dsn: str, uid: str, seconds: float) -> None:
+    """The clock moves on: the task's step runs began `seconds` earlier than the ledger says."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.steps SET started_at = started_at - make_interval(secs => %s) WHERE task_uid = %s",
+                     (seconds, uid))
+
+
 def test_resolve_rerun_puts_the_step_back_to_pending_and_resumes(ledger, dsn):
     uid = flagged(ledger, "order-8")
+    begun_earlier(dsn, uid, 3600)  # its run is long past its deadline
     out = ok(retex(dsn, "resolve", "order-8", "-n", "shop", "--step", "charge", "--rerun", user="bob"))
     assert out.startswith("step 'charge' set to re-run; shop/order-8: Running; epoch 2")
     task = ledger.get(uid)
     assert (task.phase, task.steps[0].state, task.steps[0].result) == (TaskPhase.RUNNING, StepState.PENDING, None)
     assert ("cli:bob", "step-resolve-rerun", "needs-attention", "pending") in [
         (h.actor, h.event, h.from_state, h.to_state) for h in ledger.history(uid)]
+
+
+def test_a_rerun_before_the_steps_deadline_is_refused_saying_when_it_may_be_asked(ledger, dsn):
+    uid = flagged(ledger, "order-9")  # an exec step of 300 s (the default) begun just now
+    message = refused(retex(dsn, "resolve", "order-9", "-n", "shop", "--step", "charge", "--rerun", user="bob"))
+    rerun_from = (ledger.get(uid).steps[0].started_at + timedelta(seconds=305)).astimezone(UTC)
+    assert message.startswith("retex: cannot re-run step 'charge' of shop/order-9 yet: its latest run may still land "
+                              f"its effect until {rerun_from:%Y-%m-%dT%H:%M:%SZ} ("), message
+    assert ledger.get(uid).steps[0].state == StepState.NEEDS_ATTENTION
+    ok(retex(dsn, "resolve", "order-9", "-n", "shop", "--step", "charge", "--mark-done", user="bob"))  # no wait
 
 
 def test_dead_letters_lists_exactly_the_dead_lettered_tasks(ledger, dsn):

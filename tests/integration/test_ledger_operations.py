@@ -1,5 +1,6 @@
 """Ledger operations against a real Postgres: each one transaction, each idempotent when repeated."""
 
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -8,6 +9,7 @@ import pytest
 from retex.ledger import (
     CancelRequested,
     ResultTooLarge,
+    StepInFlight,
     StepNotFound,
     StepOutOfOrder,
     TaskRef,
@@ -238,12 +240,46 @@ def test_a_step_the_task_does_not_have_is_refused_as_step_not_found_and_nothing_
     assert [s.state for s in ledger.get(uid).steps] == [StepState.PENDING] * 3
 
 
-def test_resolving_by_rerun_puts_the_step_back_to_pending(ledger):
+def begun_earlier(dsn, uid, seconds):
+    """The clock moves on: the task's step runs began `seconds` earlier than the ledger says."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE retex.steps SET started_at = started_at - make_interval(secs => %s) WHERE task_uid = %s",
+                     (seconds, uid))
+
+
+def test_resolving_by_rerun_puts_the_step_back_to_pending(ledger, dsn):
     uid = admitted(ledger)
     ledger.begin_step(uid, 1, 0, actor="worker")
     ledger.flag_step(uid, 1, 0, "ambiguous", actor="worker")
+    begun_earlier(dsn, uid, 3600)  # its run is long past its deadline
     resumed = ledger.resolve_step(uid, "charge", mark_done=False, actor="cli:bob")
     assert (resumed.phase, resumed.steps[0].state) == (TaskPhase.RUNNING, StepState.PENDING)
+
+
+def test_a_rerun_is_refused_while_the_steps_latest_run_may_still_land_its_effect(ledger, dsn):
+    """As the worker waits for a started step's deadline before it verifies or re-runs it
+    (docs/crash-matrix.md), a human's re-run waits too: an http step of 20 s is sent within
+    10 s of its begin or never, answered within 20 s of that, and 5 s of margin follow: 35 s."""
+    task = replace(admission(steps=("charge",)), spec={"steps": [
+        {"name": "charge", "timeoutSeconds": 20, "http": {"method": "POST", "url": "https://pay.example/charge"}}]})
+    ledger.admit(task)
+    ledger.begin_step(task.uid, 1, 0, actor="worker")
+    ledger.flag_step(task.uid, 1, 0, "no response within 20s; not idempotent, no verify", actor="worker")
+    begun = ledger.get(task.uid).steps[0].started_at
+    history = ledger.history(task.uid)
+    with pytest.raises(StepInFlight) as refused:
+        ledger.resolve_step(task.uid, "charge", mark_done=False, actor="cli:bob")
+    assert refused.value.rerun_from == begun + timedelta(seconds=35)
+    assert 30 < refused.value.seconds_left <= 35
+    assert "may still land its effect until" in str(refused.value)
+    assert ledger.get(task.uid).steps[0].state == StepState.NEEDS_ATTENTION
+    assert ledger.history(task.uid) == history
+    begun_earlier(dsn, task.uid, 33)
+    with pytest.raises(StepInFlight):
+        ledger.resolve_step(task.uid, "charge", mark_done=False, actor="cli:bob")
+    begun_earlier(dsn, task.uid, 3)
+    resumed = ledger.resolve_step(task.uid, "charge", mark_done=False, actor="cli:bob")
+    assert (resumed.phase, resumed.epoch, resumed.steps[0].state) == (TaskPhase.RUNNING, 2, StepState.PENDING)
 
 
 def test_terminal_tasks_refuse_new_work(ledger):

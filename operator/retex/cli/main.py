@@ -29,7 +29,16 @@ import psycopg
 from retex.api import LEDGER_BEHIND
 from retex.cli import render
 from retex.kube import humans
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, NotFrozen, StepNotFound, TaskNotFound, TaskRecord
+from retex.ledger import (
+    Ledger,
+    LedgerError,
+    LedgerUnavailable,
+    NotFrozen,
+    StepInFlight,
+    StepNotFound,
+    TaskNotFound,
+    TaskRecord,
+)
 from retex.ledger.tls import unverified_tls_refusal
 from retex.logs import JsonLines
 from retex.machine import IllegalTransition
@@ -141,6 +150,8 @@ def cmd_resolve(args: argparse.Namespace) -> int:
             task = ledger.resolve_step(task.uid, args.step, mark_done=args.mark_done, result=result, actor=actor())
         except IllegalTransition as exc:
             raise Refused(f"cannot resolve step {args.step!r} of {render.ref(task)}: {_why(task, exc)}") from None
+        except StepInFlight as exc:
+            raise Refused(f"cannot re-run step {args.step!r} of {render.ref(task)} yet: {exc.why}") from None
     how = "marked done" if args.mark_done else "set to re-run"
     return _done(args, f"step {args.step!r} {how}; {render.summary(task)}", task)
 

@@ -20,6 +20,7 @@ from retex.ledger.errors import (
     NotFrozen,
     NotLeader,
     ResultTooLarge,
+    StepInFlight,
     StepNotFound,
     StepOutOfOrder,
     TaskNotFound,
@@ -48,8 +49,8 @@ __all__ = [
     "DispatchOutcomes",
     "FenceRejected", "Histogram", "HistoryEntry", "DURATION_BUCKETS", "InstallMismatch", "LedgerFigures", "Ledger",
     "LedgerError", "LedgerUnavailable", "NotFrozen", "NotLeader", "Refusal", "ResultTooLarge",
-    "SessionLimits", "StepNotFound", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound", "TaskRecord",
-    "TaskRef", "UnstorableValue", "WatchedAttempt",
+    "SessionLimits", "StepInFlight", "StepNotFound", "StepOutOfOrder", "StepRecord", "TaskAdmission", "TaskNotFound",
+    "TaskRecord", "TaskRef", "UnstorableValue", "WatchedAttempt",
     "spec_hash", "step_idempotency_key",
 ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from retex.machine import IllegalTransition
 
 
@@ -47,6 +49,20 @@ class StepNotFound(IllegalTransition):
 
 class StepOutOfOrder(LedgerError):
     """A step may only begin when every step before it is done (the contiguous-prefix rule)."""
+
+
+class StepInFlight(LedgerError):
+    """A re-run of a step asked while its latest run may still land its effect (before the
+    step's deadline, as the worker reckons it before verifying or re-running a started step):
+    sent again then, the effect could happen twice. `rerun_from`: when it may be asked (the
+    database's clock); `seconds_left`: how long until then, as the ledger measured it."""
+
+    def __init__(self, uid: str, step: str, *, rerun_from: datetime, seconds_left: float):
+        self.why = (f"its latest run may still land its effect until {rerun_from.astimezone(UTC):%Y-%m-%dT%H:%M:%SZ} "
+                    f"({seconds_left:.0f}s from now): ask for the re-run after that, or mark it done if the effect "
+                    "happened")
+        super().__init__(f"step {step!r} of task {uid}: {self.why}")
+        self.uid, self.step, self.rerun_from, self.seconds_left = uid, step, rerun_from, seconds_left
 
 
 class ResultTooLarge(LedgerError):

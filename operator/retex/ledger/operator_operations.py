@@ -13,7 +13,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from retex.ledger import readers
-from retex.ledger.errors import StepNotFound
+from retex.ledger.errors import StepInFlight, StepNotFound
 from retex.ledger.hashing import spec_hash, step_idempotency_key
 from retex.ledger.moves import (
     NOW,
@@ -29,7 +29,7 @@ from retex.ledger.moves import (
 from retex.ledger.placement import fill_slots, place, retry_or_fail, start_attempt, transition
 from retex.ledger.records import AdmitResult, Refusal, TaskAdmission, TaskRecord
 from retex.ledger.rows import Cursor, TaskRow, column_list, fetch_all, fetch_one, scalar
-from retex.machine import TERMINAL_PHASES, IllegalTransition, StepEvent, TaskEvent, TaskPhase
+from retex.machine import TERMINAL_PHASES, IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
 
 CANCEL_REASONS = ("Cancelled", "TaskDeleted")
 
@@ -320,11 +320,13 @@ def resolve_step(cur: Cursor, uid: str, step_name: str, *, mark_done: bool, resu
     when repeated: `Ledger.resolve_step` runs it once (`transactions.once`).
     """
     task = lock_task(cur, uid)
-    found = cur.execute("SELECT idx FROM retex.steps WHERE task_uid = %s AND name = %s",
+    found = cur.execute("SELECT idx, state FROM retex.steps WHERE task_uid = %s AND name = %s",
                         (uid, step_name)).fetchone()
     if found is None:
         raise StepNotFound(uid, step_name, "resolve")
     idx: int = found[0]
+    if not mark_done and found[1] == StepState.NEEDS_ATTENTION:
+        _refuse_rerun_in_flight(cur, uid, step_name, idx, rerun_after_seconds(task.spec["steps"][idx]))
     if mark_done:
         check_result_size(result)
         move_step(cur, uid, idx, StepEvent.RESOLVE_DONE, actor, None,
@@ -339,3 +341,32 @@ def resolve_step(cur: Cursor, uid: str, step_name: str, *, mark_done: bool, resu
         pending = transition(cur, task, TaskEvent.REQUEUE, actor, reason=None, finished_at=None)
         place(cur, pending, "requeue", actor)
     return readers.get(cur, uid)
+
+
+# The worker's reckoning of how long a step's run may still land its effect (its deadline before
+# it verifies or re-runs a started step: retex.worker.steps.by_kind.in_flight_seconds and the
+# worker's DEADLINE_MARGIN_SECONDS; a unit test holds the two together). The ledger reads the
+# spec as stored, with no model: an http request is sent within HTTP_SEND_WITHIN_SECONDS of the
+# begin (or its timeout, if shorter) or never.
+STEP_TIMEOUT_DEFAULT_SECONDS = 300  # a step's timeoutSeconds when its spec names none
+HTTP_SEND_WITHIN_SECONDS = 10.0
+IN_FLIGHT_MARGIN_SECONDS = 5.0
+
+
+def rerun_after_seconds(step_spec: dict[str, Any]) -> float:
+    """How long after a step's latest begin (or run) it may be sent again: its timeoutSeconds,
+    an http step's send window before that, and the margin."""
+    timeout = float(step_spec.get("timeoutSeconds", STEP_TIMEOUT_DEFAULT_SECONDS))
+    send_window = min(timeout, HTTP_SEND_WITHIN_SECONDS) if "http" in step_spec else 0.0
+    return send_window + timeout + IN_FLIGHT_MARGIN_SECONDS
+
+
+def _refuse_rerun_in_flight(cur: Cursor, uid: str, step_name: str, idx: int, after_seconds: float) -> None:
+    """StepInFlight while the step's latest run (its started_at: the latest begin, or `start_run`
+    before a re-run) is not `after_seconds` old on the database's clock."""
+    row = cur.execute(
+        """SELECT started_at + make_interval(secs => %s), extract(epoch FROM started_at + make_interval(secs => %s) - now())
+           FROM retex.steps WHERE task_uid = %s AND idx = %s AND started_at IS NOT NULL""",
+        (after_seconds, after_seconds, uid, idx)).fetchone()
+    if row is not None and row[1] > 0:
+        raise StepInFlight(uid, step_name, rerun_from=row[0], seconds_left=float(row[1]))
