@@ -85,3 +85,22 @@ def test_a_connection_the_server_ended_right_after_its_use_is_replaced_and_the_o
             assert conn.info.backend_pid != pid
         assert ledger.get(uid).steps[0].state == StepState.STARTED
         assert [h.event for h in ledger.history(uid)].count("step-begin") == 1
+
+
+def test_a_session_that_turned_read_only_is_replaced_and_the_operation_lands(dsn):
+    # A primary demoted in a switchover serves its sessions on as a standby: every write there
+    # fails "read-only transaction" for ever. The ledger drops such a session and reconnects,
+    # where a DSN with target_session_attrs=read-write reaches the new primary. Here the one
+    # pooled session is made read-only; a new one takes writes.
+    with Ledger(dsn, max_connections=1) as ledger:
+        uid = admitted(ledger)
+        with ledger._pool.connection() as conn:
+            conn.execute("SET default_transaction_read_only = on")
+            conn.commit()
+            pid = conn.info.backend_pid
+        ledger.begin_step(uid, 1, 0, actor="worker")
+        with ledger._pool.connection() as conn:
+            assert conn.info.backend_pid != pid
+            assert conn.execute("SHOW default_transaction_read_only").fetchone()[0] == "off"
+        assert ledger.get(uid).steps[0].state == StepState.STARTED
+        assert [h.event for h in ledger.history(uid)].count("step-begin") == 1

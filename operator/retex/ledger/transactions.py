@@ -32,8 +32,11 @@ from retex.logs import log_line
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Transient: the operation did not happen or will be found done when repeated.
-TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected)
+# Transient: the operation did not happen or will be found done when repeated. A read-only
+# session is one on a primary demoted by a switchover (now a standby): `transaction` drops it, and
+# the retry reconnects to whichever host of the DSN takes writes now.
+TRANSIENT = (psycopg.OperationalError, psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected,
+             psycopg.errors.ReadOnlySqlTransaction)
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,13 @@ def take_term(cur: Cursor, *, lock_timeout_seconds: float, still_leading: Callab
 def transaction(pool: ConnectionPool[psycopg.Connection[TupleRow]]) -> Iterator[Cursor]:
     """A cursor in a transaction on a pooled connection: committed when the block ends, rolled
     back when it raises."""
-    with pool.connection(timeout=10) as conn, conn.transaction(), conn.cursor() as cur:
-        yield cur
+    with pool.connection(timeout=10) as conn:
+        try:
+            with conn.transaction(), conn.cursor() as cur:
+                yield cur
+        except psycopg.errors.ReadOnlySqlTransaction:
+            conn.close()  # the pool replaces a closed connection instead of handing this session out again
+            raise
 
 
 def retrying(fn: Callable[[], T], *, op: str, retry_for: float) -> T:
