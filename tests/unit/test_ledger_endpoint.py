@@ -20,9 +20,18 @@ import pytest
 from e2e.rig import pki as pkilib
 from retex.kube.identity import NotAWorker, WorkerIdentity
 from retex.kube.objects import job_name
-from retex.ledger import FenceRejected, LedgerUnavailable, TaskNotFound
+from retex.ledger import RESULT_LIMIT_BYTES, FenceRejected, LedgerUnavailable, TaskNotFound
 from retex.ledger.wire import RequestRefused
-from retex.operator.ledger_endpoint import LedgerEndpoint, LedgerTls, Refusal, parse_request, serve
+from retex.operator.endpoint_limits import Quota
+from retex.operator.ledger_endpoint import (
+    MAX_BODY_BYTES,
+    EndpointLimits,
+    LedgerEndpoint,
+    LedgerTls,
+    Refusal,
+    parse_request,
+    serve,
+)
 from retex.worker.ledger_client import LedgerClient
 
 UID, OTHER = "11111111-aaaa", "22222222-bbbb"
@@ -34,7 +43,10 @@ class Record:
 
 
 class FakeLedger:
+    committed: list
+
     def __init__(self):
+        self.committed = []
         self.tasks = {UID: Record(UID, "shop", "order"), OTHER: Record(OTHER, "bank", "payout")}
         self.calls = []
         self.sent_jobs = {}  # (uid, epoch) → the Job name the relay recorded
@@ -52,6 +64,9 @@ class FakeLedger:
         self.calls.append(("begin_step", uid, epoch, idx, actor) + ((request,) if request else ()))
         return None
 
+    def commit_step(self, uid, epoch, idx, result, *, actor):
+        self.committed.append(result)
+
     def claim_attempt(self, uid, epoch, *, pod, node):
         self.calls.append(("claim_attempt", uid, epoch, pod, node))
         return None
@@ -60,6 +75,9 @@ class FakeLedger:
 class FakeIdentities:
     def __init__(self, tokens):
         self.tokens = tokens
+
+    def cached(self, token):
+        return self.tokens.get(token)
 
     def resolve(self, token):
         if token not in self.tokens:
@@ -77,6 +95,10 @@ def endpoint(**tokens):
     return LedgerEndpoint(ledger, FakeIdentities(tokens)), ledger
 
 
+def call(ep, operation, token, body):
+    return ep.call(operation, ep.identify(token), body)
+
+
 def refused(fn) -> Refusal:
     with pytest.raises(Refusal) as caught:
         fn()
@@ -85,23 +107,23 @@ def refused(fn) -> Refusal:
 
 def test_the_attempt_and_the_actor_come_from_the_token_never_from_the_request():
     ep, ledger = endpoint(good=worker())
-    ep.call("begin_step", "good", {"uid": UID, "epoch": 2, "idx": 0})
-    ep.call("claim_attempt", "good", {"uid": UID, "epoch": 2, "node": "n1"})
+    call(ep, "begin_step", "good", {"uid": UID, "epoch": 2, "idx": 0})
+    call(ep, "claim_attempt", "good", {"uid": UID, "epoch": 2, "node": "n1"})
     assert ("begin_step", UID, 2, 0, "worker:order-x-2-abcde") in ledger.calls
     assert ("claim_attempt", UID, 2, "order-x-2-abcde", "n1") in ledger.calls
 
 
 def test_a_request_for_another_task_or_epoch_is_refused_before_the_ledger_is_touched():
     ep, ledger = endpoint(good=worker())
-    assert refused(lambda: ep.call("begin_step", "good", {"uid": OTHER, "epoch": 2, "idx": 0})).status == 403
-    assert refused(lambda: ep.call("begin_step", "good", {"uid": UID, "epoch": 3, "idx": 0})).status == 403
+    assert refused(lambda: call(ep, "begin_step", "good", {"uid": OTHER, "epoch": 2, "idx": 0})).status == 403
+    assert refused(lambda: call(ep, "begin_step", "good", {"uid": UID, "epoch": 3, "idx": 0})).status == 403
     assert ledger.calls == []
 
 
 def test_a_pod_of_another_namespace_or_another_job_is_no_worker_and_is_not_told_whose_task_it_named():
     for forged in (worker(namespace="attacker"), worker(job="order-lookalike-2")):
         ep, ledger = endpoint(forged=forged)
-        refusal = refused(lambda: ep.call("begin_step", "forged", {"uid": UID, "epoch": 2, "idx": 0}))  # noqa: B023
+        refusal = refused(lambda: call(ep, "begin_step", "forged", {"uid": UID, "epoch": 2, "idx": 0}))  # noqa: B023
         assert refusal.status == 403 and "is not a worker of task" in str(refusal)
         assert "shop" not in str(refusal).replace(forged.namespace, "") and "order/" not in str(refusal)
         assert not [c for c in ledger.calls if c[0] != "get"]
@@ -111,7 +133,7 @@ def test_a_worker_of_a_task_gone_from_the_ledger_learns_it_as_task_not_found():
     ep, ledger = endpoint(good=worker())
     del ledger.tasks[UID]
     with pytest.raises(TaskNotFound):
-        ep.call("begin_step", "good", {"uid": UID, "epoch": 2, "idx": 0})
+        call(ep, "begin_step", "good", {"uid": UID, "epoch": 2, "idx": 0})
 
 
 def test_a_pod_of_the_job_the_relay_recorded_is_a_worker_even_if_this_release_would_name_it_otherwise():
@@ -120,13 +142,13 @@ def test_a_pod_of_the_job_the_relay_recorded_is_a_worker_even_if_this_release_wo
     old_name = "order-" + "x" * 57
     ep, ledger = endpoint(old=worker(job=old_name), stranger=worker(job="order-y-0000-2"))
     ledger.sent_jobs[(UID, 2)] = old_name
-    ep.call("begin_step", "old", {"uid": UID, "epoch": 2, "idx": 0})
-    assert refused(lambda: ep.call("begin_step", "stranger", {"uid": UID, "epoch": 2, "idx": 0})).status == 403
+    call(ep, "begin_step", "old", {"uid": UID, "epoch": 2, "idx": 0})
+    assert refused(lambda: call(ep, "begin_step", "stranger", {"uid": UID, "epoch": 2, "idx": 0})).status == 403
 
 
 def test_a_token_that_is_not_a_workers_is_refused_401():
     ep, _ = endpoint()
-    assert refused(lambda: ep.call("get", "stolen", {"uid": UID})).status == 401
+    assert refused(lambda: ep.identify("stolen")).status == 401
 
 
 @pytest.mark.parametrize("operation, body", [
@@ -158,13 +180,23 @@ def test_a_well_formed_request_becomes_the_ledger_methods_arguments():
 # -- the HTTP plumbing: nobody can tie it up -------------------------------------------------------
 
 
-class SlowEndpoint:
+class AnyPod:
+    """Every token is a worker: the pod (and namespace) named by the token."""
+
+    def cached_identity(self, token):
+        return WorkerIdentity(namespace=token, pod=token, service_account="retex-worker", job_name="j",
+                              task_uid=UID, epoch=2)
+
+    identify = cached_identity
+
+
+class SlowEndpoint(AnyPod):
     """Holds every call until released: shows how many run at once."""
 
     def __init__(self):
         self.release = threading.Event()
 
-    def call(self, operation, token, body):
+    def call(self, operation, identity, body):
         self.release.wait(10)
         return {"ok": True}
 
@@ -172,7 +204,7 @@ class SlowEndpoint:
 @pytest.fixture
 def server():
     slow = SlowEndpoint()
-    served = serve(slow, 0, None, max_concurrent=2)
+    served = serve(slow, 0, None, limits=EndpointLimits(max_concurrent=2))
     yield served.server_address[1], slow
     slow.release.set()
     served.shutdown()
@@ -199,23 +231,24 @@ def test_no_token_is_refused_before_the_body_is_read(server):
     assert answer.startswith("HTTP/1.0 401") or answer.startswith("HTTP/1.1 401"), answer
 
 
-@pytest.mark.parametrize("length, status", [("-1", 400), ("0", 400), (str(2 << 20), 413), ("many", 411)])
+@pytest.mark.parametrize("length, status", [("-1", 400), ("0", 400), (str(MAX_BODY_BYTES + 1), 413), ("many", 400),
+                                            (None, 411)])
 def test_a_body_length_that_is_negative_empty_too_large_or_missing_is_refused_at_once(server, length, status):
     port, _ = server
+    announced = f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
     answer = raw(port, b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\n"
-                       + f"Content-Length: {length}\r\n\r\n".encode())
+                       + f"{announced}\r\n".encode())
     assert answer.split(" ")[1] == str(status), answer
 
 
 def test_requests_past_the_concurrency_cap_are_answered_503_at_once(server):
     port, slow = server
-    headers = {"Authorization": "Bearer t", "Content-Type": "application/json"}
-    holders = [threading.Thread(target=post, args=(port, headers)) for _ in range(2)]
+    holders = [threading.Thread(target=post, args=(port, {"Authorization": f"Bearer pod-{n}"})) for n in range(2)]
     for t in holders:
         t.start()
     time.sleep(0.3)  # both slots taken by calls the fake holds
     started = time.monotonic()
-    status, reply = post(port, headers)
+    status, reply = post(port, {"Authorization": "Bearer pod-3"})
     assert status == 503 and "busy" in reply["message"] and time.monotonic() - started < 2
     slow.release.set()
     for t in holders:
@@ -304,9 +337,12 @@ def test_an_error_text_is_cut_to_what_the_ledger_keeps_before_it_is_sent(canned)
 # -- TLS: a token goes only to the endpoint whose certificate the operator's CA signed -------------
 
 
-class AnswerGet:
-    def call(self, operation, token, body):
+class AnswerGet(AnyPod):
+    def call(self, operation, identity, body):
         return 7.5
+
+
+tls_server_of: dict = {}  # port → the server, for the tests that look inside it
 
 
 @pytest.fixture
@@ -314,6 +350,7 @@ def tls_server(tmp_path):
     pki = pkilib.ledger_serving(tmp_path / "tls")
     tls = LedgerTls(str(pki.crt("ledger")), str(pki.key("ledger")), str(pki.ca_crt))
     served = serve(AnswerGet(), 0, tls)
+    tls_server_of[served.server_address[1]] = served
     token = tmp_path / "token"
     token.write_text("t")
     yield served.server_address[1], tls, str(token), pki
@@ -363,29 +400,187 @@ def test_a_rotated_certificate_is_served_to_the_connections_after_it(tls_server,
     assert fresh.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
 
 
-def test_the_endpoint_replies_without_waiting_for_the_workers_delayed_ack(tmp_path):
-    # A reply goes out in two writes (headers, then body). With Nagle's algorithm on, the second
-    # waits until the worker acknowledges the first, which the worker delays (~40 ms on Linux):
-    # that stall was most of each ledger call, two per step (docs/benchmarks.md).
-    pki = pkilib.ledger_serving(tmp_path / "tls")
-    tls = LedgerTls(str(pki.crt("ledger")), str(pki.key("ledger")), str(pki.ca_crt))
-    served = serve(AnswerGet(), 0, tls)
-    accepted = []
-    get_request = served.get_request
+def test_the_endpoint_replies_without_waiting_for_the_workers_delayed_ack(tls_server):
+    # A reply sent in two writes (headers, then body) under Nagle's algorithm waits for the
+    # worker's delayed ACK of the first (~40 ms on Linux): that stall was most of each ledger call,
+    # two per step (docs/benchmarks.md). Every accepted connection has TCP_NODELAY.
+    port, tls, token, _ = tls_server
+    served = tls_server_of[port]
+    client = LedgerClient(f"https://127.0.0.1:{port}", token, retry_for_seconds=1, ca_pem=tls.ca_pem())
+    assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
+    sockets = [handler.transport.get_extra_info("socket") for handler in served.http.connections]
+    assert sockets and [sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for sock in sockets] == [1]
 
-    def recording() -> tuple:
-        conn, address = get_request()
-        accepted.append(conn)
-        return conn, address
 
-    served.get_request = recording
-    token = tmp_path / "token"
-    token.write_text("t")
+# -- no caller ties up the endpoint for the others --------------------------------------------------
+
+
+def post_as(port, token: str, operation: str, body: dict, timeout=5.0) -> tuple[int, dict, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", f"/v1/attempt/{operation}", body=json.dumps(body).encode(),
+                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read() or b"{}"), dict(reply.getheaders())
+
+
+def test_a_caller_whose_token_is_refused_is_answered_401_before_it_sends_its_body():
+    served = serve(endpoint()[0], 0, None)
     try:
-        client = LedgerClient(f"https://127.0.0.1:{served.server_address[1]}", str(token), retry_for_seconds=1,
-                              ca_pem=tls.ca_pem())
-        assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 7.5
-        assert [conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for conn in accepted] == [1]
+        answer = raw(served.server_address[1], b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\n"
+                                               b"Authorization: Bearer forged\r\nContent-Length: 60000\r\n\r\n", timeout=3)
+        assert answer.split(" ")[1] == "401", answer
+    finally:
+        served.shutdown()
+        served.server_close()
+
+
+def test_callers_trickling_bodies_under_refused_tokens_leave_every_slot_to_the_workers():
+    ep, ledger = endpoint(good=worker())
+    served = serve(ep, 0, None, limits=EndpointLimits(max_concurrent=2))
+    port = served.server_address[1]
+    tricklers = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        for n, sock in enumerate(tricklers):
+            sock.sendall(f"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer forged-{n}\r\n"
+                         f"Content-Length: 1000\r\n\r\n{{".encode())
+        time.sleep(0.5)
+        status, reply, _ = post_as(port, "good", "begin_step", {"uid": UID, "epoch": 2, "idx": 0})
+        assert status == 200, reply
+    finally:
+        for sock in tricklers:
+            sock.close()
+        served.shutdown()
+        served.server_close()
+
+
+def test_a_pod_flooding_the_endpoint_is_answered_429_with_retry_after_and_another_tenant_is_still_served():
+    flooder = worker()
+    victim = WorkerIdentity(namespace="bank", pod="payout-y-1-fghij", service_account="retex-worker",
+                            job_name=job_name("payout", OTHER, 1), task_uid=OTHER, epoch=1)
+    ep, _ = endpoint(flood=flooder, victim=victim)
+    served = serve(ep, 0, None)
+    port = served.server_address[1]
+    try:
+        answers = [post_as(port, "flood", "begin_step", {"uid": UID, "epoch": 2, "idx": 0}) for _ in range(200)]
+        refused = [headers for status, _, headers in answers if status == 429]
+        assert refused, f"200 calls in a burst from one pod, none refused: {sorted({a[0] for a in answers})}"
+        assert all(float(headers["Retry-After"]) > 0 for headers in refused)
+        status, reply, _ = post_as(port, "victim", "begin_step", {"uid": OTHER, "epoch": 1, "idx": 0})
+        assert status == 200, reply
+    finally:
+        served.shutdown()
+        served.server_close()
+
+
+def test_a_request_whose_body_trickles_past_the_deadline_is_cut_off_and_its_slot_freed():
+    ep, _ = endpoint(good=worker())
+    served = serve(ep, 0, None, limits=EndpointLimits(request_seconds=1.0))
+    port = served.server_address[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/attempt/begin_step HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer good\r\n"
+                         b"Content-Length: 100\r\n\r\n")
+            started, answer = time.monotonic(), b""
+            while not answer and time.monotonic() - started < 4:
+                sock.sendall(b" ")  # a byte every 0.2 s: each read is quick, the request never ends
+                time.sleep(0.2)
+                sock.setblocking(False)
+                try:
+                    answer = sock.recv(4096)
+                except BlockingIOError:
+                    pass
+                sock.setblocking(True)
+            assert answer.split(b" ")[1] == b"408", answer
+        # The pod's concurrency slot is free again: its next calls are served.
+        for _ in range(3):
+            status, reply, _ = post_as(port, "good", "begin_step", {"uid": UID, "epoch": 2, "idx": 0})
+            assert status == 200, reply
+    finally:
+        served.shutdown()
+        served.server_close()
+
+
+def test_a_connection_that_trickles_its_headers_is_closed_at_the_header_deadline():
+    served = serve(endpoint()[0], 0, None, limits=EndpointLimits(header_seconds=1.0))
+    try:
+        with socket.create_connection(("127.0.0.1", served.server_address[1]), timeout=5) as sock:
+            started, closed = time.monotonic(), False
+            for byte in b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"x" * 100:
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    closed = True
+                    break
+                sock.setblocking(False)
+                try:
+                    closed = sock.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed = True
+                sock.setblocking(True)
+                if closed:
+                    break
+                time.sleep(0.1)
+            assert closed and time.monotonic() - started < 3
+    finally:
+        served.shutdown()
+        served.server_close()
+
+
+def test_connections_past_the_cap_for_one_address_are_dropped_at_once_and_a_closed_one_frees_its_place():
+    served = serve(endpoint()[0], 0, None, limits=EndpointLimits(max_connections_per_address=3))
+    port = served.server_address[1]
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            assert extra.recv(1) == b"", "the connection past the cap is closed without a byte read"
+        held.pop().close()
+        time.sleep(0.2)
+        answer = raw(port, b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        assert answer.split(" ")[1] == "401", answer
+    finally:
+        for sock in held:
+            sock.close()
+        served.shutdown()
+        served.server_close()
+
+
+def test_the_largest_legal_step_result_is_committed_and_a_body_past_its_size_is_refused_413():
+    ep, ledger = endpoint(good=worker())
+    served = serve(ep, 0, None)
+    port = served.server_address[1]
+    try:
+        # The worker's own encoding (json.dumps) of a result at the ledger's limit, escapes included.
+        result = {"text": "\u00e9" * ((RESULT_LIMIT_BYTES - 12) // 6)}
+        assert RESULT_LIMIT_BYTES - 6 < len(json.dumps(result).encode()) <= RESULT_LIMIT_BYTES
+        status, reply, _ = post_as(port, "good", "commit_step", {"uid": UID, "epoch": 2, "idx": 0, "result": result})
+        assert status == 200, reply
+        assert ledger.committed == [result]
+        too_big = {"uid": UID, "epoch": 2, "idx": 0, "result": "x" * MAX_BODY_BYTES}
+        assert post_as(port, "good", "commit_step", too_big)[0] == 413
+    finally:
+        served.shutdown()
+        served.server_close()
+
+
+def test_a_namespace_flooding_from_many_pods_is_held_to_its_quota_and_another_namespace_is_served():
+    flooders = {f"flood-{n}": WorkerIdentity(namespace="shop", pod=f"order-{n}", service_account="retex-worker",
+                                             job_name=job_name("order", UID, 2), task_uid=UID, epoch=2)
+                for n in range(6)}
+    victim = WorkerIdentity(namespace="bank", pod="payout-y-1-fghij", service_account="retex-worker",
+                            job_name=job_name("payout", OTHER, 1), task_uid=OTHER, epoch=1)
+    ep, _ = endpoint(victim=victim, **flooders)
+    limits = EndpointLimits(per_pod=Quota(rate=1000, burst=1000, concurrent=4),
+                            per_namespace=Quota(rate=0.5, burst=10, concurrent=4))
+    served = serve(ep, 0, None, limits=limits)
+    port = served.server_address[1]
+    try:
+        statuses = [post_as(port, token, "begin_step", {"uid": UID, "epoch": 2, "idx": 0})[0]
+                    for _ in range(5) for token in flooders]
+        assert statuses.count(200) <= 12 and statuses.count(429) >= 18, statuses
+        assert post_as(port, "victim", "begin_step", {"uid": OTHER, "epoch": 1, "idx": 0})[0] == 200
     finally:
         served.shutdown()
         served.server_close()

@@ -10,7 +10,10 @@ Reviews are cached briefly by the token's hash: a step makes several ledger call
 fence, not the token's freshness, is what refuses a stale worker (so a deleted pod's token may act
 for up to a minute more, fenced as any late write) — but never past the token's own expiry (its
 `exp` claim, read once the API server has accepted the token). Refusals are cached too, for less,
-so a caller repeating a bad token costs the API server one review per ten seconds.
+so a caller repeating a bad token costs the API server one review per ten seconds, and apart from
+the verdicts that admit a pod: a flood of refusals never evicts a live worker's verdict. A string
+that is no JWT naming the `retex-ledger` audience is refused without a review (the API server
+would refuse it too): random strings cost the API server nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kubernetes import client
 
@@ -33,7 +37,7 @@ _SA_PREFIX = "system:serviceaccount:"
 REQUEST_TIMEOUT = 10
 CACHE_SECONDS = 60.0
 REFUSAL_CACHE_SECONDS = 10.0  # a token refused once is refused again without asking the API server
-_CACHE_LIMIT = 4096
+_CACHE_LIMIT = 4096  # verdicts of each kind (admitted, refused) kept at most
 
 
 class NotAWorker(Exception):
@@ -77,35 +81,40 @@ class WorkerIdentities:
         self._auth = client.AuthenticationV1Api(api)
         self._core = client.CoreV1Api(api)
         self._cache_seconds = cache_seconds
-        self._cache: dict[str, tuple[float, WorkerIdentity | NotAWorker]] = {}
+        # token hash → (monotonic expiry, verdict); insertion order is age order.
+        self._admitted: dict[str, tuple[float, WorkerIdentity]] = {}
+        self._refused: dict[str, tuple[float, NotAWorker]] = {}
         self._lock = threading.Lock()
 
+    def cached(self, token: str) -> WorkerIdentity | None:
+        """The verdict on `token` without asking the API server: the identity, NotAWorker raised,
+        or None when only a review can tell."""
+        key, now = _key(token), time.monotonic()
+        with self._lock:
+            admitted, refused = self._admitted.get(key), self._refused.get(key)
+        if admitted and admitted[0] > now:
+            return admitted[1]
+        if refused and refused[0] > now:
+            raise refused[1]
+        if not _names_the_audience(token):
+            raise NotAWorker(f"not a ServiceAccount token for audience {TOKEN_AUDIENCE}")
+        return None
+
     def resolve(self, token: str) -> WorkerIdentity:
-        key = hashlib.sha256(token.encode()).hexdigest()
-        now = time.monotonic()
-        with self._lock:
-            hit = self._cache.get(key)
-        if hit and hit[0] > now:
-            if isinstance(hit[1], NotAWorker):
-                raise hit[1]
-            return hit[1]
+        found = self.cached(token)
+        if found is not None:
+            return found
+        key = _key(token)
         try:
-            found: WorkerIdentity | NotAWorker = self._review(token)
+            identity = self._review(token)
         except NotAWorker as refused:
-            found = refused
+            with self._lock:
+                _keep(self._refused, key, (time.monotonic() + REFUSAL_CACHE_SECONDS, refused))
+            raise
+        seconds = min(self._cache_seconds, _seconds_to_expiry(token, default=self._cache_seconds))
         with self._lock:
-            if len(self._cache) >= _CACHE_LIMIT:
-                self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-                if len(self._cache) >= _CACHE_LIMIT:
-                    self._cache.clear()
-            if isinstance(found, NotAWorker):
-                seconds = REFUSAL_CACHE_SECONDS
-            else:
-                seconds = min(self._cache_seconds, _seconds_to_expiry(token, default=self._cache_seconds))
-            self._cache[key] = (now + seconds, found)
-        if isinstance(found, NotAWorker):
-            raise found
-        return found
+            _keep(self._admitted, key, (time.monotonic() + seconds, identity))
+        return identity
 
     def _review(self, token: str) -> WorkerIdentity:
         """The pod the API server says the token is bound to; NotAWorker if it is no worker's."""
@@ -141,12 +150,45 @@ class WorkerIdentities:
         return identity_of(namespace, service_account, pod)
 
 
+_Verdict = TypeVar("_Verdict", WorkerIdentity, NotAWorker)
+
+
+def _key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _keep(cache: dict[str, tuple[float, _Verdict]], key: str, entry: tuple[float, _Verdict]) -> None:
+    """Store `entry`; a full cache drops its expired entries, then its oldest."""
+    cache.pop(key, None)
+    if len(cache) >= _CACHE_LIMIT:
+        now = time.monotonic()
+        for stale in [k for k, (expiry, _) in cache.items() if expiry <= now] or [next(iter(cache))]:
+            del cache[stale]
+    cache[key] = entry
+
+
+def _claims(token: str) -> dict[str, object]:
+    """A JWT's claims, unverified (only the API server's review verifies them)."""
+    try:
+        part = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+    except (IndexError, ValueError, TypeError):
+        return {}
+    return claims if isinstance(claims, dict) else {}
+
+
+def _names_the_audience(token: str) -> bool:
+    """Whether the token could be a projected token for the endpoint: a JWT whose `aud` names it.
+    Every token the API server would accept for the audience does."""
+    audience = _claims(token).get("aud")
+    return audience == TOKEN_AUDIENCE or isinstance(audience, list) and TOKEN_AUDIENCE in audience
+
+
 def _seconds_to_expiry(token: str, *, default: float) -> float:
     """Seconds until the `exp` claim of a JWT the API server has just accepted (so its signature
     and its claims are the API server's, not the caller's say); `default` if it has none."""
+    exp = _claims(token).get("exp")
     try:
-        claims = token.split(".")[1]
-        exp = json.loads(base64.urlsafe_b64decode(claims + "=" * (-len(claims) % 4)))["exp"]
-        return float(exp) - time.time()
-    except (IndexError, ValueError, KeyError, TypeError):
+        return float(exp) - time.time() if isinstance(exp, (int, float, str)) else default
+    except ValueError:
         return default

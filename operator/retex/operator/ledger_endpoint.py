@@ -11,34 +11,81 @@ Served over TLS (`LedgerTls`: a serving certificate whose CA the workers are han
 read off the pod network cannot be replayed; plain HTTP only where the operator was told it may
 (`RETEX_LEDGER_INSECURE=1`, docs/security.md). The certificate files are read again when they
 change (a rotated Secret), for the connections that follow.
+
+Any pod can reach the port, and every tenant shares it: no caller may stall or starve the others
+(docs/security.md, "the ledger endpoint's shared resources"). It runs on aiohttp in an event loop
+of its own thread, beside kopf's: a connection costs a coroutine, not a thread. The token is
+resolved before a byte of the body is read; a request has a deadline for its headers and one for
+the rest (body, handling, reply); connections are capped in total and per source address; each
+call is admitted against its pod's and its namespace's quota (retex.operator.endpoint_limits);
+the blocking work (TokenReviews, the ledger's psycopg calls) runs in small thread pools of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
+import math
 import os
-import socket
 import ssl
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from retex.api.models import MAX_STEPS, SPEC_MAX_BYTES
 from retex.kube.identity import IdentityUnavailable, NotAWorker, WorkerIdentities, WorkerIdentity
 from retex.kube.objects import job_name
-from retex.ledger import Ledger, LedgerError, LedgerUnavailable, TaskRecord
+from retex.ledger import RESULT_LIMIT_BYTES, Ledger, LedgerError, LedgerUnavailable, TaskRecord
 from retex.ledger.wire import OPERATIONS, PATH_PREFIX, UNFENCED, error_to_json, time_from_json, to_json
 from retex.logs import log_line
 from retex.machine import IllegalTransition
+from retex.operator.endpoint_limits import Admission, ConnectionCount, Quota
+from retex.operator.metrics import LEDGER_ENDPOINT_REFUSALS
 
 log = logging.getLogger(__name__)
-MAX_BODY_BYTES = 1 << 20  # a step result is at most 64 KiB; errors are cut to 4 KiB
-# Requests served at once; past it, 503 at once (the worker retries). Each holds a thread and, for
-# its transaction, a connection of the endpoint's pool.
+_ERROR_CHARS = 4096  # an error or a flag's reason, as the ledger keeps it
+# JSON escapes a character in at most 12 bytes (a surrogate pair, \\uXXXX\\uXXXX).
+_ESCAPED = 12
+# The largest legal request: a commit of a result of RESULT_LIMIT_BYTES (measured as the worker
+# encodes it), or a failure's error text, escaped; the rest of a body is a few hundred bytes.
+MAX_BODY_BYTES = max(RESULT_LIMIT_BYTES, _ERROR_CHARS * _ESCAPED) + 4096
+# The largest legal reply: a task (`get`) whose every step holds the largest result and error,
+# with the largest spec. A bigger one is a bug: answered 500, never sent.
+MAX_REPLY_BYTES = MAX_STEPS * (RESULT_LIMIT_BYTES + _ERROR_CHARS * _ESCAPED) + 2 * SPEC_MAX_BYTES + (64 << 10)
+# Calls admitted at once, all tenants together; past it, 503 at once (the worker retries). Each
+# may hold a ledger thread (a database connection) and its reply in memory.
 MAX_CONCURRENT_REQUESTS = 32
-SOCKET_TIMEOUT_SECONDS = 30
+LEDGER_THREADS = 8  # the endpoint's Ledger has as many connections (retex.operator.handlers)
+REVIEW_THREADS = 4  # TokenReviews at once: what an unknown token can cost the API server
+MAX_PENDING_REVIEWS = 64  # tokens waiting for a review; past it, 503 at once
+MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_PER_ADDRESS = 256  # a pod's address: every worker of a node shares none
+# A request's headers must be in within HEADER_SECONDS of its connection (or of the previous reply
+# on it); its body, its handling and its reply within REQUEST_SECONDS more: 30 s in all, below the
+# worker's read timeout (retex.worker.ledger_client). Idle kept-alive connections close as late.
+HEADER_SECONDS = 10.0
+REQUEST_SECONDS = 20.0
+# A worker makes one call at a time, a few per step; the burst covers a start (get, claim, begin)
+# and a retry storm after an outage. A namespace's calls may hold half the ledger threads.
+PER_POD = Quota(rate=20.0, burst=40, concurrent=2)
+PER_NAMESPACE = Quota(rate=100.0, burst=200, concurrent=LEDGER_THREADS // 2)
+
+
+@dataclass(frozen=True)
+class EndpointLimits:
+    per_pod: Quota = PER_POD
+    per_namespace: Quota = PER_NAMESPACE
+    max_concurrent: int = MAX_CONCURRENT_REQUESTS
+    max_connections: int = MAX_CONNECTIONS
+    max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
+    header_seconds: float = HEADER_SECONDS
+    request_seconds: float = REQUEST_SECONDS
 
 
 class Refusal(Exception):
@@ -92,15 +139,27 @@ class LedgerEndpoint:
         self._verified: set[WorkerIdentity] = set()
         self._lock = threading.Lock()
 
-    def call(self, operation: str, token: str, body: dict[str, Any]) -> Any:
-        if operation not in OPERATIONS:
-            raise Refusal(404, f"no operation {operation!r}")
+    def cached_identity(self, token: str) -> WorkerIdentity | None:
+        """The token's pod if known without a TokenReview; None if only a review can tell. Cheap:
+        runs on the event loop. Refusal(401) for a token refused before, or no ledger token."""
         try:
-            identity = self._identities.resolve(token)
+            return self._identities.cached(token)
+        except NotAWorker as exc:
+            raise Refusal(401, str(exc)) from None
+
+    def identify(self, token: str) -> WorkerIdentity:
+        """The token's pod, through a TokenReview if need be (blocking)."""
+        try:
+            return self._identities.resolve(token)
         except NotAWorker as exc:
             raise Refusal(401, str(exc)) from None
         except IdentityUnavailable as exc:
             raise Refusal(503, str(exc)) from None
+
+    def call(self, operation: str, identity: WorkerIdentity, body: dict[str, Any]) -> Any:
+        """Run `operation` for the attempt `identity` runs (blocking: the ledger's transaction)."""
+        if operation not in OPERATIONS:
+            raise Refusal(404, f"no operation {operation!r}")
         self._authorise(identity, operation, body)
         kwargs = parse_request(operation, body)
         method = getattr(self._ledger, operation)
@@ -171,120 +230,240 @@ class _ServingContext:
                 self._loaded = stamp
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    serving: _ServingContext | None = None
-    serving_thread: threading.Thread  # set by serve()
+# aiohttp's own log: a malformed request (any pod may send one) is the caller's problem, answered
+# 400 by aiohttp; logged, it would let any pod fill the operator's log with tracebacks.
+_PROTOCOL_LOG = logging.getLogger(f"{__name__}.protocol")
+_PROTOCOL_LOG.setLevel(logging.CRITICAL)
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        conn, address = super().get_request()
-        if self.serving is None:
-            return conn, address
+
+class _CappedServer(web.Server):
+    """aiohttp's connection manager, counting connections against the caps and reloading a
+    rotated certificate before each handshake."""
+
+    def __init__(self, handler: Callable[[web.BaseRequest], Any], *, connections: ConnectionCount,
+                 serving: _ServingContext | None, **kwargs: Any):
+        super().__init__(handler, **kwargs)
+        self._count = connections
+        self._serving = serving
+        self._addresses: dict[RequestHandler, str] = {}
+
+    def __call__(self) -> RequestHandler:
+        # Called as a connection is accepted, before its TLS handshake.
+        if self._serving is not None:
+            try:
+                self._serving.refresh()
+            except (OSError, ssl.SSLError) as exc:  # a rotation half written: keep the loaded pair
+                log_line(log, logging.WARNING, "ledger endpoint: certificate not reloaded", error=str(exc))
+        return super().__call__()
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
+        if not self._count.open(address):
+            LEDGER_ENDPOINT_REFUSALS.labels(namespace="", reason="connections").inc()
+            transport.abort()  # before a byte is read: the caller retries
+            return
+        self._addresses[handler] = address
+        super().connection_made(handler, transport)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        address = self._addresses.pop(handler, None)
+        if address is not None:
+            self._count.close(address)
+        super().connection_lost(handler, exc)
+
+
+class _Answer(Exception):
+    """A reply decided before the call runs: a refusal, with its headers."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+class LedgerServer:
+    """The endpoint served on its own event loop, in its own thread (`serving_thread`)."""
+
+    def __init__(self, endpoint: LedgerEndpoint, port: int, tls: LedgerTls | None, limits: EndpointLimits):
+        self._endpoint = endpoint
+        self._limits = limits
+        self._admission = Admission(limits.per_pod, limits.per_namespace)
+        self._admitted = 0
+        self._pending_reviews = 0
+        self._ledger_threads = concurrent.futures.ThreadPoolExecutor(LEDGER_THREADS, "ledger-endpoint-call")
+        self._review_threads = concurrent.futures.ThreadPoolExecutor(REVIEW_THREADS, "ledger-endpoint-review")
+        self._loop = asyncio.new_event_loop()
+        serving = _ServingContext(tls) if tls is not None else None
+        self.http = _CappedServer(
+            self._handle, connections=ConnectionCount(limits.max_connections, limits.max_connections_per_address),
+            serving=serving, loop=self._loop, keepalive_timeout=limits.header_seconds, lingering_time=0,
+            max_headers=32, access_log=None, logger=_PROTOCOL_LOG)
+        self._listener = self._loop.run_until_complete(self._loop.create_server(
+            self.http, "0.0.0.0", port, ssl=serving.context if serving else None,
+            ssl_handshake_timeout=limits.header_seconds if serving else None, backlog=512))
+        self.server_address: tuple[str, int] = self._listener.sockets[0].getsockname()[:2]
+        self.serving_thread = threading.Thread(target=self._loop.run_forever, name="ledger-endpoint", daemon=True)
+        self.serving_thread.start()  # the readiness probe watches it
+
+    def shutdown(self) -> None:
+        """Stop accepting and drop open connections; calls in flight finish in their threads."""
+        async def stop() -> None:
+            self._listener.close()
+            self.http.pre_shutdown()
+            await self.http.shutdown(1.0)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.serving_thread.join(timeout=10)
+
+    def server_close(self) -> None:
+        self._ledger_threads.shutdown(wait=False, cancel_futures=True)
+        self._review_threads.shutdown(wait=False, cancel_futures=True)
+        if not self.serving_thread.is_alive():
+            self._loop.close()
+
+    # -- one request ---------------------------------------------------------------------------
+
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        reply: web.Response | None = None
         try:
-            self.serving.refresh()
-        except (OSError, ssl.SSLError) as exc:  # a rotation half written: keep the loaded pair
-            log_line(log, logging.WARNING, "ledger endpoint: certificate not reloaded", error=str(exc))
-        # The handshake happens in the request's own thread (_Handler.setup), under its socket
-        # timeout: a client that never completes one ties up nothing but that thread.
-        return self.serving.context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False), address
+            async with asyncio.timeout(self._limits.request_seconds):
+                reply = await self._answer(request)
+                await reply.prepare(request)
+                await reply.write_eof()
+                return reply
+        except TimeoutError:
+            if reply is not None and reply.prepared:  # a reader too slow for its reply: let it go
+                if request.transport is not None:
+                    request.transport.abort()
+                return reply
+            LEDGER_ENDPOINT_REFUSALS.labels(namespace="", reason="deadline").inc()
+            return _json(408, {"message": f"the request took over {self._limits.request_seconds:.0f}s"}, close=True)
+        except Exception as exc:  # noqa: BLE001 - a bug answers 500 and is logged here, never by aiohttp
+            log_line(log, logging.ERROR, "ledger endpoint: request failed", path=request.path, exc_info=True)
+            return _json(500, {"message": f"{type(exc).__name__}: {exc}"}, close=True)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A failed handshake or a dropped client: the client's problem, one line, no traceback.
-        log_line(log, logging.INFO, "ledger endpoint: connection dropped", client=client_address[0])
-
-
-class _Handler(BaseHTTPRequestHandler):
-    endpoint: LedgerEndpoint
-    slots: threading.BoundedSemaphore
-    protocol_version = "HTTP/1.1"
-    timeout = SOCKET_TIMEOUT_SECONDS  # a client that stops sending (or never sends) is dropped
-    # TCP_NODELAY: a reply is two writes (headers, body); under Nagle's algorithm the second waits
-    # for the worker's delayed ACK of the first, ~40 ms on every call of a kept-alive connection.
-    disable_nagle_algorithm = True
-
-    def setup(self) -> None:
-        super().setup()  # sets the socket timeout
-        if isinstance(self.connection, ssl.SSLSocket):
-            self.connection.do_handshake()
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    async def _answer(self, request: web.BaseRequest) -> web.Response:
         # Cheap refusals first, before reading anything of the body: any pod of the cluster can
         # reach this port, and none may tie up the operator.
-        if not self.slots.acquire(blocking=False):
-            self._refuse(503, "the ledger endpoint is busy: try again")
-            return
         try:
-            self._serve()
-        finally:
-            self.slots.release()
-
-    def _serve(self) -> None:
-        if not self.path.startswith(PATH_PREFIX):
-            self._refuse(404, f"unknown path {self.path}")
-            return
-        operation = self.path[len(PATH_PREFIX):]
-        header = self.headers.get("Authorization", "")
-        token = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
-        if not token:
-            self._refuse(401, "no bearer token: workers present their projected ServiceAccount token")
-            return
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            self._refuse(411, "a Content-Length is required")
-            return
-        if not 0 < length <= MAX_BODY_BYTES:
-            self._refuse(413 if length > 0 else 400, f"the body must be 1 to {MAX_BODY_BYTES} bytes")
-            return
-        try:
-            body = json.loads(self.rfile.read(length))
-        except ValueError as exc:
-            self._refuse(400, f"the body is not JSON: {exc}")
-            return
-        if not isinstance(body, dict):
-            self._refuse(400, "the body must be a JSON object")
-            return
-        try:
-            self._reply(200, {"result": self.endpoint.call(operation, token, body)})
+            operation, token, length = _headers_checked(request)
+            identity = await self._identity(token)
+            return await self._admitted_call(request, operation, identity, length)
+        except _Answer as answer:
+            return _json(answer.status, {"message": str(answer)}, close=True, headers=answer.headers)
         except Refusal as exc:
             if exc.status in (401, 403):
-                log_line(log, logging.WARNING, "ledger endpoint refused a caller", operation=operation,
+                log_line(log, logging.WARNING, "ledger endpoint refused a caller", path=request.path,
                          status=exc.status, why=str(exc))
-            self._refuse(exc.status, str(exc))
-        except LedgerUnavailable as exc:
-            self._reply(503, error_to_json(exc))
-        except (LedgerError, IllegalTransition) as exc:
-            self._reply(409, error_to_json(exc))
-        except Exception as exc:  # noqa: BLE001 - a bug here must not kill the server thread silently
-            log_line(log, logging.ERROR, "ledger endpoint: operation failed", operation=operation, exc_info=True)
-            self._reply(500, {"message": f"{type(exc).__name__}: {exc}"})
+            return _json(exc.status, {"message": str(exc)}, close=True)
 
-    def _refuse(self, status: int, message: str) -> None:
-        self.close_connection = True  # whatever the caller sent after this is not read
-        self._reply(status, {"message": message})
+    async def _identity(self, token: str) -> WorkerIdentity:
+        known = self._endpoint.cached_identity(token)
+        if known is not None:
+            return known
+        if self._pending_reviews >= MAX_PENDING_REVIEWS:
+            LEDGER_ENDPOINT_REFUSALS.labels(namespace="", reason="reviews-busy").inc()
+            raise _Answer(503, "the ledger endpoint is busy: try again", {"Retry-After": "1"})
+        self._pending_reviews += 1
+        try:
+            return await asyncio.shield(self._loop.run_in_executor(self._review_threads,
+                                                                   self._endpoint.identify, token))
+        finally:
+            self._pending_reviews -= 1
 
-    def _reply(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(data)
+    async def _admitted_call(self, request: web.BaseRequest, operation: str, identity: WorkerIdentity,
+                             length: int) -> web.Response:
+        namespace, pod = identity.namespace, identity.pod
+        refused = self._admission.admit(namespace, pod, self._loop.time())
+        if refused is not None:
+            LEDGER_ENDPOINT_REFUSALS.labels(namespace=namespace, reason=f"{refused.scope}-{refused.why}").inc()
+            raise _Answer(429, f"pod {namespace}/{pod}: over its {refused.scope}'s {refused.why} limit at the "
+                               f"ledger endpoint: try again", {"Retry-After": str(max(1, math.ceil(refused.retry_after)))})
+        if self._admitted >= self._limits.max_concurrent:
+            self._admission.release(namespace, pod)
+            LEDGER_ENDPOINT_REFUSALS.labels(namespace=namespace, reason="busy").inc()
+            raise _Answer(503, "the ledger endpoint is busy: try again", {"Retry-After": "1"})
+        self._admitted += 1
+        holders = 1  # this coroutine, and the call's thread once it has one: the slots are free when both are done
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
-        pass  # one structured line per refusal is logged above; successes are counted, not logged
+        def let_go() -> None:
+            nonlocal holders
+            holders -= 1
+            if not holders:
+                self._admitted -= 1
+                self._admission.release(namespace, pod)
+
+        try:
+            body = await _body(request, length)
+            work = self._ledger_threads.submit(self._endpoint.call, operation, identity, body)
+            holders += 1
+            work.add_done_callback(lambda _: self._loop.call_soon_threadsafe(let_go))
+            try:
+                result = await asyncio.shield(asyncio.wrap_future(work))
+            except Refusal:
+                raise
+            except LedgerUnavailable as exc:
+                return _json(503, error_to_json(exc))
+            except (LedgerError, IllegalTransition) as exc:
+                return _json(409, error_to_json(exc))
+            except Exception as exc:  # noqa: BLE001 - a bug in one call must not kill the server
+                log_line(log, logging.ERROR, "ledger endpoint: operation failed", operation=operation, exc_info=True)
+                return _json(500, {"message": f"{type(exc).__name__}: {exc}"})
+            return _result_reply(operation, result)
+        finally:
+            let_go()
+
+
+async def _body(request: web.BaseRequest, length: int) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.content.readexactly(length))
+    except asyncio.IncompleteReadError:
+        raise _Answer(400, "the body ended before its Content-Length") from None
+    except ValueError as exc:
+        raise _Answer(400, f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _Answer(400, "the body must be a JSON object")
+    return body
+
+
+def _headers_checked(request: web.BaseRequest) -> tuple[str, str, int]:
+    """The operation, the bearer token and the body's length, from the request's headers alone."""
+    if request.method != "POST":
+        raise _Answer(405, "only POST")
+    if not request.path.startswith(PATH_PREFIX):
+        raise _Answer(404, f"unknown path {request.path}")
+    header = request.headers.get("Authorization", "")
+    token = header[len("Bearer "):].strip() if header.startswith("Bearer ") else ""
+    if not token:
+        raise _Answer(401, "no bearer token: workers present their projected ServiceAccount token")
+    try:
+        length = int(request.headers.get("Content-Length", ""))
+    except ValueError:
+        raise _Answer(411, "a Content-Length is required") from None
+    if not 0 < length <= MAX_BODY_BYTES:
+        raise _Answer(413 if length > 0 else 400, f"the body must be 1 to {MAX_BODY_BYTES} bytes")
+    return request.path[len(PATH_PREFIX):], token, length
+
+
+def _result_reply(operation: str, result: Any) -> web.Response:
+    data = json.dumps({"result": result}).encode()
+    if len(data) > MAX_REPLY_BYTES:
+        log_line(log, logging.ERROR, "ledger endpoint: reply over its limit", operation=operation, size=len(data))
+        return _json(500, {"message": f"the reply is {len(data)} bytes, over {MAX_REPLY_BYTES}"})
+    return web.Response(status=200, body=data, content_type="application/json")
+
+
+def _json(status: int, payload: dict[str, Any], *, close: bool = False,
+          headers: dict[str, str] | None = None) -> web.Response:
+    reply = web.Response(status=status, body=json.dumps(payload).encode(), content_type="application/json",
+                         headers=headers)
+    if close:
+        reply.force_close()  # whatever the caller sent after this is not read
+    return reply
 
 
 def serve(endpoint: LedgerEndpoint, port: int, tls: LedgerTls | None, *,
-          max_concurrent: int = MAX_CONCURRENT_REQUESTS) -> _Server:
+          limits: EndpointLimits | None = None) -> LedgerServer:
     """Serve on `port`, over TLS unless `tls` is None (allowed only by RETEX_LEDGER_INSECURE)."""
-    handler = type("LedgerHandler", (_Handler,), {"endpoint": endpoint,
-                                                  "slots": threading.BoundedSemaphore(max_concurrent)})
-    server = _Server(("0.0.0.0", port), handler)
-    if tls is not None:
-        server.serving = _ServingContext(tls)
-    server.serving_thread = threading.Thread(target=server.serve_forever, name="ledger-endpoint", daemon=True)
-    server.serving_thread.start()  # the readiness probe watches it
-    return server
+    return LedgerServer(endpoint, port, tls, limits or EndpointLimits())

@@ -80,6 +80,11 @@ EVENTS_DROPPED = Counter("retex_events_dropped_total", "Events not posted: the q
                          registry=REGISTRY)
 # Read at scrape time from the status mirror's Event poster.
 EVENTS_QUEUED = Gauge("retex_events_queued", "Events waiting to be posted", registry=REGISTRY)
+LEDGER_ENDPOINT_REFUSALS = Counter(
+    "retex_ledger_endpoint_refusals_total", "Calls and connections the ledger endpoint refused to protect the "
+    "others (429 over a pod's or namespace's quota, 503 busy, 408 past the request deadline, a connection over "
+    "the caps), by the caller's namespace ('' before its token is known) and reason", ["namespace", "reason"],
+    registry=REGISTRY)
 
 # The loops that count failures. Their error series exist from the start (at 0), so a dashboard or an
 # alert reads "no errors" before the first one rather than "no data".

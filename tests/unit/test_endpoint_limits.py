@@ -1,0 +1,63 @@
+"""The ledger endpoint's quotas, on a clock the test turns: a token bucket per pod and per
+namespace, calls in flight per pod and per namespace, connections per address."""
+
+from __future__ import annotations
+
+from retex.operator.endpoint_limits import Admission, ConnectionCount, Quota, TokenBucket
+
+
+def test_a_bucket_gives_its_burst_at_once_then_its_rate_and_says_how_long_to_wait():
+    bucket = TokenBucket(rate=2.0, burst=3, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.take(0.0) == 0.5
+    assert bucket.take(0.25) == 0.25  # half a token back: half the wait left
+    assert bucket.take(0.5) == 0.0
+    assert bucket.take(100.0) == 0.0 and bucket.tokens == 2.0, "refilled to its burst, never past it"
+
+
+def test_a_pod_over_its_rate_is_refused_and_another_pod_of_its_namespace_is_not():
+    admission = Admission(per_pod=Quota(rate=1, burst=2, concurrent=10), per_namespace=Quota(rate=100, burst=100,
+                                                                                               concurrent=10))
+    for _ in range(2):
+        assert admission.admit("shop", "a", 0.0) is None
+        admission.release("shop", "a")
+    refused = admission.admit("shop", "a", 0.0)
+    assert refused is not None and (refused.scope, refused.why) == ("pod", "rate") and refused.retry_after == 1.0
+    assert admission.admit("shop", "b", 0.0) is None
+
+
+def test_a_namespace_over_its_rate_is_refused_whatever_pod_calls_and_spends_no_pods_token():
+    admission = Admission(per_pod=Quota(rate=1, burst=1, concurrent=10), per_namespace=Quota(rate=1, burst=2,
+                                                                                            concurrent=10))
+    assert admission.admit("shop", "a", 0.0) is None
+    assert admission.admit("shop", "b", 0.0) is None
+    refused = admission.admit("shop", "c", 0.0)
+    assert refused is not None and refused.scope == "namespace"
+    assert admission.admit("bank", "d", 0.0) is None
+    assert admission.admit("shop", "c", 1.0) is None, "c's own token was not spent on the refused call"
+
+
+def test_calls_in_flight_are_capped_per_pod_and_per_namespace_and_released_calls_free_their_place():
+    admission = Admission(per_pod=Quota(rate=100, burst=100, concurrent=1), per_namespace=Quota(rate=100, burst=100,
+                                                                                               concurrent=2))
+    assert admission.admit("shop", "a", 0.0) is None
+    assert admission.admit("shop", "a", 0.0) == admission.admit("shop", "a", 0.0)
+    refused = admission.admit("shop", "a", 0.0)
+    assert refused is not None and (refused.scope, refused.why) == ("pod", "concurrency")
+    assert admission.admit("shop", "b", 0.0) is None
+    refused = admission.admit("shop", "c", 0.0)
+    assert refused is not None and (refused.scope, refused.why) == ("namespace", "concurrency")
+    admission.release("shop", "a")
+    assert admission.admit("shop", "c", 0.0) is None
+
+
+def test_connections_are_capped_per_address_and_in_total():
+    count = ConnectionCount(total=3, per_address=2)
+    assert count.open("10.0.0.1") and count.open("10.0.0.1")
+    assert not count.open("10.0.0.1")
+    assert count.open("10.0.0.2")
+    assert not count.open("10.0.0.3"), "the total is reached"
+    count.close("10.0.0.1")
+    assert count.open("10.0.0.3")
+    count.close("10.0.0.9")  # never counted: changes nothing
+    assert not count.open("10.0.0.4")
