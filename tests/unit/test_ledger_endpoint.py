@@ -262,13 +262,17 @@ class Canned(BaseHTTPRequestHandler):
     answers: list[tuple[int, dict]] = []
     seen: list[str] = []
     bodies: list[dict] = []
+    at: list[float] = []
 
     def do_POST(self):  # noqa: N802
         Canned.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
         Canned.seen.append(self.path)
-        status, payload = Canned.answers.pop(0) if len(Canned.answers) > 1 else Canned.answers[0]
+        status, payload, *headers = Canned.answers.pop(0) if len(Canned.answers) > 1 else Canned.answers[0]
+        Canned.at.append(time.monotonic())
         data = json.dumps(payload).encode()
         self.send_response(status)
+        for name, value in (headers[0] if headers else {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -283,7 +287,7 @@ def canned(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     token = tmp_path / "token"
     token.write_text("t")
-    Canned.seen, Canned.bodies = [], []
+    Canned.seen, Canned.bodies, Canned.at = [], [], []
 
     def client(*answers, retry_for=0.5):
         Canned.answers = list(answers)
@@ -307,6 +311,21 @@ def test_past_its_window_the_client_keeps_trying_only_while_told_to(canned):
     with pytest.raises(LedgerUnavailable):
         client.start_run(UID, 2, 0, actor="w")
     assert len(Canned.seen) >= 4
+
+
+def test_a_refusal_for_load_is_retried_no_sooner_than_the_endpoint_asks_and_the_answer_after_it_taken(canned):
+    client = canned((429, {"message": "over its pod's rate limit"}, {"Retry-After": "1"}), (200, {"result": 4.5}))
+    assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 4.5
+    assert len(Canned.at) == 2 and Canned.at[1] - Canned.at[0] >= 1.0
+
+
+def test_an_endpoint_answering_busy_is_waited_for_past_the_window_an_unreachable_one_is_not(canned):
+    """Before its Lease a worker has only the window: an endpoint that answers "busy" (it is up,
+    and serving others) must not make it give up the attempt, which would count a disruption."""
+    busy = (503, {"message": "the ledger endpoint is busy: try again"}, {"Retry-After": "1"})
+    client = canned(busy, busy, busy, (200, {"result": 4.5}), retry_for=0.2)
+    assert client.seconds_until_step_deadline(UID, 0, begun_at=None, after_seconds=1) == 4.5
+    assert len(Canned.seen) == 4
 
 
 def test_a_ledger_error_comes_back_as_its_own_type(canned):

@@ -5,7 +5,11 @@ credentials (docs/security.md).
 Same contract as the Ledger methods: the same records, the same typed errors, and an outage
 (the operator restarting, Postgres down behind it) retried for `retry_for_seconds`, and past that
 for as long as `keep_trying()` says (the worker: while it holds its Lease, so an operator outage
-of any length costs a running attempt nothing), then `LedgerUnavailable`. Every operation is
+of any length costs a running attempt nothing), then `LedgerUnavailable`. An endpoint that answers
+"not now" (429, or 503 with Retry-After: it is up, and protecting itself or other tenants) is
+retried, no sooner than it asks and with jitter, for as long as it answers so: such an answer is
+no outage, and a worker giving up its attempt over it would count a disruption the task never
+had (before its Lease, the reaper judges a running pod slow, never stuck). Every operation is
 idempotent when repeated by the same attempt (the Ledger's "a repeated call" rules), so a request
 whose reply was lost is simply sent again.
 """
@@ -33,9 +37,10 @@ log = logging.getLogger(__name__)
 # Longer than the endpoint's own Postgres retry window (retex.operator.ledger_endpoint), so a slow
 # answer is waited for rather than sent again while it is still being worked on.
 REQUEST_TIMEOUT = urllib3.Timeout(connect=5.0, read=30.0)
-_TRANSIENT_STATUSES = frozenset({502, 503, 504})
+_TRANSIENT_STATUSES = frozenset({408, 502, 503, 504})
 _SERVER_ERROR_TRIES = 3  # a 500 is a bug until shown otherwise: a few tries, then a refusal
 ERROR_MAX_CHARS = 4096  # as the ledger keeps them: a longer text would only be cut there
+MAX_RETRY_DELAY_SECONDS = 2.0
 
 
 class LedgerClient:
@@ -102,10 +107,13 @@ class LedgerClient:
         delay, server_errors = 0.1, 0
         while True:
             headers = {"Content-Type": "application/json", "Authorization": f"Bearer {self._token()}"}
+            retry_after: float | None = None
             try:
                 reply = self._http.request("POST", self._url + operation, body=data, headers=headers)
                 status, payload = reply.status, _payload(reply.data)
                 why = f"{status} {payload.get('message', '')}"
+                if status in (429, 503):
+                    retry_after = _seconds(reply.headers.get("Retry-After"))
             except (urllib3.exceptions.HTTPError, OSError) as exc:
                 if _certificate_refused(exc):  # no retry cures it, and the Lease would be held on
                     raise RequestRefused(0, f"the ledger endpoint's certificate does not verify against the CA "
@@ -116,14 +124,19 @@ class LedgerClient:
             if status == 409:
                 raise error_from_json(payload)
             server_errors += status == 500
-            if status and (status not in _TRANSIENT_STATUSES and status != 500 or server_errors >= _SERVER_ERROR_TRIES):
-                raise RequestRefused(status, str(payload.get("message", payload)))
-            if time.monotonic() + delay > deadline and not self.keep_trying():
-                raise LedgerUnavailable(f"{operation}: ledger endpoint unavailable: {why}")
+            if retry_after is None:
+                if status and (status not in _TRANSIENT_STATUSES and status != 500
+                               or server_errors >= _SERVER_ERROR_TRIES):
+                    raise RequestRefused(status, str(payload.get("message", payload)))
+                if time.monotonic() + delay > deadline and not self.keep_trying():
+                    raise LedgerUnavailable(f"{operation}: ledger endpoint unavailable: {why}")
+                pause = delay * random.uniform(0.5, 1.0)
+            else:  # "not now" from a live endpoint: no sooner than asked, spread so as not to return together
+                pause = max(retry_after, delay) * random.uniform(1.0, 1.5)
             log_line(log, logging.WARNING, "ledger endpoint unavailable; retrying", operation=operation,
-                     retry_in_seconds=round(delay, 2), why=why)
-            time.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, 2.0)
+                     retry_in_seconds=round(pause, 2), why=why)
+            time.sleep(pause)
+            delay = min(delay * 2, MAX_RETRY_DELAY_SECONDS)
 
     def _token(self) -> str:
         # Read at every call: the kubelet rotates projected tokens in place.
@@ -139,6 +152,14 @@ def _payload(data: bytes) -> dict[str, Any]:
     except ValueError:
         return {"message": data[:200].decode(errors="replace")}
     return payload if isinstance(payload, dict) else {"message": str(payload)}
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After of delta-seconds (the endpoint sends no dates); None if absent or not one."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else None
+    except ValueError:
+        return None
 
 
 def _certificate_refused(exc: BaseException) -> bool:
