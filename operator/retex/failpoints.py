@@ -148,4 +148,6 @@ def failpoint(point: str, step: str | None = None, *, task: str | None = None, u
             _CONTINUED.wait()
             return
         os._exit(_KILLED_STATUS)
-    os.kill(os.getpid(), getattr(signal, ACTIONS[_ARMED.action]))
+    # To this thread, not the process: a process's signal goes to a thread of the kernel's choosing
+    # (often the main one), and this thread would run on until that one had acted on it.
+    signal.pthread_kill(threading.get_ident(), getattr(signal, ACTIONS[_ARMED.action]))

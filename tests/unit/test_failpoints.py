@@ -196,6 +196,47 @@ def test_a_stop_point_freezes_the_process_until_sigcont_then_it_goes_on():
             proc.kill()
 
 
+def _writes_past_a_stop_point(after: Path) -> int:
+    """A thread passes a stop point, then writes to `after`, while the main thread wakes every
+    millisecond (an event loop: the operator's kopf). Returns what it wrote before the process
+    stopped; then resumes it and checks it went on."""
+    program = ("import os, threading, time\n"
+               "from retex.failpoints import failpoint\n"
+               "def passing():\n"
+               f"    fd = os.open({str(after)!r}, os.O_WRONLY | os.O_CREAT | os.O_APPEND)\n"
+               "    time.sleep(0.3)  # the main thread in its loop\n"
+               "    failpoint('after-effect', 'notify', task='t', uid='u')\n"
+               "    for _ in range(100000):\n"
+               "        os.write(fd, b'x')\n"
+               "    os._exit(0)\n"
+               "threading.Thread(target=passing).start()\n"
+               "while True:\n"
+               "    time.sleep(0.001)\n")
+    env = {**os.environ, "RETEX_FAILPOINT": "after-effect:notify=stop"}
+    proc = subprocess.Popen([sys.executable, "-c", program], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr.readline().strip().endswith(": SIGSTOP")
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), "frozen at the point"
+        written = after.stat().st_size
+        os.kill(proc.pid, signal.SIGCONT)
+        assert proc.wait(timeout=30) == 0 and after.stat().st_size == 100000
+        return written
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_stop_point_holds_the_thread_that_passes_it_while_the_main_thread_wakes_often(tmp_path):
+    """The thread past the point runs nothing more before the process is stopped. A stop sent to
+    the process goes to a thread of the kernel's choosing (here the main one), and the others stop
+    only once that one has acted: the thread past the point ran on meanwhile (thousands of writes
+    in most tries; a relay frozen inside its claim transaction committed it first)."""
+    written = [_writes_past_a_stop_point(tmp_path / f"after-{i}") for i in range(3)]
+    assert written == [0, 0, 0], f"writes past the point before the process stopped, per try: {written}"
+
+
 def test_a_malformed_spec_stops_the_process_at_import():
     done = _run_with("before-admt", "")
     assert done.returncode == 1
