@@ -137,7 +137,7 @@ class PatroniCluster:
         self.state_dir = Path(state_dir or tempfile.mkdtemp(prefix="retex-patroni-"))
         self.etcd = etcd
         # A key prefix of its own: a rig's etcd may hold an earlier run's cluster.
-        self.namespace = f"/retex-patroni-{self.state_dir.name}/"
+        self.namespace = f"/{self.state_dir.name}/"
         self.members = [Member(f"pg{i}", free_port(), free_port(), self.state_dir / f"pg{i}") for i in range(members)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
