@@ -387,6 +387,19 @@ def test_a_replaced_attempt_cannot_record_a_run_start(ledger, stub):
     assert ledger.get(uid).steps[0].state == StepState.STARTED
 
 
+def test_an_attempt_records_one_run_start_per_step_however_often_it_asks(ledger, stub):
+    # A step's code can call the endpoint with its pod's token: each start_run was a history row,
+    # a version bump and a NOTIFY, without end. A repeat by the same attempt is a repeated call.
+    uid = admit(ledger, [with_verify("charge", stub)])
+    ledger.begin_step(uid, 1, 0, actor="worker:pod-1")
+    ledger.start_run(uid, 1, 0, actor="worker:pod-1")
+    started_at, version = ledger.get(uid).steps[0].started_at, ledger.get(uid).version
+    for _ in range(50):
+        ledger.start_run(uid, 1, 0, actor="worker:pod-1")
+    assert [e.event for e in ledger.history(uid)].count("step-run") == 1
+    assert (ledger.get(uid).steps[0].started_at, ledger.get(uid).version) == (started_at, version)
+
+
 def test_a_spec_the_models_now_refuse_fails_the_task_permanently_instead_of_crashing_every_attempt(ledger, tmp_path):
     # Admitted before the API refused CR/LF in header values: the worker must end the task
     # cleanly (fenced, with the reason), never send it, never crash with exit 1 attempt after attempt.

@@ -102,16 +102,21 @@ def start_run(cur: Cursor, uid: str, epoch: int, idx: int, *, actor: str) -> Non
     """Step `idx`, begun by this attempt and found `started` from an earlier one, is about to
     run now (after its verify found nothing, or as an idempotent re-run): its started_at
     becomes this moment, so a later attempt waits out this run's deadline, not the begin's.
-    Fenced: a run whose start is not recorded before a newer epoch exists never runs."""
+    Fenced: a run whose start is not recorded before a newer epoch exists never runs.
+
+    Once per step and attempt (a worker runs a step at most once per attempt): a repeat is a
+    repeated call and writes nothing. The endpoint takes this call from any code holding the
+    pod's token, step code included; each start was a history row, a version bump and a NOTIFY."""
     task = lock_task(cur, uid)
     fence(task, epoch)
-    row = cur.execute(
-        """UPDATE retex.steps SET started_at = clock_timestamp()
-           WHERE task_uid = %s AND idx = %s AND state = 'started' AND attempt = %s RETURNING idx""",
-        (uid, idx, epoch),
-    ).fetchone()
-    if row is None:
+    step = cur.execute("SELECT state, attempt FROM retex.steps WHERE task_uid = %s AND idx = %s FOR UPDATE",
+                       (uid, idx)).fetchone()
+    if step is None or tuple(step) != (StepState.STARTED.value, epoch):
         raise IllegalTransition("step", "not started by this attempt", f"start a run of step {idx}")
+    if cur.execute("""SELECT 1 FROM retex.history WHERE task_uid = %s AND event = 'step-run' AND epoch = %s
+                      AND step_idx = %s LIMIT 1""", (uid, epoch, idx)).fetchone():
+        return  # a repeated call
+    cur.execute("UPDATE retex.steps SET started_at = clock_timestamp() WHERE task_uid = %s AND idx = %s", (uid, idx))
     record_history(cur, uid, actor, "step-run", epoch=epoch, step_idx=idx)
     touch(cur, uid)
 
