@@ -97,7 +97,7 @@ class WorkerIdentities:
         if refused and refused[0] > now:
             raise refused[1]
         if not _names_the_audience(token):
-            raise NotAWorker(f"not a ServiceAccount token for audience {TOKEN_AUDIENCE}")
+            raise NotAWorker(f"token not accepted for audience {TOKEN_AUDIENCE}: no JWT naming it")
         return None
 
     def resolve(self, token: str) -> WorkerIdentity:
