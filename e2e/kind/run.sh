@@ -26,8 +26,9 @@ ARTIFACTS=${RETEX_KIND_ARTIFACTS:-/tmp/retex-kind-artifacts}
 # the manifests and Task API, the whole crash matrix, the bounded chaos run and the deployed one
 # (nemeses as pods), the dev Postgres's forced delete, the operator, its HA and probes, policies,
 # the reaper, RBAC, tenancy, the status mirror, the relay, step secrets, metrics, the CLI as a
-# user, the worker's lease, paging, Prometheus, the bench's smoke, node confinement and the
-# finalizer at creation; the chart last (it swaps the deployed manifests for a Helm release and back).
+# user, the worker's lease, paging, Prometheus, the bench's smoke, node confinement, the
+# finalizer at creation, the ledger restored from a backup and a second install on one ledger;
+# the chart last (it swaps the deployed manifests for a Helm release and back).
 DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py tests/cluster/test_crash_matrix.py
   tests/cluster/test_chaos.py tests/cluster/test_deployed_chaos.py tests/cluster/test_dev_postgres.py
   tests/cluster/test_operator.py tests/cluster/test_operator_ha.py tests/cluster/test_operator_probes.py
@@ -36,7 +37,8 @@ DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py te
   tests/cluster/test_relay.py tests/cluster/test_step_secrets.py tests/cluster/test_metrics.py
   tests/cluster/test_cli_as_user.py tests/cluster/test_worker_lease.py tests/cluster/test_kube_calls_paging.py
   tests/cluster/test_prometheus.py tests/cluster/test_confined_nodes.py tests/cluster/test_bench.py
-  tests/cluster/test_finalizer_at_create.py tests/cluster/test_chart_on_rig.py'
+  tests/cluster/test_finalizer_at_create.py tests/cluster/test_ledger_restore.py tests/cluster/test_install_identity.py
+  tests/cluster/test_chart_on_rig.py'
 TESTS=${RETEX_KIND_TESTS:-$DEFAULT_TESTS}
 PY=.venv/bin/python
 say() { echo "[e2e-kind $(date +%H:%M:%S)] $*"; }
