@@ -1,9 +1,14 @@
 """The ledger endpoint's quotas, on a clock the test turns: a token bucket per pod and per
-namespace, calls in flight per pod and per namespace, connections per address."""
+namespace, calls in flight per pod and per namespace, connections per address; and the ledger
+threads shared by the namespaces in turn."""
 
 from __future__ import annotations
 
-from retex.operator.endpoint_limits import Admission, ConnectionCount, Quota, TokenBucket
+import asyncio
+
+import pytest
+
+from retex.operator.endpoint_limits import Admission, ConnectionCount, FairSlots, Quota, TokenBucket
 
 
 def test_a_bucket_gives_its_burst_at_once_then_its_rate_and_says_how_long_to_wait():
@@ -61,3 +66,64 @@ def test_connections_are_capped_per_address_and_in_total():
     assert count.open("10.0.0.3")
     count.close("10.0.0.9")  # never counted: changes nothing
     assert not count.open("10.0.0.4")
+
+
+def test_a_namespace_alone_takes_every_ledger_thread_and_waits_only_when_all_are_taken():
+    async def scenario():
+        slots = FairSlots(3)
+        for _ in range(3):
+            await asyncio.wait_for(slots.acquire("busy"), 1)
+        fourth = asyncio.ensure_future(slots.acquire("busy"))
+        await asyncio.sleep(0)
+        assert not fourth.done() and slots.waiting == 1
+        slots.release()
+        await asyncio.wait_for(fourth, 1)
+        assert slots.free == 0 and slots.waiting == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_freed_ledger_thread_goes_to_the_namespaces_waiting_in_turn_not_to_the_longest_line():
+    async def scenario():
+        slots = FairSlots(1)
+        await slots.acquire("busy")
+        served: list[str] = []
+
+        async def call(namespace: str) -> None:
+            await slots.acquire(namespace)
+            served.append(namespace)
+
+        calls = [asyncio.ensure_future(call("busy")) for _ in range(3)]
+        await asyncio.sleep(0)
+        calls.append(asyncio.ensure_future(call("quiet")))
+        await asyncio.sleep(0)
+        for _ in range(4):
+            slots.release()
+            await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*calls), 1)
+        assert served == ["busy", "quiet", "busy", "busy"], "the quiet namespace is served second, not last"
+
+    asyncio.run(scenario())
+
+
+def test_a_call_cut_off_while_waiting_gives_up_its_place_and_a_thread_given_as_it_was_cut_off_goes_on():
+    async def scenario():
+        slots = FairSlots(1)
+        await slots.acquire("a")
+        waiting = asyncio.ensure_future(slots.acquire("b"))
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert slots.waiting == 0
+        given = asyncio.ensure_future(slots.acquire("c"))
+        after = asyncio.ensure_future(slots.acquire("d"))
+        await asyncio.sleep(0)
+        slots.release()  # the thread goes to c ...
+        given.cancel()  # ... which is cut off before it runs: the thread goes on to d
+        with pytest.raises(asyncio.CancelledError):
+            await given
+        await asyncio.wait_for(after, 1)
+        assert slots.free == 0
+
+    asyncio.run(scenario())

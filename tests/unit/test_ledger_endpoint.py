@@ -477,7 +477,7 @@ def test_a_pod_flooding_the_endpoint_is_answered_429_with_retry_after_and_anothe
     victim = WorkerIdentity(namespace="bank", pod="payout-y-1-fghij", service_account="retex-worker",
                             job_name=job_name("payout", OTHER, 1), task_uid=OTHER, epoch=1)
     ep, _ = endpoint(flood=flooder, victim=victim)
-    served = serve(ep, 0, None)
+    served = serve(ep, 0, None, limits=EndpointLimits(per_pod=Quota(rate=20, burst=40, concurrent=2)))
     port = served.server_address[1]
     try:
         answers = [post_as(port, "flood", "begin_step", {"uid": UID, "epoch": 2, "idx": 0}) for _ in range(200)]

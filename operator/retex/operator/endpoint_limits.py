@@ -1,15 +1,19 @@
 """What one caller may take of the ledger endpoint, so that no tenant stalls or starves another.
 
 Every authenticated call is admitted against its pod's quota and its namespace's: a token bucket
-(calls per second, with a burst) and a count of calls in flight. A call past either is refused
-with the seconds after which a retry can succeed (429 Retry-After); nothing waits in a queue, so a
-flood costs the endpoint one cheap refusal per call and the other tenants nothing.
+(calls per second, with a burst) and a count of calls admitted and not yet answered. A call past
+either is refused with the seconds after which a retry can succeed (429 Retry-After), so a flood
+costs the endpoint one cheap refusal per call. An admitted call then waits for one of the ledger's
+threads (`FairSlots`): a free thread goes to the namespaces with calls waiting in turn, so a
+namespace alone may use every thread and a busy one cannot keep another's calls behind its queue.
 
 Pure: the clock is passed in, and everything runs on the endpoint's event loop (no locks).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 # Keys (pods, namespaces) remembered at most; past it, the idle ones (no call in flight, bucket
@@ -138,3 +142,50 @@ class ConnectionCount:
             self._open[address] = left
         else:
             del self._open[address]
+
+
+class FairSlots:
+    """`slots` ledger threads shared by the namespaces. A call takes a free one at once when no
+    call waits; else it waits in its namespace's line, and each thread let go goes to the next
+    namespace in turn that has a call waiting (round robin), the oldest call of that namespace."""
+
+    def __init__(self, slots: int):
+        self.free = slots
+        self._lines: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(line) for line in self._lines.values())
+
+    async def acquire(self, namespace: str) -> None:
+        if self.free and not self._lines:
+            self.free -= 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._lines.setdefault(namespace, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # given a thread as it was cancelled: the thread goes on to the next
+            else:
+                line = self._lines.get(namespace)
+                if line is not None and turn in line:
+                    line.remove(turn)
+                    if not line:
+                        del self._lines[namespace]
+            raise
+
+    def release(self) -> None:
+        while self._lines:
+            namespace, line = next(iter(self._lines.items()))
+            turn = line.popleft()
+            if line:
+                self._lines.move_to_end(namespace)  # its next call waits for every other namespace's turn
+            else:
+                del self._lines[namespace]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.free += 1
+

@@ -45,7 +45,7 @@ from retex.ledger import RESULT_LIMIT_BYTES, Ledger, LedgerError, LedgerUnavaila
 from retex.ledger.wire import OPERATIONS, PATH_PREFIX, UNFENCED, error_to_json, time_from_json, to_json
 from retex.logs import log_line
 from retex.machine import IllegalTransition
-from retex.operator.endpoint_limits import Admission, ConnectionCount, Quota
+from retex.operator.endpoint_limits import Admission, ConnectionCount, FairSlots, Quota
 from retex.operator.metrics import LEDGER_ENDPOINT_REFUSALS
 
 log = logging.getLogger(__name__)
@@ -58,9 +58,10 @@ MAX_BODY_BYTES = max(RESULT_LIMIT_BYTES, _ERROR_CHARS * _ESCAPED) + 4096
 # The largest legal reply: a task (`get`) whose every step holds the largest result and error,
 # with the largest spec. A bigger one is a bug: answered 500, never sent.
 MAX_REPLY_BYTES = MAX_STEPS * (RESULT_LIMIT_BYTES + _ERROR_CHARS * _ESCAPED) + 2 * SPEC_MAX_BYTES + (64 << 10)
-# Calls admitted at once, all tenants together; past it, 503 at once (the worker retries). Each
-# may hold a ledger thread (a database connection) and its reply in memory.
-MAX_CONCURRENT_REQUESTS = 32
+# Calls admitted at once, all tenants together, running or waiting for a ledger thread (a database
+# connection; `FairSlots` hands them out in turn by namespace); past it, 503 at once (the worker
+# retries). Each holds its body, and then its reply, in memory.
+MAX_CONCURRENT_REQUESTS = 128
 LEDGER_THREADS = 8  # the endpoint's Ledger has as many connections (retex.operator.handlers)
 REVIEW_THREADS = 4  # TokenReviews at once: what an unknown token can cost the API server
 MAX_PENDING_REVIEWS = 64  # tokens waiting for a review; past it, 503 at once
@@ -71,11 +72,12 @@ MAX_CONNECTIONS_PER_ADDRESS = 256  # a pod's address: every worker of a node sha
 # worker's read timeout (retex.worker.ledger_client). Idle kept-alive connections close as late.
 HEADER_SECONDS = 10.0
 REQUEST_SECONDS = 20.0
-# A worker makes one call at a time, a few per step; the burst covers a start (get, claim, begin)
-# and a retry storm after an outage. A namespace's calls may hold half the ledger threads: that is
-# its fair share; its rate is set for many busy workers (a benchmark's) and stops only a flood.
-PER_POD = Quota(rate=20.0, burst=40, concurrent=2)
-PER_NAMESPACE = Quota(rate=500.0, burst=1000, concurrent=LEDGER_THREADS // 2)
+# A worker makes one call at a time, two per step: a task of no-op steps makes about 80 a second,
+# which its rate leaves untouched; it and its burst stop a step's own code flooding with its pod's
+# token. A namespace may have half the admitted calls (the rest stay for the others); the ledger
+# threads themselves are shared in turn (`FairSlots`), so a namespace alone may use them all.
+PER_POD = Quota(rate=200.0, burst=400, concurrent=2)
+PER_NAMESPACE = Quota(rate=2000.0, burst=4000, concurrent=MAX_CONCURRENT_REQUESTS // 2)
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,7 @@ class LedgerServer:
         self._admitted = 0
         self._pending_reviews = 0
         self._ledger_threads = concurrent.futures.ThreadPoolExecutor(LEDGER_THREADS, "ledger-endpoint-call")
+        self._slots = FairSlots(LEDGER_THREADS)
         self._review_threads = concurrent.futures.ThreadPoolExecutor(REVIEW_THREADS, "ledger-endpoint-review")
         self._loop = asyncio.new_event_loop()
         serving = _ServingContext(tls) if tls is not None else None
@@ -397,9 +400,19 @@ class LedgerServer:
 
         try:
             body = await _body(request, length)
-            work = self._ledger_threads.submit(self._endpoint.call, operation, identity, body)
+            await self._slots.acquire(namespace)  # a ledger thread, in its namespace's turn
+            try:
+                work = self._ledger_threads.submit(self._endpoint.call, operation, identity, body)
+            except BaseException:
+                self._slots.release()
+                raise
             holders += 1
-            work.add_done_callback(lambda _: self._loop.call_soon_threadsafe(let_go))
+
+            def worked() -> None:
+                self._slots.release()
+                let_go()
+
+            work.add_done_callback(lambda _: self._loop.call_soon_threadsafe(worked))
             try:
                 result = await asyncio.shield(asyncio.wrap_future(work))
             except Refusal:
