@@ -57,8 +57,8 @@ rig-status:
 # throwaway Postgres and local rig and tears them down; the image tests need a Docker engine
 # (images/docker-engine.sh). pytest exit 5 (nothing collected) fails.
 test: lint rig-binaries images $(HADOLINT)
-	@echo "==> pytest (all tests, including those marked postgres, cluster and images)"
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@echo "==> pytest (all tests, including those marked postgres, cluster and images; the 30 slowest listed at the end)"
+	@$(PY) -m pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # Pure-logic tests only, no servers, containers or Prometheus binaries: the quick loop while editing.
