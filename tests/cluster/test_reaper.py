@@ -217,6 +217,46 @@ def test_a_timed_out_task_keeps_its_concurrency_key_until_its_old_attempt_is_kno
         f"next started {last_beat - (next_start or 0):.1f}s before the old step stopped"
 
 
+def test_a_deleted_tasks_pod_stuck_terminating_on_a_lost_node_frees_its_key_a_lease_duration_after_its_lease_went(
+        retex, gates):
+    """Its Task timed out and was deleted (the Lease went with it) while its node was lost: no
+    kubelet reports its pod's end, which stays Terminating for as long as the node is away. No
+    worker of it can renew a Lease that is gone, so once a lease duration has passed since the
+    reaper found it gone, the attempt is known dead and the next task of its key runs, that pod
+    still Terminating."""
+    lease_seconds = 20  # past the node's NotReady (about 10 s), so the next pod goes to the other node
+    alive, started = gates(opened_now=True), gates(opened_now=True)
+    apply(retex, "stranded", [{"name": "only", "exec": {"command": beat_until_killed(alive)}, "idempotent": True}],
+          timeoutSeconds=20, concurrencyKey="k", lease={"durationSeconds": lease_seconds})
+    wait_for(lambda: alive.last_asked(), timeout=60, what="step running")
+    uid = task(retex, "stranded")["metadata"]["uid"]
+    wait_for(lambda: retex.ledger.get(uid).reason == "Timeout", timeout=60, what="Timeout")
+    node = retex.ledger.attempts(uid)[0].node
+    retex.rig.kill_node(node)  # the fault: the node is lost with the worker's pod, while its Lease is held
+    try:
+        retex.kubectl("delete", "tasks.retex.dev", "stranded", "--wait=false")
+
+        def pods() -> list[dict]:
+            return json.loads(retex.kubectl("get", "pods", "-l", f"retex.dev/task-uid={uid}", "-o", "json").stdout)["items"]
+
+        def stuck_terminating() -> bool:
+            return any(p["metadata"].get("deletionTimestamp") and p["status"].get("phase") == "Running" for p in pods())
+
+        wait_for(stuck_terminating, timeout=30, what="the worker's pod deleted and stuck Terminating")
+        wait_for(lambda: not retex.kubectl("get", "lease", lease_name("stranded", uid), check=False).stdout,
+                 timeout=30, what="the Lease gone with its Task")
+        lease_gone_at = time.monotonic()
+        apply(retex, "next", [{"name": "only", "exec": {"command": ask_once(started)}}], concurrencyKey="k")
+        wait_for(lambda: phase_is(retex, "next", "Succeeded"), timeout=lease_seconds + 90, what="next Succeeded")
+        assert time.monotonic() - lease_gone_at >= lease_seconds - 2, "settled before a lease duration without a Lease"
+        assert stuck_terminating(), "the stranded pod ended before the next task ran: the fault did not hold"
+        settled = [json.loads(line) for line in retex.operator.log_path.read_text(errors="replace").splitlines()
+                   if "ended attempt is known dead" in line and uid in line]
+        assert [line.get("hold") for line in settled] == ["never"], settled  # no Lease: not its expiry
+    finally:
+        retex.rig.restart_node(node)
+
+
 def test_a_timed_out_task_whose_pod_never_started_loses_its_job_once_its_attempt_is_settled(retex):
     """No node has the label its worker needs: the pod stays Pending and the Lease is never taken.
     Once the Timeout ended the attempt, the reaper knows it dead and deletes the unfinished Job,

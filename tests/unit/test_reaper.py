@@ -518,6 +518,91 @@ def test_a_job_delete_failing_for_now_leaves_the_attempt_to_the_next_round():
     assert kube.deleted == ["job-1"]
 
 
+def worker_pod(phase, state, *, lease_seconds=DURATION):
+    """A worker pod as its Job makes it (its lease duration in its env), being deleted."""
+    pod = holder_pod(phase, state)
+    env = [{"name": "RETEX_LEASE_DURATION_SECONDS", "value": str(lease_seconds)}] if lease_seconds else []
+    pod["metadata"]["deletionTimestamp"] = "2026-12-03T09:01:00Z"
+    pod["spec"] = {"restartPolicy": "Never", "containers": [{"name": "worker", "env": env}]}
+    return pod
+
+
+# Deleted with its Task, on a node that is gone: no kubelet reports its end, so it stays
+# Terminating, Running, for as long as the node is away.
+STUCK_TERMINATING = worker_pod("Running", {"running": {"startedAt": "2026-12-03T09:00:00Z"}})
+
+
+def lease_gone(pods):
+    """An attempt the operator ended (a timeout), whose Task was deleted since: its Lease went with
+    the Task (neither the watch nor the GET shows one)."""
+    ledger = FakeLedger([attempt("u1", current=False, job="job-1")])
+    kube = FakeKube(pods=pods)
+    return ledger, kube, reaper(ledger, kube, [])
+
+
+def rounds_at(monkeypatch, r, *seconds_later):
+    start = time.monotonic()
+    for later in seconds_later:
+        monkeypatch.setattr(time, "monotonic", lambda s=later: start + s)
+        r.round()
+
+
+def test_an_ended_attempt_without_a_lease_whose_pods_ended_is_settled_at_once():
+    ledger, _, r = lease_gone([KILLED])
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+
+
+def test_an_ended_attempt_without_a_lease_is_settled_a_lease_duration_after_the_lease_was_found_gone(monkeypatch):
+    """Its pod stuck Terminating on a lost node held the slot and the concurrency key for as long
+    as the node was away. No worker of the attempt can show a lease held since the Lease went (a
+    renewal finds none): it gave its step up by its renew deadline and killed it within a second,
+    before a lease duration was out."""
+    ledger, _, r = lease_gone([STUCK_TERMINATING])
+    rounds_at(monkeypatch, r, 0.0, DURATION - 0.5)
+    assert ledger.calls == [], "settled before a lease duration since the Lease was found gone"
+    rounds_at(monkeypatch, r, DURATION + 0.1)
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+
+
+def test_a_pod_only_marked_failed_keeps_an_attempt_without_a_lease_unsettled_for_a_lease_duration(monkeypatch):
+    """PodGC marks the pods of a deleted Node Failed while their processes may still run: the
+    phase is no word from a kubelet that the worker ended."""
+    ledger, _, r = lease_gone([worker_pod("Failed", {"running": {"startedAt": "2026-12-03T09:00:00Z"}})])
+    rounds_at(monkeypatch, r, 0.0)
+    assert ledger.calls == []
+    rounds_at(monkeypatch, r, DURATION + 0.1)
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+
+
+def test_a_pod_that_names_no_lease_duration_is_waited_for_until_its_end_is_reported(monkeypatch):
+    """Not a worker as its Job makes it: how long it may run without its Lease is unknown."""
+    ledger, kube, r = lease_gone([worker_pod("Running", {"running": {}}, lease_seconds=None)])
+    rounds_at(monkeypatch, r, 0.0, 100 * DURATION)
+    assert ledger.calls == []
+    kube.pods = [KILLED]
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+
+
+def test_the_wait_without_a_lease_starts_again_when_the_lease_was_seen_meanwhile(monkeypatch):
+    ledger, kube, r = lease_gone([STUCK_TERMINATING])
+    start = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: start)
+    r.round()  # no Lease: the wait begins
+    kube.leases[name_of("u1")] = lease("u1", R2, "pod-a:1")  # there again, held by the attempt
+    monkeypatch.setattr(time, "monotonic", lambda: start + 1.0)
+    r.round()
+    del kube.leases[name_of("u1")]
+    r._leases.confirm("ns", name_of("u1"), "u1", None)  # the watch saw it go
+    monkeypatch.setattr(time, "monotonic", lambda: start + DURATION + 0.5)
+    r.round()
+    assert ledger.calls == [], "the time before the Lease was seen again counted"
+    monkeypatch.setattr(time, "monotonic", lambda: start + 2 * DURATION + 1.0)
+    r.round()
+    assert ledger.calls == [("settle_attempt", "u1", 1)]
+
+
 UNLABELLED = ("0/3 nodes are available: 1 node(s) had untolerated taint(s), 2 node(s) didn't match Pod's node "
               "affinity/selector.")
 

@@ -18,7 +18,9 @@ For the current attempt of a Running task:
   - cancel or delete requested and E holds no lease — Cancelled now (no worker will reach a
     step boundary).
 For an attempt the operator already ended (task timeout, deletion): settled once known dead, which
-frees its slot and key, and its Job deleted if it has not finished.
+frees its slot and key, and its Job deleted if it has not finished. With no Lease left (deleted
+with its Task or namespace), its workers can renew nothing: known dead once its pods' ends are
+reported, or a lease duration after the Lease was found gone (`_dead_without_lease`).
 
 Every verdict is confirmed with a GET of the Lease first, so a stalled watch or a paused operator
 cannot condemn live workers. The old Job is deleted with background propagation; a pod stuck
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +112,7 @@ class Reaper(Loop):
         self.period = interval
         self._start_deadline = start_deadline_seconds
         self._job_checked: dict[tuple[str, int], float] = {}
+        self._lease_gone_since: dict[tuple[str, int], float] = {}  # an ended attempt's Lease first found gone
         self._slow: set[tuple[str, int]] = set()  # past the start deadline, only slow: logged once
         self._pod_looks_left = POD_LOOKS_PER_ROUND
         self._nodes_forbidden_said = False
@@ -120,6 +124,7 @@ class Reaper(Loop):
         self._pod_looks_left = POD_LOOKS_PER_ROUND
         keys = {(a.uid, a.epoch) for a in watched}
         self._job_checked = {k: v for k, v in self._job_checked.items() if k in keys}
+        self._lease_gone_since = {k: v for k, v in self._lease_gone_since.items() if k in keys}
         self._slow &= keys
         for attempt in sorted(watched, key=lambda a: self._job_checked.get((a.uid, a.epoch), 0.0)):
             try:
@@ -170,18 +175,35 @@ class Reaper(Loop):
     def _judge_ended(self, attempt: WatchedAttempt) -> None:
         """An attempt the operator ended while its worker may still be inside a step."""
         hold = self._observed(attempt)
-        if hold is Hold.HELD or not self._confirmed(attempt, hold):
+        confirmed = hold is not Hold.HELD and self._confirmed(attempt, hold)
+        if self._seen(attempt) is not None:  # a Lease is there: a wait without one starts afresh
+            self._lease_gone_since.pop((attempt.uid, attempt.epoch), None)
+        if not confirmed:
             return
-        if self._leases.get(attempt.namespace, _lease(attempt), attempt.uid) is None:
-            # No Lease at all (deleted with its Task or namespace): dead once its pods are.
-            pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
-            if any((p.get("status") or {}).get("phase") not in ("Succeeded", "Failed") for p in pods):
-                return
+        if self._seen(attempt) is None and not self._dead_without_lease(attempt):
+            return
         self._delete_unfinished_job(attempt)
         log_line(log, logging.INFO, "ended attempt is known dead: its slot and key are free", uid=attempt.uid,
                  namespace=attempt.namespace, name=attempt.name, epoch=attempt.epoch, hold=hold.value)
         self._ledger.settle_attempt(attempt.uid, attempt.epoch)
         self._on_replaced()
+
+    def _dead_without_lease(self, attempt: WatchedAttempt) -> bool:
+        """No Lease at all (deleted with its Task or namespace): no worker of the attempt can show a
+        lease held since it went (a renewal finds none, LeaseNotFound), so each gave its step up by
+        its renew deadline R and killed it within K, R + K < D, as when a lease expires. Dead once
+        each pod of its Job ended as the kubelet reported, or once the reaper has seen no Lease for
+        the lease duration D that pod's worker runs with (RETEX_LEASE_DURATION_SECONDS, from its
+        Job): a pod stuck Terminating on a lost node, whose end no kubelet reports, holds the slot
+        and key for D, not for as long as the node is away. Neither the node nor the pod's phase
+        tells more: a node NotReady or gone may still run its containers (a kubelet that died or is
+        cut off), and the control plane marks a deleted Node's pods Failed while their processes
+        may still run. A pod that names no lease duration (not made by a worker's Job) is waited
+        for until its end is reported."""
+        now = time.monotonic()
+        gone_for = now - self._lease_gone_since.setdefault((attempt.uid, attempt.epoch), now)
+        pods = self._kube.job_pods(attempt.namespace, self._job(attempt))
+        return all(containers_terminated(pod) or gone_for >= (_lease_duration(pod) or math.inf) for pod in pods)
 
     def _delete_unfinished_job(self, attempt: WatchedAttempt) -> None:
         """A dead attempt's Job that has not finished (a pod Pending for good; a Job the relay was
@@ -315,6 +337,19 @@ class Reaper(Loop):
     @staticmethod
     def _job(attempt: WatchedAttempt) -> str:
         return attempt.job_name or job_name(attempt.name, attempt.uid, attempt.epoch)
+
+
+def _lease_duration(pod: dict[str, Any]) -> float | None:
+    """The lease duration the pod's worker runs with, as its Job set it (retex.kube.objects.build_job);
+    None when the pod names none."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        for var in container.get("env") or []:
+            if var.get("name") == "RETEX_LEASE_DURATION_SECONDS":
+                try:
+                    return float(var["value"])
+                except (KeyError, TypeError, ValueError):
+                    return None
+    return None
 
 
 def _lease(attempt: WatchedAttempt) -> str:
