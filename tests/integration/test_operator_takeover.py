@@ -19,6 +19,7 @@ def test_a_replica_that_becomes_leader_condemns_no_worker_for_what_it_missed_as_
     clock = Clock()
     monkeypatch.setattr(handlers, "api_client", client.ApiClient)  # never called: no thread starts
     monkeypatch.setattr(handlers, "LeaderLease", lambda *_, **__: NoLeaseYet())
+    monkeypatch.setattr(handlers, "install_uid", lambda *_, **__: "an-install")  # its Lease is read at start
     monkeypatch.setattr(handlers, "LeaseObserver", lambda api: LeaseObserver(api, clock=clock))
     runtime = handlers.Runtime(OperatorSettings.from_env({"RETEX_DATABASE_URL": dsn, "RETEX_DATABASE_INSECURE": "1",
                                                                  "RETEX_LEDGER_INSECURE": "1"}))

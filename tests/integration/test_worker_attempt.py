@@ -222,7 +222,14 @@ def test_a_drain_lets_the_running_step_commit_then_stops_before_the_next(ledger,
 def test_a_step_abandoned_at_the_drain_deadline_is_left_started_with_nothing_recorded(ledger, stub):
     uid = admit(ledger, [exec_step("charge", stub, [PY, "-c", "import time; time.sleep(60)"])])
     drain = Drain(0.3)
-    threading.Timer(0.1, drain.begin).start()
+
+    def drain_once_the_step_began() -> None:  # on a loaded machine the begin may take longer than any fixed delay
+        deadline = time.monotonic() + 30
+        while ledger.get(uid).steps[0].state != StepState.STARTED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        drain.begin()
+
+    threading.Thread(target=drain_once_the_step_began, daemon=True).start()
     end = run_attempt(ledger, uid, 1, drain=drain)
     step = ledger.get(uid).steps[0]
     assert end.code == ExitCode.DISRUPTED

@@ -51,13 +51,13 @@ from retex.kube.objects import build_job
 from retex.kube.operator_calls import KubeCalls
 from retex.kube.podwatch import PodEndings
 from retex.ledger import (
+    AdmitResult,
     Ledger,
     LedgerError,
     LedgerUnavailable,
     NotFrozen,
     NotLeader,
     Refusal,
-    TaskAdmission,
     TaskNotFound,
     TaskRecord,
 )
@@ -454,8 +454,16 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
     if too_large:
         return refuse("AnnotationsTooLarge", too_large)
     if behind(body, None):  # its status shows the ledger held it: never admitted as new (retex.operator.witness)
-        return _frozen_as_lost(runtime, admission, body, logger)
-    verdict = runtime.ledger.prior_verdict(admission)
+        lost = runtime.ledger.admit_lost(admission, witness=body.get("status") or {},
+                                         shown_version=shown_version(body) or 0)
+        if isinstance(lost, TaskRecord):
+            log_line(logger, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
+                     shown_version=shown_version(body), phase=(body.get("status") or {}).get("phase"))
+            runtime.mirror.mark(uid)
+            return False
+        verdict: AdmitResult | None = lost  # a final decision stands for its uid: judged below, as ever
+    else:
+        verdict = runtime.ledger.prior_verdict(admission)
     if verdict is None:
         job = build_job(task_name=name, task_uid=uid, namespace=namespace, epoch=1,
                         spec=TaskSpec.model_validate(admission.spec), defaults=runtime.worker_defaults())
@@ -491,21 +499,6 @@ def _shown_refusal(body: dict[str, Any]) -> tuple[str, str]:
     if accepted is not None and accepted.status == "False":
         return accepted.reason, accepted.message
     return "Refused", "refused before the ledger lost the refusal; it stands"
-
-
-def _frozen_as_lost(runtime: Runtime, admission: TaskAdmission, body: dict[str, Any], logger: kopf.Logger) -> bool:
-    """A Task whose status shows the ledger held it, which the ledger does not hold: into the
-    ledger frozen (LedgerLost), never run as new; or, when a final decision stands for its uid
-    (purged, refused, a duplicate), nothing. Always False: not admitted to run."""
-    frozen = runtime.ledger.admit_lost(admission, witness=body.get("status") or {},
-                                       shown_version=shown_version(body) or 0)
-    if isinstance(frozen, TaskRecord):
-        log_line(logger, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
-                 shown_version=shown_version(body), phase=(body.get("status") or {}).get("phase"))
-        runtime.mirror.mark(admission.uid)
-    elif frozen.refusal is not None:
-        runtime.mirror.refuse(body, frozen.refusal.reason, frozen.refusal.message)
-    return False
 
 
 @kopf.on.field(*TASKS, field="spec.cancel", new=True)
