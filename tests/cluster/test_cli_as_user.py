@@ -1,4 +1,4 @@
-"""The CLI acts as a Kubernetes user (issue 14, item 8): `retex requeue` patches annotations on the
+"""The CLI acts as a Kubernetes user: `retex requeue` patches annotations on the
 Task with the user's own kubeconfig, RBAC decides whether they may, the API server vouches for the
 name (SelfSubjectReview, and the ValidatingAdmissionPolicy retex-requested-by in manifests/base),
 and the operator records that name in the ledger's history. Users here are ServiceAccounts with

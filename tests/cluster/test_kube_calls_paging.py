@@ -1,6 +1,6 @@
 """The status mirror's resync lists every Task in the cluster: page by page (`limit` and
 `continue`), so the operator never holds all of them, nor the client's decoded copy, at once
-(issue 18: with 5,000 Tasks the one LIST made the operator's memory spike)."""
+(with 5,000 Tasks one unpaged LIST made the operator's memory spike)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Credentials named, never written (issue 14, item 6): an exec step's env and an http step's
+"""Credentials named, never written: an exec step's env and an http step's
 headers take `valueFrom.secretKeyRef`. A real Secret's value reaches the step (the exec step checks
 it, the http step sends it to a capturing server on this host) and appears in none of the Task's
 spec or status, the Job, or any row of the ledger.

@@ -1,4 +1,4 @@
-"""Attacks from a tenant namespace on the ledger (issue 14, item 1): workers hold no database
+"""Attacks from a tenant namespace on the ledger: workers hold no database
 credentials, and a pod's token acts for its own attempt only.
 
 The attacker may create anything a tenant may create in namespace A (Jobs, Pods with any labels,

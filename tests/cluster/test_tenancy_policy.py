@@ -1,5 +1,5 @@
-"""What a Task may ask for, and what its worker may touch, on the rig's real API server (issue 14,
-items 3, 4 and 7): a namespace's TaskPolicy decides the images, ServiceAccounts, placement, step
+"""What a Task may ask for, and what its worker may touch, on the rig's real API server: a
+namespace's TaskPolicy decides the images, ServiceAccounts, placement, step
 kinds and http destinations of its Tasks; a worker pod may update only its own task's Lease; an
 object squatting on the name of a task's Lease or Job ends the task instead of being adopted.
 """

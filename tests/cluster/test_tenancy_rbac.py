@@ -1,4 +1,4 @@
-"""The operator writes only where a namespace was onboarded (issue 14, item 5): its ClusterRole
+"""The operator writes only where a namespace was onboarded: its ClusterRole
 reads and watches; Jobs, Leases and Events come from the RoleBinding manifests/tenant puts in each
 tenant namespace. Proved with only the shipped RBAC: the operator holds a token of its
 ServiceAccount and runs cluster-wide, as the Deployment does (like tests/cluster/test_rbac.py).

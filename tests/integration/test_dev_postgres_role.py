@@ -1,5 +1,5 @@
-"""The dev overlay's Postgres gives the operator an ordinary role, not a superuser (issue 14,
-item 6), and the operator's ledger works with it: the overlay's own init SQL, run on a real
+"""The dev overlay's Postgres gives the operator an ordinary role, not a superuser,
+and the operator's ledger works with it: the overlay's own init SQL, run on a real
 Postgres as the image runs it (as its superuser, once), then the ledger migrated and used through
 the overlay's DSN user."""
 

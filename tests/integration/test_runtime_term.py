@@ -1,6 +1,6 @@
 """The Runtime's taking of the ledger's leadership term (retex.operator.handlers.Runtime._take_term)
 on a real ledger: a replica deposed between its "leading" answer and its increment takes no term
-after its successor's (the review's reproduction of issue 17)."""
+after its successor's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One logging style (issue 19): every line retex logs goes through `retex.logs.log_line`, a fixed
+"""One logging style: every line retex logs goes through `retex.logs.log_line`, a fixed
 message with its values as fields, so a line is found by its message and read by its fields; no
 %-formatted text that folds the values into the message."""
 

@@ -1,4 +1,4 @@
-"""The NetworkPolicies shipped with retex say what docs/security.md says they do (issue 14, item 6).
+"""The NetworkPolicies shipped with retex say what docs/security.md says they do.
 
 The rig has no CNI that enforces NetworkPolicy, so what is proved here is the object: which pods
 it selects (the worker pods retex.kube.objects builds, the operator pod) and which egress and

@@ -571,7 +571,7 @@ def test_a_refusal_is_written_and_announced_once_per_generation():
 
 def test_a_backlog_of_waiting_tasks_is_written_in_short_rounds_and_a_running_tasks_change_goes_first():
     """5,000 Tasks delayed by notBefore each need a first status: a change of a task that is doing
-    something (marked after all of them) must not wait behind that backlog (issue 18: 115 s)."""
+    something (marked after all of them) must not wait behind that backlog (it waited 115 s at scale)."""
     now = [1000.0]
     waiting = [f"w{i}" for i in range(3 * WRITE_BATCH)]
     ledger = FakeLedger(*(rec(uid, phase=TaskPhase.SCHEDULED) for uid in waiting), rec("busy"))
