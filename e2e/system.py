@@ -74,7 +74,7 @@ def install_policies(kubectl) -> None:
 
 def wait_established(kubectl, crd: str) -> None:
     """Poll the CRD until it is Established. Not `kubectl wait`: right after an apply it failed a
-    few times on a fresh rig (three seen across sessions, under load) where a poll of the object
+    few times on a fresh rig (under load) where a poll of the object
     itself only waits."""
     def established():
         got = kubectl("get", "crd", crd, "-o", "json", check=False)

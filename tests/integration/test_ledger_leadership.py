@@ -172,7 +172,7 @@ def test_an_unfenced_ledger_writes_whatever_the_term_the_administrators_cli(repl
 
 
 def test_a_replica_deposed_while_it_waited_takes_no_term(replicas, ledger):
-    """The review's race: the old leader asked leading(), paused, and its successor took the term.
+    """The race: the old leader asked leading(), paused, and its successor took the term.
     Asked again under the term's lock, it takes none: the successor's term stays the ledger's."""
     old, new = replicas
     assert old.take_term(lock_timeout_seconds=TAKE_TIMEOUT) == 1
