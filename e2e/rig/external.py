@@ -47,7 +47,7 @@ _EACH_FAMILY = "for ipt in iptables $(test -e /proc/net/if_inet6 && echo ip6tabl
 # Deletes every rule tagged PARTITION_TAG; none left is no error (heal is idempotent).
 HEAL_SCRIPT = (f"{_EACH_FAMILY} for chain in INPUT OUTPUT FORWARD; do "
                "rules=$($ipt -w 10 -S $chain) || exit 1; "
-               f"echo \"$rules\" | grep -e '--comment {PARTITION_TAG}' | sed 's/^-A /-D /' | "
+               f"echo \"$rules\" | grep -e '-m comment --comment {PARTITION_TAG} -j DROP$' | sed 's/^-A /-D /' | "
                "while read -r rule; do $ipt -w 10 $rule || exit 1; done || exit 1; done; done")
 # Drops every packet through the node's link (its default route's interface: the kind network),
 # in and out, the node's own and its pods' (forwarded), ahead of every other rule; traffic inside

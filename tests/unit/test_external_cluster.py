@@ -40,9 +40,11 @@ def test_a_kind_pod_is_killed_by_its_containers_ids_and_paused_by_its_cgroup():
 
 
 # A network namespace of the test's own, shaped as a kind node's where it matters: a link, v0,
-# carries the default route, and a rule of someone else's (kube-proxy's, say) heads INPUT.
+# carries the default route, and a rule of someone else's heads INPUT, its comment beginning as
+# the partition's tag does.
+_FOREIGN_RULE = f"-A INPUT -p tcp -m tcp --dport 10250 -m comment --comment {PARTITION_TAG}-kept -j ACCEPT"
 _NODE_LIKE = ("ip link add v0 type veth peer name v1 && ip addr add 10.9.9.2/24 dev v0 && ip link set v0 up "
-              "&& ip route add default via 10.9.9.1 && iptables -A INPUT -p tcp --dport 10250 -j ACCEPT")
+              f"&& ip route add default via 10.9.9.1 && iptables {_FOREIGN_RULE}")
 
 
 def _rules_after(*scripts: str) -> tuple[list[str], dict[str, list[str]]]:
@@ -75,13 +77,13 @@ def test_a_partition_drops_everything_through_the_default_routes_link_ahead_of_e
         assert chains["INPUT"][0] == _drops("INPUT", "-i"), (family, held)
         assert chains["OUTPUT"] == [_drops("OUTPUT", "-o")], (family, held)
         assert sorted(chains["FORWARD"]) == sorted([_drops("FORWARD", "-i"), _drops("FORWARD", "-o")]), (family, held)
-        assert sum(PARTITION_TAG in rule for rule in held) == 4, (family, held)
-    assert "-A INPUT -p tcp -m tcp --dport 10250 -j ACCEPT" in rules["iptables"]
+        assert sum(f"--comment {PARTITION_TAG} " in rule for rule in held) == 4, (family, held)
+    assert _FOREIGN_RULE in rules["iptables"]
 
 
 def test_a_heal_deletes_exactly_the_partitions_rules_and_heals_a_healed_node_too():
     untouched = _rules_after()[1]
-    assert any(rule.startswith("-A INPUT") for rule in untouched["iptables"]), untouched
+    assert _FOREIGN_RULE in untouched["iptables"], untouched
     outputs, rules = _rules_after(PARTITION_SCRIPT, HEAL_SCRIPT, HEAL_SCRIPT)
     assert outputs == ["v0", "", ""]
     assert rules == untouched
