@@ -102,7 +102,7 @@ class Patroni:
                 return self.leader() == member and not self.in_recovery(member) and self.labelled_master() == [member]
             except subprocess.CalledProcessError:
                 return False
-        wait_for(done, timeout=60, what=f"{member} promoted and labelled role=master")
+        wait_for(done, timeout=60, what=f"{member} promoted and labelled role=master", interval=0.5)
 
     def switchover(self, leader: str, candidate: str) -> None:
         self.rig.kubectl("exec", "-n", SYSTEM, leader, "-c", "patroni", "--", "patronictl", "-c", CONFIG,
@@ -154,7 +154,8 @@ def patroni(rig):
     cluster = Patroni(rig)
     try:
         rig.kubectl("rollout", "status", "-n", SYSTEM, f"statefulset/{SCOPE}", "--timeout=300s")
-        wait_for(cluster.healthy, timeout=180, what="a Patroni leader with a streaming synchronous standby")
+        wait_for(cluster.healthy, timeout=180, what="a Patroni leader with a streaming synchronous standby",
+                 interval=1)
         print(f"patroni up in {time.monotonic() - started:.0f}s: leader {cluster.leader()}, "
               f"synchronous standby {cluster.sync_standby()}", flush=True)
         yield cluster
@@ -233,11 +234,11 @@ def test_the_deployed_operator_rides_through_a_patroni_switchover_and_a_failover
 
     def switchover() -> str:
         """Fault 1: a switchover to the synchronous standby."""
-        wait_for(patroni.healthy, timeout=120, what="a synchronous standby streaming")
+        wait_for(patroni.healthy, timeout=120, what="a synchronous standby streaming", interval=1)
         first, candidate = patroni.leader(), patroni.sync_standby()
         assert first and candidate and patroni.in_recovery(candidate)
-        flying = in_flight(first)
-        assert flying > 0, "the switchover would meet no task inside a step"
+        flying = wait_for(lambda: in_flight(first), timeout=90, what="a task inside a step, for the switchover to meet",
+                          interval=1)
         patroni.switchover(first, candidate)
         patroni.promoted(candidate)
         assert patroni.leader() == candidate != first
@@ -245,21 +246,20 @@ def test_the_deployed_operator_rides_through_a_patroni_switchover_and_a_failover
 
     def kill_primary() -> str:
         """Fault 2: kill -9 of the (new) primary's postmaster, its synchronous standby streaming."""
-        wait_for(patroni.healthy, timeout=180, what="a synchronous standby streaming again")
+        wait_for(patroni.healthy, timeout=180, what="a synchronous standby streaming again", interval=1)
         leader, standby = patroni.leader(), patroni.sync_standby()
         assert leader and standby and patroni.in_recovery(standby)
-        [[lsn]] = patroni.sql(leader, "SELECT pg_current_wal_lsn()")
         done_before_kill.update((uid, idx) for uid, idx in
                                 patroni.sql(leader, "SELECT task_uid, idx FROM retex.steps WHERE state = 'done'"))
+        [[lsn]] = patroni.sql(leader, "SELECT pg_current_wal_lsn()")  # past every commit that read saw
 
         def on_standby_disk() -> bool:
-            """Acknowledged: what that read saw is on the synchronous standby's disk (a commit is
-            seen on the primary a moment before its acknowledgement)."""
+            """Acknowledged: what that read saw is on the synchronous standby's disk."""
             return patroni.sql(leader, f"SELECT bool_and(flush_lsn >= '{lsn}'::pg_lsn) FROM pg_stat_replication "
                                        "WHERE sync_state = 'sync'") == [["t"]]
         wait_for(on_standby_disk, timeout=30, what=f"the standby flushed to {lsn}")
-        flying = in_flight(leader)
-        assert flying > 0, "the kill would meet no task inside a step"
+        flying = wait_for(lambda: in_flight(leader), timeout=90, what="a task inside a step, for the kill to meet",
+                          interval=1)
         killed, named = patroni.kill_postmaster(leader)
         assert named == killed, f"postmaster {killed} shut down cleanly (postmaster.pid names {named}): not killed"
         patroni.promoted(standby)
