@@ -16,6 +16,10 @@ authentication on loopback only: this cluster holds test data and dies with the 
     cluster.switchover()         # patronictl switchover to the standby; returns the new leader
     cluster.kill_primary()       # kill -9 of the primary's postmaster; Patroni fails over at once
     cluster.stop()
+
+    PatroniCluster(etcd=..., synchronous=False, maximum_lag_on_failover=2**40)
+    cluster.cut_replication()    # the standby receives no more WAL: it lags from now on
+    cluster.kill_patroni("pg0")  # that member's Patroni dies (its Postgres runs on, leaderless)
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ class Kill:
 class PatroniCluster:
     """Two Patroni members on the DCS at `etcd` (host:port of an etcd v3 endpoint)."""
 
-    def __init__(self, etcd: str, state_dir: Path | None = None, members: int = 2):
+    def __init__(self, etcd: str, state_dir: Path | None = None, members: int = 2, *, synchronous: bool = True,
+                 maximum_lag_on_failover: int | None = None):
         # Under /tmp, not pytest's tree: `nobody` cannot traverse pytest's root-only directories.
         self.state_dir = Path(state_dir or tempfile.mkdtemp(prefix="retex-patroni-"))
         self.etcd = etcd
@@ -140,6 +145,12 @@ class PatroniCluster:
         self.namespace = f"/{self.state_dir.name}/"
         self.members = [Member(f"pg{i}", free_port(), free_port(), self.state_dir / f"pg{i}") for i in range(members)]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        # Asynchronous: a commit is acknowledged before any standby has it, and a standby lagging by
+        # up to maximum_lag_on_failover bytes may be promoted, losing what it had not received.
+        self.synchronous = synchronous
+        self.dcs_settings = {**DCS_SETTINGS, "synchronous_mode": synchronous}
+        if maximum_lag_on_failover is not None:
+            self.dcs_settings["maximum_lag_on_failover"] = maximum_lag_on_failover
 
     # ----- connecting --------------------------------------------------------------------------
 
@@ -163,7 +174,7 @@ class PatroniCluster:
             "restapi": {"listen": f"127.0.0.1:{member.api_port}", "connect_address": f"127.0.0.1:{member.api_port}"},
             "etcd3": {"hosts": [self.etcd]},
             "bootstrap": {
-                "dcs": DCS_SETTINGS,
+                "dcs": self.dcs_settings,
                 "initdb": [{"encoding": "UTF8"}],
             },
             "postgresql": {
@@ -260,14 +271,19 @@ class PatroniCluster:
     def sync_standby(self) -> str | None:
         return next((name for name, (role, _) in self.roles().items() if role == "sync_standby"), None)
 
+    def standby(self) -> str | None:
+        """A member that is not the leader (asynchronous: Patroni's role `replica`)."""
+        return next((name for name, (role, _) in self.roles().items() if role != "leader"), None)
+
     def healthy(self) -> bool:
-        """A leader running and a synchronous standby streaming from it."""
+        """A leader running and a standby (synchronous, unless the cluster is not) streaming from it."""
         roles = self.roles()
+        standby_role = "sync_standby" if self.synchronous else "replica"
         return (any(r == ("leader", "running") for r in roles.values())
-                and any(role == "sync_standby" and state in ("streaming", "running") for role, state in roles.values()))
+                and any(role == standby_role and state in ("streaming", "running") for role, state in roles.values()))
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        self._wait("a leader and a streaming synchronous standby", self.healthy, timeout)
+        self._wait("a leader and a streaming standby", self.healthy, timeout)
 
     def _wait(self, what: str, check: Any, timeout: float) -> None:
         started = last_report = time.monotonic()
@@ -320,6 +336,40 @@ class PatroniCluster:
                 raise PatroniError(f"postmaster {pid} still alive {timeout:.0f}s after SIGKILL")
             time.sleep(0.01)
         return Kill(leader, pid, pid_file_left=member.postmaster_pid() == pid)
+
+    def cut_replication(self, timeout: float = 30) -> str:
+        """The leader refuses replication connections from now on (a `reject` line first in its
+        pg_hba.conf, reloaded) and its WAL senders are ended: the standby keeps what it received
+        and receives nothing more. Returns the standby's last received LSN once no sender is left."""
+        leader = self.leader()
+        if not leader:
+            raise PatroniError(f"no leader to cut off: roles {self.roles()}")
+        member = self.member(leader)
+        hba = member.data_dir / "pg_hba.conf"
+        hba.write_text("host replication all 127.0.0.1/32 reject\n" + hba.read_text())
+        say(f"replication from {leader} cut: its pg_hba.conf rejects it, its WAL senders ended")
+        with psycopg.connect(member.dsn(), autocommit=True) as conn:
+            conn.execute("SELECT pg_reload_conf()")
+            deadline = time.monotonic() + timeout
+            while conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_replication").fetchall():
+                if time.monotonic() > deadline:
+                    raise PatroniError(f"{leader} still has WAL senders {timeout:.0f}s after the cut")
+                time.sleep(0.2)
+        standby = self.member(next(m.name for m in self.members if m.name != leader))
+        with psycopg.connect(standby.dsn(), autocommit=True) as conn:
+            row = conn.execute("SELECT pg_last_wal_receive_lsn()::text").fetchone()
+        assert row is not None
+        return str(row[0])
+
+    def kill_patroni(self, name: str, timeout: float = 10) -> int:
+        """kill -9 of one member's Patroni alone: its Postgres runs on, but nothing renews its
+        leader key (another member takes it once ttl runs out) or restarts that Postgres.
+        Returns the Patroni's pid."""
+        proc = self.procs[name]
+        say(f"kill -9 {name}'s Patroni (pid {proc.pid})")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
+        return proc.pid
 
 
 def _alive(pid: int) -> bool:
