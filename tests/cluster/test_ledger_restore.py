@@ -62,7 +62,8 @@ def test_a_ledger_restored_from_a_backup_freezes_what_it_forgot_and_recovery_rep
     first.open()  # after the backup: charge runs once and commits; order waits at its second gate
     wait_for(lambda: [s["state"] for s in status(retex, "order").get("steps", [])] == ["done", "done", "started"],
              timeout=60, what="order shown with charge done and its last step started")
-    retex.kubectl("apply", "-f", "-", input=task_manifest("later", [charge(notifier)]))  # admitted after the backup
+    retex.kubectl("apply", "-f", "-",  # admitted after the backup
+                  input=task_manifest("later", [charge(notifier)], idempotencyKey="later-7"))
     wait_for(lambda: status(retex, "later").get("phase") == "Succeeded", timeout=90, what="later Succeeded")
     later = uid_of(retex, "later")
     assert (executions(notifier, uid), executions(notifier, later)) == (1, 1)
@@ -74,11 +75,17 @@ def test_a_ledger_restored_from_a_backup_freezes_what_it_forgot_and_recovery_rep
         held = conn.execute("SELECT version FROM retex.tasks WHERE uid = %s", (uid,)).fetchone()[0]
         assert held < shown
         assert conn.execute("SELECT count(*) FROM retex.tasks WHERE uid = %s", (later,)).fetchone()[0] == 0
+    # While the operator is away, a client resubmits `later`'s work under its idempotencyKey: the
+    # restored ledger knows the key from no task, and this one must not take it and run again.
+    retex.kubectl("apply", "-f", "-", input=task_manifest("again", [charge(notifier)], idempotencyKey="later-7"))
     retex.operator.start()
 
     wait_for(lambda: frozen_reason(retex, "order") == "LedgerBehind", timeout=60, what="order frozen LedgerBehind")
     wait_for(lambda: frozen_reason(retex, "later") == "LedgerLost", timeout=60, what="later frozen LedgerLost")
     assert status(retex, "later")["steps"][0]["state"] == "done", "a frozen task shows what its Task showed"
+    wait_for(lambda: status(retex, "again").get("phase") == "Refused", timeout=60, what="the resubmission refused")
+    refused = next(c for c in status(retex, "again")["conditions"] if c["type"] == "Accepted")
+    assert refused["reason"] == "DuplicateIdempotencyKey" and later in refused["message"]
     assert retex.operator.metrics()[("retex_frozen_tasks", ())] == 2
     events = json.loads(retex.kubectl("get", "events", "--field-selector", "reason=LedgerBehind", "-o", "json").stdout)
     assert {e["involvedObject"]["name"] for e in events["items"]} == {"order", "later"}
@@ -96,6 +103,7 @@ def test_a_ledger_restored_from_a_backup_freezes_what_it_forgot_and_recovery_rep
     wait_for(lambda: status(retex, "order").get("phase") == "Succeeded", timeout=120, what="order recovered, Succeeded")
     wait_for(lambda: status(retex, "later").get("phase") == "Succeeded", timeout=60, what="later recovered, Succeeded")
     assert (executions(notifier, uid), executions(notifier, later)) == (1, 1), "no effect twice"
+    assert executions(notifier, uid_of(retex, "again")) == 0
     assert retex.ledger.get(uid).epoch >= 2, "order ran its last step in a new attempt"
     assert retex.ledger.attempts(later) == [], "later, shown Succeeded, was not run again"
     history = retex.ledger.history(uid)

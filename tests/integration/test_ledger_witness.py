@@ -2,6 +2,9 @@
 worker's writes fenced, its dispatch held, no slot, no promotion, no timeout) until a human
 recovers it, from what its status showed or afresh; and one install owns a ledger."""
 
+import time
+from datetime import UTC, datetime, timedelta
+
 import psycopg
 import pytest
 
@@ -58,19 +61,81 @@ def test_a_task_the_ledger_holds_at_the_version_shown_or_past_it_is_not_frozen(l
                          shown_version=version - 1).frozen_reason is None
 
 
-def test_a_frozen_task_is_not_started_promoted_or_timed_out(ledger, dsn):
+def test_a_frozen_queued_task_is_not_started_when_a_slot_comes_free(ledger, dsn):
     ledger.set_run_limits(max_running=1, max_running_per_namespace=None)
     holder = admitted(ledger)
     queued = admitted(ledger)
     assert ledger.get(queued).phase == TaskPhase.QUEUED
     ledger.freeze(queued, reason="LedgerBehind", witness=shown("Queued", version=9), shown_version=9)
-    ledger.fail_task(holder, reason="Test", message="frees the slot")
 
-    assert ledger.get(queued).phase == TaskPhase.QUEUED, "a freed slot is not filled with a frozen task"
+    ledger.fail_task(holder, reason="Test", message="frees the slot")
+    ledger.settle_attempt(holder, 1)  # known dead: its slot is free now
     ledger.set_run_limits(max_running=None, max_running_per_namespace=None)
     ledger.fill_slots()
-    assert ledger.get(queued).phase == TaskPhase.QUEUED
-    assert due_dispatches(dsn, queued) == 0
+
+    assert ledger.get(queued).phase == TaskPhase.QUEUED and due_dispatches(dsn, queued) == 0
+
+
+def test_a_frozen_task_is_neither_promoted_nor_timed_out_and_wakes_no_promoter(ledger):
+    scheduled = admitted(ledger, not_before=datetime.now(UTC) + timedelta(seconds=1))
+    timed = admitted(ledger, timeout_seconds=1)
+    assert ledger.get(scheduled).phase == TaskPhase.SCHEDULED and ledger.next_due_at() is not None
+    for uid in (scheduled, timed):
+        ledger.freeze(uid, reason="LedgerBehind", witness=shown("Running", version=50), shown_version=50)
+    time.sleep(1.5)  # both due now, were they not frozen
+
+    assert ledger.promote_due() == []
+    assert (ledger.get(scheduled).phase, ledger.get(timed).phase) == (TaskPhase.SCHEDULED, TaskPhase.RUNNING)
+    assert ledger.next_due_at() is None, "a frozen task is never due: the promoter would spin on it"
+
+
+def test_a_frozen_task_keeps_its_concurrency_key(ledger):
+    ledger.set_run_limits(max_running=1, max_running_per_namespace=None)
+    other = admitted(ledger)
+    head = admitted(ledger, concurrency_key="acct-1")
+    behind_it = admitted(ledger, concurrency_key="acct-1")
+    ledger.freeze(head, reason="LedgerBehind", witness=shown("Running", version=30), shown_version=30)
+
+    ledger.fail_task(other, reason="Test", message="frees the slot")
+    ledger.settle_attempt(other, 1)
+
+    assert (ledger.get(head).phase, ledger.get(behind_it).phase) == (TaskPhase.QUEUED, TaskPhase.QUEUED), (
+        "its Task showed it Running: its worker may be inside a step, and the key's next task waits")
+
+
+def test_the_reaper_leaves_a_frozen_task_as_it_is(ledger):
+    uid = admitted(ledger)
+    ledger.freeze(uid, reason="LedgerBehind", witness=shown("Running", version=60), shown_version=60)
+    before = ledger.get(uid)
+
+    ledger.replace_attempt(uid, 1, cause="lease-expired")
+    ledger.fail_unstarted(uid, 1, "never started")
+
+    after = ledger.get(uid)
+    assert (after.phase, after.epoch, after.disruptions, after.failures, after.version) == (
+        before.phase, before.epoch, before.disruptions, before.failures, before.version)
+
+
+def test_a_recovered_task_starts_past_the_epochs_the_cluster_still_knows_and_its_timeout_restarts(ledger):
+    uid = admitted(ledger, timeout_seconds=2)
+    ledger.freeze(uid, reason="LedgerBehind", witness=shown("Running", version=70, attempt=2), shown_version=70)
+    time.sleep(2.5)  # frozen past its timeout
+
+    record = ledger.recover(uid, from_status=True, actor="kube:alice", min_epoch=7)
+    ledger.promote_due()
+
+    assert (record.epoch, ledger.get(uid).phase) == (8, TaskPhase.RUNNING), "timed out from its new attempt on"
+
+
+def test_a_lost_task_whose_key_a_resubmission_took_meanwhile_comes_back_frozen_without_it(ledger):
+    resubmitted = admission(idempotency_key="order-7")
+    ledger.admit(resubmitted)
+    lost = admission(idempotency_key="order-7")
+
+    record = ledger.admit_lost(lost, witness=succeeded_shown(12), shown_version=12)
+
+    assert isinstance(record, TaskRecord) and record.frozen_reason == "LedgerLost"
+    assert ledger.get(resubmitted.uid).phase == TaskPhase.RUNNING, "the key stays with the task that holds it"
 
 
 def test_a_task_the_ledger_lost_comes_back_frozen_with_no_attempt(ledger, dsn):
@@ -170,6 +235,10 @@ def test_a_ledger_is_owned_by_the_first_install_and_refuses_another_unless_adopt
     assert "RETEX_ADOPT_LEDGER=install-a" in str(refused.value)
     with pytest.raises(InstallMismatch):
         ledger.claim_install(uid="install-b", namespace="other", adopt_from="install-c")
+
+    with pytest.raises(InstallMismatch, match="was probably deleted") as same_namespace:
+        ledger.claim_install(uid="install-z", namespace="retex-system", adopt_from=None)  # its Lease made anew
+    assert "retex.dev/install-uid=install-a" in str(same_namespace.value)
 
     ledger.claim_install(uid="install-b", namespace="other", adopt_from="install-a")
     with pytest.raises(InstallMismatch):

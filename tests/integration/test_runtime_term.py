@@ -42,7 +42,7 @@ def runtime(ledger: Ledger, leading: Callable[[], bool], *, max_running: int | N
     rt._leaderships_lock = threading.Lock()
     rt._term_wanted_since = None
     rt._max_running, rt._max_running_per_namespace = max_running, max_running_per_namespace
-    rt.mirror = types.SimpleNamespace(mark_behind=lambda: None)  # no Task to compare with the ledger
+    rt.mirror = types.SimpleNamespace(mark_behind=lambda **_: None)  # no Task to compare with the ledger
     return rt
 
 
@@ -199,8 +199,9 @@ def test_a_leaderships_writers_wait_until_every_task_was_compared_with_the_ledge
         a = runtime(fenced, lambda: True)
         compared: list[bool] = []
 
-        def mark_behind() -> None:
+        def mark_behind(**given: Any) -> None:
             compared.append(a._term_taken.is_set())
+            assert given.get("lost") == a._judge_lost, "the Tasks the ledger lost are judged too, before kopf admits"
             if len(compared) == 1:
                 raise ConnectionError("the API server went away")
 

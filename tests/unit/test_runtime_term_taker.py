@@ -32,7 +32,7 @@ def runtime(ledger: TermLedger, leading: Any, *, retry_period: float, lease_dura
     rt._leaderships_lock = threading.Lock()
     rt._term_wanted_since = 0.0
     rt._max_running = rt._max_running_per_namespace = None
-    rt.mirror = types.SimpleNamespace(mark_behind=lambda: None)  # no Task to compare with the ledger
+    rt.mirror = types.SimpleNamespace(mark_behind=lambda **_: None)  # no Task to compare with the ledger
     return rt
 
 

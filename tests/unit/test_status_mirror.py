@@ -457,6 +457,17 @@ def test_the_mirror_freezes_a_task_it_finds_ahead_of_the_ledger_without_waiting_
     assert kube.written == [("ahead", 10, "LedgerBehind")]
 
 
+def test_a_resync_hands_on_the_tasks_the_ledger_lost_and_only_those_when_asked():
+    ledger = FakeLedger(rec("held", version=3))
+    kube = FakeKube(task_object("held", shown_version=3), task_object("lost", shown_version=8),
+                    task_object("new"))
+    m = mirror(ledger, kube)
+    handed: list[str] = []
+    m.mark_behind(lost=lambda task: handed.append(task["metadata"]["uid"]))
+    m.mark_behind()
+    assert handed == ["lost"], "shown admitted, not held; a Task never shown admitted is admission's"
+
+
 def test_a_restore_that_puts_many_tasks_behind_freezes_them_all_in_one_resync():
     count = 3 * WRITE_BATCH
     ledger = FakeLedger(*(rec(f"u{n}", version=1) for n in range(count)))

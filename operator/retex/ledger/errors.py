@@ -98,9 +98,15 @@ class InstallMismatch(LedgerError):
     """This ledger belongs to another install of retex (another namespace or cluster)."""
 
     def __init__(self, owner_uid: str, owner_namespace: str, uid: str, namespace: str):
+        same_namespace = owner_namespace == namespace
         super().__init__(
             f"this ledger belongs to the retex install {owner_uid} (operator namespace {owner_namespace!r}); "
-            f"this operator is install {uid} (namespace {namespace!r}). Two installs must not share one ledger: "
-            "point this one at a database of its own. If this install replaces that one (retex reinstalled, "
-            f"its namespace recreated), start it once with RETEX_ADOPT_LEDGER={owner_uid}")
+            f"this operator is install {uid} (namespace {namespace!r}). "
+            + ("The namespaces match: the Lease retex-install that keeps the install's uid was probably deleted "
+               f"(or the namespace recreated). Put the owner's uid back on it (annotation retex.dev/install-uid="
+               f"{owner_uid}), or start this install once with RETEX_ADOPT_LEDGER={owner_uid}"
+               if same_namespace else
+               "Two installs must not share one ledger: point this one at a database of its own. If this "
+               "install replaces that one (retex reinstalled, its namespace recreated), start it once with "
+               f"RETEX_ADOPT_LEDGER={owner_uid}"))
         self.owner_uid, self.owner_namespace = owner_uid, owner_namespace

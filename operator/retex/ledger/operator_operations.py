@@ -108,10 +108,10 @@ def replace_attempt(cur: Cursor, uid: str, lost_epoch: int, *, cause: str, actor
     """The attempt `lost_epoch` is gone (lease expired or released, pod disrupted): start the next.
 
     A disruption does not consume the retry budget; it has its own cap. Repeating the call for
-    the same lost epoch changes nothing.
+    the same lost epoch changes nothing; so does a frozen task (a person decides what it does next).
     """
     task = lock_task(cur, uid)
-    if task.epoch != lost_epoch or task.phase != TaskPhase.RUNNING:
+    if task.epoch != lost_epoch or task.phase != TaskPhase.RUNNING or task.frozen_reason is not None:
         return readers.get(cur, uid)
     end_attempt(cur, uid, lost_epoch, "lost")
     if task.cancel_requested:
@@ -143,9 +143,10 @@ def fail_unstarted(cur: Cursor, uid: str, epoch: int, error: str, *, actor: str,
     (a broken spec would otherwise loop for ever); a cancel request makes it Cancelled.
     No-op unless `epoch` is current and Running and its worker has not claimed it: a slow
     worker may take the lease and claim the attempt (under this row lock) after the caller
-    saw no lease, and may then be inside a step."""
+    saw no lease, and may then be inside a step. Nor on a frozen task."""
     task = lock_task(cur, uid)
-    if task.epoch != epoch or task.phase != TaskPhase.RUNNING or _claimed(cur, uid, epoch):
+    if (task.epoch != epoch or task.phase != TaskPhase.RUNNING or task.frozen_reason is not None
+            or _claimed(cur, uid, epoch)):
         return readers.get(cur, uid)
     end_attempt(cur, uid, epoch, "failed")  # it never held the lease: no step can run
     failures = task.failures + 1
@@ -163,9 +164,10 @@ def cancel_unheld(cur: Cursor, uid: str, epoch: int, *, actor: str) -> TaskRecor
     attempt may have begun a step before the cancel and be inside it still (its Lease deleted
     under it): the attempt then keeps its slot and key until the reaper knows it dead
     (`settle_attempt`), as fail_unstarted leaves such an attempt running.
-    No-op unless `epoch` is current, Running and cancel was requested."""
+    No-op unless `epoch` is current, Running and cancel was requested (a cancel thaws a frozen task)."""
     task = lock_task(cur, uid)
-    if task.epoch != epoch or task.phase != TaskPhase.RUNNING or not task.cancel_requested:
+    if (task.epoch != epoch or task.phase != TaskPhase.RUNNING or not task.cancel_requested
+            or task.frozen_reason is not None):
         return readers.get(cur, uid)
     end_attempt(cur, uid, epoch, "cancelled", settled=not _claimed(cur, uid, epoch))
     transition(cur, task, TaskEvent.CANCEL, actor, reason=cancel_reason(task))

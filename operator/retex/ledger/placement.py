@@ -114,6 +114,9 @@ def fill_slots(cur: Cursor, actor: str) -> None:
     # An attempt the operator ended (timeout, deletion) may still be running a step until it is
     # known dead (settled): until then it keeps its slot and its key.
     unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
+    # A frozen task that has not ended keeps its key: its Task showed it further on (Running,
+    # perhaps), so its worker may be inside a step, and the next task of the key waits behind it.
+    frozen = "SELECT uid FROM retex.tasks WHERE frozen_reason IS NOT NULL AND phase NOT IN ('Succeeded', 'Failed', 'Cancelled')"
     by_namespace: dict[str, int] = {namespace: n for namespace, n in cur.execute(
         f"""SELECT namespace, count(*) FROM retex.tasks WHERE uid IN (
                 SELECT uid FROM retex.tasks WHERE phase = 'Running' UNION {unsettled})
@@ -122,7 +125,8 @@ def fill_slots(cur: Cursor, actor: str) -> None:
     busy_keys = {(namespace, key) for namespace, key in cur.execute(
         f"""SELECT DISTINCT namespace, concurrency_key FROM retex.tasks WHERE concurrency_key IS NOT NULL
             AND uid IN (SELECT uid FROM retex.tasks WHERE phase IN ('Running', 'Retrying', 'NeedsAttention')
-                        UNION {unsettled})""")}
+                        UNION {unsettled}
+                        UNION {frozen})""")}
     candidates = fetch_all(
         cur, QueuedCandidate,
         f"""SELECT {column_list(QueuedCandidate)} FROM (
@@ -145,7 +149,7 @@ def fill_slots(cur: Cursor, actor: str) -> None:
         if (namespace, candidate.concurrency_key) in busy_keys:
             continue
         task = fetch_one(cur, TaskRow, f"SELECT {column_list(TaskRow)} FROM retex.tasks "
-                         "WHERE uid = %s AND phase = 'Queued' FOR UPDATE SKIP LOCKED", (candidate.uid,))
+                         "WHERE uid = %s AND phase = 'Queued' AND frozen_reason IS NULL FOR UPDATE SKIP LOCKED", (candidate.uid,))
         if task is None:
             continue
         start_attempt(cur, task, TaskEvent.START_ATTEMPT, task.next_cause or "first", actor)

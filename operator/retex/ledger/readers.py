@@ -113,12 +113,14 @@ def watched(cur: Cursor) -> list[WatchedAttempt]:
 
 def next_due_at(cur: Cursor) -> datetime | None:
     """The next moment something is due (a Scheduled or Retrying task, or a task deadline):
-    the promoter sleeps until then instead of keeping a timer per task."""
+    the promoter sleeps until then instead of keeping a timer per task. A frozen task is never
+    due (the promoter leaves it alone): counted, it would wake the promoter at once, for ever."""
     at: datetime | None = scalar(cur.execute(
         """SELECT least(
-               (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')),
+               (SELECT min(not_before) FROM retex.tasks WHERE phase IN ('Scheduled', 'Retrying')
+                AND frozen_reason IS NULL),
                (SELECT min(deadline_at) FROM retex.tasks
-                WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled')))"""
+                WHERE phase NOT IN ('Succeeded', 'Failed', 'Cancelled') AND frozen_reason IS NULL))"""
     ))
     return at
 

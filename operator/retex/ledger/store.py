@@ -255,8 +255,8 @@ class Ledger:
             raise LookupError(f"task {admission.uid} neither admitted nor refused")
         return record
 
-    def recover(self, uid: str, *, from_status: bool, actor: str) -> TaskRecord:
-        return self._lead(witness_operations.recover, uid, from_status=from_status, actor=actor)
+    def recover(self, uid: str, *, from_status: bool, actor: str, min_epoch: int = 0) -> TaskRecord:
+        return self._lead(witness_operations.recover, uid, from_status=from_status, actor=actor, min_epoch=min_epoch)
 
     def claim_install(self, *, uid: str, namespace: str, adopt_from: str | None) -> None:
         """At every start, before the replica competes for the term: raises InstallMismatch for

@@ -1,9 +1,10 @@
 """The Task is the ledger's witness: what the operator does when a Task's status shows more of a
 task than the ledger holds — the ledger was restored from a backup, failed over to a replica that
 lost commits, or is a fresh database. Running from what the ledger forgot would repeat effects
-that were already paid for, so the task is frozen: no worker may step on it (`moves.fence`), no
-dispatch of it goes out (held: `outbox.not_before` = infinity), no slot is filled with it, until a
-human recovers it — from what its status showed, or afresh. And which install owns the ledger, so
+that were already paid for, so the task is frozen: no worker may step on it (`moves.fence`), its
+unsent dispatches are held (`outbox.not_before` = infinity; a Job a relay was already creating
+meets the fence), no slot is filled with it and it keeps its concurrency key, the promoter and the
+reaper leave it as it is, until a human recovers it — from what its status showed, or afresh. And which install owns the ledger, so
 a second install pointed at it refuses to start instead of fighting over the leadership term.
 
 Each operation takes a cursor of the caller's transaction (`Ledger` runs it in one of its own)."""
@@ -11,7 +12,7 @@ Each operation takes a cursor of the caller's transaction (`Ledger` runs it in o
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from psycopg.types.json import Jsonb
@@ -19,7 +20,7 @@ from psycopg.types.json import Jsonb
 from retex.ledger import readers
 from retex.ledger.errors import InstallMismatch, NotFrozen
 from retex.ledger.moves import end_attempt, lock_task, record_history
-from retex.ledger.operator_operations import insert_task
+from retex.ledger.operator_operations import NotAdmitted, insert_task
 from retex.ledger.placement import place
 from retex.ledger.records import TaskAdmission, TaskRecord
 from retex.ledger.rows import Cursor, TaskRow
@@ -46,9 +47,17 @@ def freeze(cur: Cursor, uid: str, *, reason: str, witness: dict[str, Any], shown
 def admit_lost(cur: Cursor, admission: TaskAdmission, *, witness: dict[str, Any], shown_version: int,
                actor: str) -> TaskRecord | None:
     """A Task whose status shows it was admitted, which the ledger does not hold: into the ledger
-    frozen (LedgerLost), Pending, with no attempt. None when a final decision stands for its uid
-    (refused, purged: raised as `NotAdmitted` by `insert_task`, the caller's to judge)."""
-    inserted = insert_task(cur, admission, actor=actor)
+    frozen (LedgerLost), Pending, with no attempt. A final decision that stands for its uid
+    (refused, purged) is raised as `NotAdmitted` by `insert_task`, the caller's to judge. Its
+    idempotencyKey taken by another task meanwhile (a Task resubmitted while the ledger was away)
+    leaves it frozen without the key: the Task showed it admitted, so it is no duplicate to refuse."""
+    try:
+        with cur.connection.transaction():  # a savepoint: a refusal leaves nothing of the insert
+            inserted = insert_task(cur, admission, actor=actor)
+    except NotAdmitted as not_admitted:
+        if not_admitted.verdict.duplicate_of is None:
+            raise
+        inserted = insert_task(cur, replace(admission, idempotency_key=None), actor=actor)
     if inserted is None:  # admitted meanwhile (another leader's handler): judged as held
         return readers.get(cur, admission.uid)
     _freeze(cur, inserted, reason=LEDGER_LOST, witness=witness, shown_version=shown_version, actor=actor)
@@ -66,13 +75,14 @@ def _freeze(cur: Cursor, task: TaskRow, *, reason: str, witness: dict[str, Any],
                    detail={"reason": reason, "shownVersion": shown_version, "ledgerVersion": task.version})
 
 
-def recover(cur: Cursor, uid: str, *, from_status: bool, actor: str) -> TaskRecord:
+def recover(cur: Cursor, uid: str, *, from_status: bool, actor: str, min_epoch: int = 0) -> TaskRecord:
     """A human's decision for a frozen task. `from_status`: its steps are rebuilt from what its
     Task showed (done steps stay done with the result summary shown; a step shown started stays
     of unknown outcome, verified or flagged by the next attempt, as after any crash), and a task
     shown ended (or waiting for a human) stays so. Otherwise (afresh) the ledger's own steps
     stand: a step it does not record as done runs again. Either way a task left to run starts a
-    new attempt, its epoch past any the Task showed (Jobs of epochs the ledger forgot may exist)."""
+    new attempt, its epoch past `min_epoch` and any the Task showed (Jobs of epochs the ledger
+    forgot may exist), and its timeout counted afresh from that attempt."""
     task = lock_task(cur, uid)
     if task.frozen_reason is None:
         raise NotFrozen(f"task {uid} is not frozen: there is nothing to recover")
@@ -87,18 +97,20 @@ def recover(cur: Cursor, uid: str, *, from_status: bool, actor: str) -> TaskReco
     if from_status and shown.stays:
         phase, reason = shown.phase, shown.reason
     elif task.phase in TERMINAL_PHASES:
-        phase, reason = TaskPhase(task.phase), task.reason  # the ledger says it ended: requeue it to run again
+        phase, reason = TaskPhase(task.phase), task.reason  # the ledger says it ended: a requeue runs it again
     else:
         phase, reason = TaskPhase.PENDING, None
     cur.execute(
-        """UPDATE retex.tasks SET frozen_reason = NULL, phase = %s, reason = %s, epoch = greatest(epoch, %s),
+        """UPDATE retex.tasks SET frozen_reason = NULL, phase = %s, reason = %s, epoch = greatest(epoch, %s, %s),
                   failures = greatest(failures, %s), disruptions = greatest(disruptions, %s),
                   dead_lettered = dead_lettered OR %s,
                   finished_at = CASE WHEN %s THEN coalesce(finished_at, now()) END,
+                  deadline_at = CASE WHEN %s THEN NULL ELSE deadline_at END,
                   version = version + 1, updated_at = now()
            WHERE uid = %s""",
-        (str(phase), reason, shown.attempt, shown.retries if from_status else 0, shown.disruptions if from_status else 0,
-         from_status and shown.dead_lettered, phase in TERMINAL_PHASES, uid))
+        (str(phase), reason, shown.attempt, min_epoch, shown.retries if from_status else 0,
+         shown.disruptions if from_status else 0, from_status and shown.dead_lettered, phase in TERMINAL_PHASES,
+         phase == TaskPhase.PENDING, uid))
     recovered = lock_task(cur, uid)
     record_history(cur, uid, actor, "recover", epoch=recovered.epoch, from_state=task.phase, to_state=phase,
                    detail={"mode": "from-status" if from_status else "afresh", "frozen": task.frozen_reason,

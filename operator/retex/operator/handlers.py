@@ -47,7 +47,7 @@ from retex.kube.humans import (
 from retex.kube.identity import WorkerIdentities
 from retex.kube.install import install_uid
 from retex.kube.leasewatch import LeaseObserver
-from retex.kube.objects import build_job
+from retex.kube.objects import build_job, job_name, lease_name
 from retex.kube.operator_calls import KubeCalls
 from retex.kube.podwatch import PodEndings
 from retex.ledger import (
@@ -87,6 +87,7 @@ TASKS = (GROUP, VERSION, PLURAL)
 KOPF_PREFIX = "kopf.retex.dev"
 ENDPOINT_RETRY_SECONDS = 10.0  # below the worker's read timeout (retex.worker.ledger_client)
 POSTGRES_PROBE_SECONDS = 2  # the readiness probe's own timeout is 5 s (manifests/base)
+JOB_PROBES = 20  # Jobs of later attempts looked for before a recovery: more would be a dispatch storm
 
 
 class Runtime:
@@ -253,7 +254,7 @@ class Runtime:
         Lease after a lease duration without the term (`_may_keep_lease`)."""
         while current():
             try:
-                self.mirror.mark_behind()
+                self.mirror.mark_behind(lost=self._judge_lost)
                 return True
             except NotLeader:
                 raise  # the term moved on meanwhile: taken again
@@ -262,6 +263,22 @@ class Runtime:
                          error=f"{type(exc).__name__}: {exc}")
                 time.sleep(self.leadership.timing.retry_period)
         return False
+
+    def _judge_lost(self, task: dict[str, Any]) -> None:
+        """A Task whose status shows the ledger held it, which the ledger does not hold, judged
+        before kopf admits anything: a Task resubmitted with its idempotencyKey while the ledger
+        was away is then the duplicate, not the lost one."""
+        meta = task["metadata"]
+        try:
+            admission = admission_for(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"],
+                                      spec=task.get("spec") or {},
+                                      submitted_at=datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00")))
+        except pydantic.ValidationError:
+            return  # admission refuses it, as it would any Task whose spec the models refuse
+        lost = self.ledger.admit_lost(admission, witness=task.get("status") or {}, shown_version=shown_version(task) or 0)
+        if isinstance(lost, TaskRecord):
+            log_line(log, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
+                     uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], shown_version=shown_version(task))
 
     def _waiting_for_term(self) -> float | None:
         """How long this leadership has gone without the ledger's term (None: it holds it, or this
@@ -414,7 +431,10 @@ def admit(uid: str, namespace: str, name: str, spec: kopf.Spec, meta: kopf.Meta,
     except TaskNotFound:
         held = None
     if held is not None:  # resumed after a restart: checked when it was admitted; unless the ledger went back
-        if held.frozen_reason is None and behind(dict(body), held.version):
+        if held.frozen_reason is not None:  # a person decides; a cancel made since is the cancel handler's
+            runtime.mirror.mark(uid)
+            return
+        if behind(dict(body), held.version):
             runtime.mirror.freeze(dict(body), held.version)
             return
     elif not _admitted_now(runtime, uid=uid, namespace=namespace, name=name, spec=dict(spec),
@@ -590,7 +610,8 @@ def recover(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, logger:
                             f"is not a decision ({bad}); use `retex recover`")
         return
     try:
-        runtime.ledger.recover(uid, from_status=mode == "from-status", actor=_actor(body, new))
+        runtime.ledger.recover(uid, from_status=mode == "from-status", actor=_actor(body, new),
+                               min_epoch=_last_epoch_seen(runtime, dict(body)))
     except (NotFrozen, TaskNotFound) as refused:
         log_line(logger, logging.WARNING, "recover refused", why=str(refused))
         runtime.mirror.warn(dict(body), "RecoverRefused", f"recover refused: {refused}")
@@ -598,6 +619,24 @@ def recover(uid: str, new: str | None, body: kopf.Body, memo: kopf.Memo, logger:
     log_line(logger, logging.INFO, "frozen task recovered", mode=mode, actor=_actor(body, new))
     runtime.relay.wake.set()
     runtime.mirror.mark(uid)
+
+
+def _last_epoch_seen(runtime: Runtime, body: dict[str, Any]) -> int:
+    """The highest attempt the cluster knows of the task, which its ledger may have forgotten: the
+    one its status showed, its Lease's holder's, and each Job of a later attempt that still exists
+    (an attempt dispatched after the status was last written). A recovered task's next attempt
+    comes after it, so no Job of its name is met as already there (AlreadyExists is success)."""
+    meta = body["metadata"]
+    namespace, name, uid = meta["namespace"], meta["name"], meta["uid"]
+    epoch = int((body.get("status") or {}).get("attempt") or 0)
+    lease = runtime.leases.get(namespace, lease_name(name, uid), uid)
+    if lease is not None and lease.holder_epoch:
+        epoch = max(epoch, lease.holder_epoch)
+    for _ in range(JOB_PROBES):
+        if runtime.kube.get_job(namespace, job_name(name, uid, epoch + 1)) is None:
+            break
+        epoch += 1
+    return epoch
 
 
 @kopf.on.delete(*TASKS)

@@ -72,12 +72,13 @@ MAX_CONNECTIONS_PER_ADDRESS = 256  # a pod's address: every worker of a node sha
 # worker's read timeout (retex.worker.ledger_client). Idle kept-alive connections close as late.
 HEADER_SECONDS = 10.0
 REQUEST_SECONDS = 20.0
-# A worker makes one call at a time, two per step: a task of no-op steps makes about 80 a second,
-# which its rate leaves untouched; it and its burst stop a step's own code flooding with its pod's
-# token. A namespace may have half the admitted calls (the rest stay for the others); the ledger
-# threads themselves are shared in turn (`FairSlots`), so a namespace alone may use them all.
-PER_POD = Quota(rate=200.0, burst=400, concurrent=2)
-PER_NAMESPACE = Quota(rate=2000.0, burst=4000, concurrent=MAX_CONCURRENT_REQUESTS // 2)
+# A worker makes one call at a time, two per step: a task of no-op steps makes up to about 250 a
+# second, which its rate leaves untouched; it and its burst stop a step's own code flooding with its
+# pod's token. A namespace may have half the admitted calls (the rest stay for the others); its rate
+# stops only a flood; the ledger threads themselves are shared in turn (`FairSlots`), so a namespace
+# alone may use them all and a busy one cannot crowd out another.
+PER_POD = Quota(rate=500.0, burst=1000, concurrent=2)
+PER_NAMESPACE = Quota(rate=20000.0, burst=40000, concurrent=MAX_CONCURRENT_REQUESTS // 2)
 
 
 @dataclass(frozen=True)

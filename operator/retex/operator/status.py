@@ -622,10 +622,12 @@ class StatusMirror(Loop):
                 log_line(log, logging.WARNING, "event not posted", uid=task["metadata"]["uid"], reason=reason,
                          http_status=exc.http_status)
 
-    def mark_behind(self) -> None:
+    def mark_behind(self, lost: Callable[[dict[str, Any]], None] | None = None) -> None:
         """One LIST: every Task whose shown ledgerVersion lags the ledger, or whose dead-letter
         label disagrees with it (a label patch lost with a leadership), is marked for a write.
-        A Task showing a version the ledger has not reached is frozen (`freeze`)."""
+        A Task showing a version the ledger has not reached is frozen (`freeze`); one showing a
+        version of a task the ledger does not hold at all is handed to `lost` (a leadership's
+        first pass judges those before any admission; later passes leave them to admission)."""
         # The first page before the versions: the LIST is a snapshot of when that page was served (the
         # later pages continue it), so a status written meanwhile is never ahead of the versions read.
         # list_tasks pages lazily, and only a page at a time is held (5,000 Tasks at scale).
@@ -634,7 +636,9 @@ class StatusMirror(Loop):
         ledger_versions, dead = self._ledger.versions(), self._ledger.dead_lettered_uids()
         for task in itertools.chain([first], pages) if first is not None else ():
             uid = task["metadata"]["uid"]
-            if uid not in ledger_versions:  # not admitted yet, refused, purged; or lost: admission judges it
+            if uid not in ledger_versions:  # not admitted yet, refused, purged; or lost
+                if lost is not None and shown_version(task) is not None:
+                    lost(task)
                 continue
             if behind(task, ledger_versions[uid]):
                 self.freeze(task, ledger_versions[uid])
