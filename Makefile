@@ -120,9 +120,12 @@ clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
 # The long chaos run (`make test` runs a bounded one). Replay with RETEX_CHAOS_SEED=N. The test
-# sets its own timeout from RETEX_CHAOS_SECONDS, past pytest's per-test 300 s.
+# sets its own timeout from RETEX_CHAOS_SECONDS, past pytest's per-test 300 s. Its ledger is a
+# Patroni cluster that the nemesis fail-over-ledger fails over (RETEX_CHAOS_LEDGER=postgres: the
+# single Postgres that `make test`'s bounded run restarts).
 chaos: $(STAMP) rig-binaries
 	RETEX_CHAOS_TASKS=$${RETEX_CHAOS_TASKS:-30} RETEX_CHAOS_SECONDS=$${RETEX_CHAOS_SECONDS:-300} \
+	  RETEX_CHAOS_LEDGER=$${RETEX_CHAOS_LEDGER:-patroni} \
 	  $(PY) -m pytest tests/cluster/test_chaos.py -s $(PYTEST_ARGS)
 
 # Does the suite have teeth? Switches off one mechanism at a time (tests/mutants/*.patch, applied

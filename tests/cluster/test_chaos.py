@@ -1,5 +1,5 @@
 """Chaos: tasks of several steps while a seeded random nemesis kills workers, the operator, a node
-agent, Postgres and the API server. At the end no task failed; each is Succeeded with every step
+agent, Postgres (or fails the ledger over) and the API server. At the end no task failed; each is Succeeded with every step
 committed once, or NeedsAttention at its one step that is neither idempotent nor verifiable; and
 no effect executed twice — counted at the notifier, which does not deduplicate, as well as at the
 payments stub.
@@ -7,6 +7,11 @@ payments stub.
 The seed is printed at the start and in every failure message: RETEX_CHAOS_SEED=N replays the same
 choices (nemeses, their victims and pauses). `make test` runs a bounded version; `make chaos` runs
 a longer one (RETEX_CHAOS_TASKS, RETEX_CHAOS_SECONDS) under its own timeout.
+
+RETEX_CHAOS_LEDGER picks the ledger: `postgres` (the default: the session's single Postgres, which
+the nemesis `restart-postgres` restarts) or `patroni` (`make chaos`'s: a Patroni cluster, a primary
+and a synchronous standby as in test_ledger_failover.py, which the nemesis `fail-over-ledger`
+switches over or whose primary's postmaster it kills with -9, by the seed).
 """
 
 from __future__ import annotations
@@ -15,18 +20,59 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 
+import psycopg
 import pytest
 
-from e2e.system import wait_for
+from e2e.patroni import PatroniCluster
+from e2e.rig.controlplane import Rig
+from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace, wait_for
+from retex.ledger import Ledger
+from tests.cluster.conftest import RetexOnCluster
 from tests.cluster.test_crash_matrix import LEASE, STEP_TIMEOUT, effects_of, submit
 from tests.cluster.test_operator import status
 
 TASKS = int(os.environ.get("RETEX_CHAOS_TASKS", "6"))
 SECONDS = float(os.environ.get("RETEX_CHAOS_SECONDS", "40"))
+LEDGER = os.environ.get("RETEX_CHAOS_LEDGER", "postgres")
 SETTLE_SECONDS = 240
 # Longer than pytest's per-test 300 s when the run is: the run, the settling, and the rig's start.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(SECONDS + SETTLE_SECONDS + 120))]
+
+@pytest.fixture(scope="module")
+def patroni(rig):
+    """The ledger of RETEX_CHAOS_LEDGER=patroni: a primary and a synchronous standby."""
+    if not isinstance(rig, Rig):
+        pytest.skip("the Patroni cluster keeps its state in the local rig's etcd")
+    cluster = PatroniCluster(etcd=f"127.0.0.1:{rig.ports['etcd']}")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+@pytest.fixture
+def on_patroni(rig, patroni, tmp_path) -> RetexOnCluster:
+    """retex whose ledger is the Patroni cluster's, through its multi-host read-write DSN."""
+    namespace = "tenant-chaos-patroni"
+    with psycopg.connect(patroni.dsn(), autocommit=True) as conn:
+        conn.execute("CREATE DATABASE retex_chaos")
+    dsn = patroni.dsn(dbname="retex_chaos")
+    install_crd(rig.kubectl)
+    prepare_namespace(rig.kubectl, namespace)
+    operator = OperatorProcess.on(rig, dsn, Path(tmp_path) / "operator.log", extra_env={"RETEX_NAMESPACES": namespace})
+    operator.start()
+    with Ledger(dsn, retry_for_seconds=60) as ledger:
+        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
+        try:
+            yield system
+        finally:
+            operator.kill()
+            print(f"--- operator log tail ({namespace}) ---\n{operator.log_tail()}")
+            discard_namespace(rig.kubectl, namespace)
+
 
 def chaos_steps(payments, notifier) -> list[dict]:
     """Effects at the deduplicating payments stub, and two at the notifier, which executes every
@@ -66,11 +112,15 @@ def running_pods(system) -> list[str]:
     return [p["metadata"]["name"] for p in out["items"] if (p.get("status") or {}).get("phase") == "Running"]
 
 
-def test_chaos_every_task_finishes_correctly_and_no_effect_executes_twice(retex, stubs, postgres):
+def test_chaos_every_task_finishes_correctly_and_no_effect_executes_twice(request, stubs):
     payments, notifier = stubs
     seed = int(os.environ.get("RETEX_CHAOS_SEED") or random.randrange(1 << 30))
     rng = random.Random(seed)
-    print(f"chaos seed={seed} tasks={TASKS} seconds={SECONDS} (replay: RETEX_CHAOS_SEED={seed})", flush=True)
+    print(f"chaos seed={seed} tasks={TASKS} seconds={SECONDS} ledger={LEDGER} "
+          f"(replay: RETEX_CHAOS_SEED={seed} RETEX_CHAOS_LEDGER={LEDGER})", flush=True)
+    if LEDGER not in ("postgres", "patroni"):
+        raise ValueError(f"RETEX_CHAOS_LEDGER={LEDGER!r}: postgres or patroni")
+    retex = request.getfixturevalue("on_patroni" if LEDGER == "patroni" else "retex")
     submitted = {}
     schedule = []
     killed_node = None
@@ -98,13 +148,32 @@ def test_chaos_every_task_finishes_correctly_and_no_effect_executes_twice(retex,
         retex.rig.kill_node(killed_node)
         return killed_node
 
+    def fail_over_ledger():
+        """A switchover to the synchronous standby or a kill -9 of the primary's postmaster; it
+        fired when another member leads and has left recovery."""
+        cluster = request.getfixturevalue("patroni")
+        cluster.wait_healthy()  # a standby to fail over to: the last failover's old primary rejoined
+        before = cluster.leader()
+        how = rng.choice(["switchover", "kill-primary"])
+        if how == "switchover":
+            cluster.switchover()
+        else:
+            assert cluster.kill_primary().pid_file_left, "the postmaster shut down cleanly: it was not killed"
+        wait_for(lambda: cluster.leader() not in (None, before), timeout=60, what=f"a leader other than {before}")
+        after = cluster.leader()
+        wait_for(lambda: not cluster.member(after).in_recovery(), timeout=30, what=f"{after} out of recovery")
+        return f"{how} {before} -> {after}"
+
     nemeses = {
         "kill-worker": kill_worker,
         "kill-operator": kill_operator,
         "kill-node": kill_node,
-        "restart-postgres": postgres.restart,
         "restart-apiserver": retex.rig.restart_apiserver,
     }
+    if LEDGER == "patroni":
+        nemeses["fail-over-ledger"] = fail_over_ledger
+    else:
+        nemeses["restart-postgres"] = request.getfixturevalue("postgres").restart
     started = time.monotonic()
     try:
         while time.monotonic() - started < SECONDS or len(submitted) < TASKS:
