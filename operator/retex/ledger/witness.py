@@ -4,8 +4,9 @@ lost commits, or is a fresh database. Running from what the ledger forgot would 
 that were already paid for, so the task is frozen: no worker may step on it (`moves.fence`), its
 unsent dispatches are held (`outbox.not_before` = infinity; a Job a relay was already creating
 meets the fence), no slot is filled with it and it keeps its concurrency key, the promoter and the
-reaper leave it as it is, until a human recovers it — from what its status showed, or afresh. And which install owns the ledger, so
-a second install pointed at it refuses to start instead of fighting over the leadership term.
+reaper leave it as it is, until a human recovers it — from what its status showed, or afresh.
+And which install owns the ledger, so a second install pointed at it refuses to start instead of
+fighting over the leadership term.
 
 Each operation takes a cursor of the caller's transaction (`Ledger` runs it in one of its own)."""
 
