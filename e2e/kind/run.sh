@@ -28,9 +28,9 @@ ARTIFACTS=${RETEX_KIND_ARTIFACTS:-/tmp/retex-kind-artifacts}
 # the reaper, RBAC, tenancy, the status mirror, the relay, step secrets, metrics, the CLI as a
 # user, the worker's lease, paging, Prometheus, the bench's smoke, node confinement, the
 # finalizer at creation, the ledger restored from a backup and a second install on one ledger
-# (the Patroni failover skips there: its cluster keeps its state in the rig's etcd), the deployed
-# operator through a failover of manifests/ledger-patroni's Patroni StatefulSet; the chart last (it
-# swaps the deployed manifests for a Helm release and back).
+# (the Patroni failovers, synchronous and asynchronous, skip there: their clusters keep their
+# state in the rig's etcd), the deployed operator through a failover of manifests/ledger-patroni's
+# Patroni StatefulSet; the chart last (it swaps the deployed manifests for a Helm release and back).
 DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py tests/cluster/test_crash_matrix.py
   tests/cluster/test_chaos.py tests/cluster/test_deployed_chaos.py tests/cluster/test_dev_postgres.py
   tests/cluster/test_operator.py tests/cluster/test_operator_ha.py tests/cluster/test_operator_probes.py
@@ -40,7 +40,8 @@ DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py te
   tests/cluster/test_cli_as_user.py tests/cluster/test_worker_lease.py tests/cluster/test_kube_calls_paging.py
   tests/cluster/test_prometheus.py tests/cluster/test_confined_nodes.py tests/cluster/test_bench.py
   tests/cluster/test_finalizer_at_create.py tests/cluster/test_ledger_restore.py tests/cluster/test_install_identity.py
-  tests/cluster/test_ledger_failover.py tests/cluster/test_deployed_ledger_failover.py tests/cluster/test_chart_on_rig.py'
+  tests/cluster/test_ledger_failover.py tests/cluster/test_ledger_async_failover.py
+  tests/cluster/test_deployed_ledger_failover.py tests/cluster/test_chart_on_rig.py'
 TESTS=${RETEX_KIND_TESTS:-$DEFAULT_TESTS}
 PY=.venv/bin/python
 say() { echo "[e2e-kind $(date +%H:%M:%S)] $*"; }
