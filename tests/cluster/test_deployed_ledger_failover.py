@@ -274,7 +274,9 @@ def test_the_deployed_operator_rides_through_a_patroni_switchover_and_a_failover
         kubectl("apply", "-f", "-", input=task_manifest(name, failover_steps(payments, notifier), lease=LEASE))
         submitted[name] = json.loads(kubectl("get", "task", name, "-o", "json").stdout)["metadata"]["uid"]
         if i in faults:
-            print(f"t={time.monotonic() - started:.0f}s {faults[i].__name__}: {faults[i]()}", flush=True)
+            at = time.monotonic() - started
+            detail = faults[i]()
+            print(f"t={at:.0f}s-{time.monotonic() - started:.0f}s {faults[i].__name__}: {detail}", flush=True)
         else:
             time.sleep(1)
     assert done_before_kill, "the kill never happened"
