@@ -20,10 +20,12 @@ authentication on loopback only: this cluster holds test data and dies with the 
     PatroniCluster(etcd=..., synchronous=False, maximum_lag_on_failover=2**40)
     cluster.cut_replication()    # the standby receives no more WAL: it lags from now on
     cluster.kill_patroni("pg0")  # that member's Patroni dies (its Postgres runs on, leaderless)
+    cluster.expire_leader_key()  # the leader key gone from the DCS, as when its ttl runs out
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -370,6 +372,19 @@ class PatroniCluster:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout)
         return proc.pid
+
+    def expire_leader_key(self) -> None:
+        """The leader key deleted from the DCS, as its ttl (at least 20 s) running out would: the
+        other members race for it at once. For a leader whose Patroni is dead (`kill_patroni`),
+        that would renew it no more."""
+        key = f"{self.namespace.rstrip('/')}/{SCOPE}/leader"  # Patroni's etcd3 layout
+        body = json.dumps({"key": base64.b64encode(key.encode()).decode()}).encode()
+        request = urllib.request.Request(f"http://{self.etcd}/v3/kv/deleterange", data=body, method="POST")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            deleted = int(json.load(answer).get("deleted", 0))
+        if deleted != 1:
+            raise PatroniError(f"no leader key {key} in the DCS to expire")
+        say(f"leader key {key} deleted")
 
 
 def _alive(pid: int) -> bool:

@@ -1,7 +1,7 @@
 """The ledger fails over to an asynchronous standby that never received its last commits: a
 Patroni cluster with `synchronous_mode: false` (e2e/patroni.py), its standby cut off from the
 primary's WAL while a task's non-idempotent step commits, then the primary lost (kill -9 of its
-Patroni and of its postmaster) and the lagging standby promoted once the leader key runs out.
+Patroni and of its postmaster) and the lagging standby promoted once the leader key lapses.
 
 First the fault is proved to have fired: the standby held the task below the version its status
 showed, without the step done; the old postmaster died without a clean shutdown; the standby
@@ -122,11 +122,13 @@ def test_a_standby_promoted_without_the_last_commits_freezes_the_task_and_recove
         assert conn.execute("SELECT pg_current_wal_lsn() > %s::pg_lsn", (received,)).fetchone()[0]
 
     # Part two: the primary lost. Its Patroni first, so that nothing restarts its Postgres or hands
-    # the leadership over in order; the standby takes the leader key once its ttl runs out.
+    # the leadership over in order; the standby takes the leader key once it lapses (deleted rather
+    # than waited for: its ttl is at least 20 s).
     patroni.kill_patroni(primary)
     kill = patroni.kill_primary()
     assert kill.member == primary and kill.pid_file_left, "the postmaster shut down cleanly: it was not killed"
-    wait_for(lambda: patroni.leader() == standby, timeout=90, what=f"{standby} leading after the kill")
+    patroni.expire_leader_key()
+    wait_for(lambda: patroni.leader() == standby, timeout=60, what=f"{standby} leading after the kill")
     promoted(patroni, standby)
     print(f"{standby} promoted holding order at version {held}; its status showed {shown}", flush=True)
 
