@@ -5,13 +5,23 @@ cancelled, deleted and duplicate Tasks never get a Job; a refusal is announced o
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import ssl
+import threading
+import time
+from collections.abc import Iterator
 from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 import yaml
 
+from e2e.rig.pki import ledger_serving
 from e2e.system import request_requeue, task_manifest, wait_for
 from retex.kube.objects import LABEL_TASK_UID, job_name
 from retex.ledger import TaskNotFound
@@ -460,3 +470,73 @@ def test_a_spec_changed_in_the_ledger_is_never_dispatched_the_task_fails_as_spec
     assert failed["reason"] == "SpecMismatch", failed
     assert "the ledger's copy of the spec differs from the Task's" in failed["message"], failed
     assert jobs_of(retex, uid) == []  # nothing was built from the ledger's copy
+
+
+@contextlib.contextmanager
+def sleeping_webhook(directory: Path, seconds: float) -> Iterator[dict[str, Any]]:
+    """An admission webhook over TLS that allows everything after `seconds`: each call the API
+    server makes to it answers that late. Yields its clientConfig."""
+    pki = ledger_serving(directory)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(pki.crt("ledger"), pki.key("ledger"))
+
+    class Allow(BaseHTTPRequestHandler):
+        def do_POST(self):
+            review = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            time.sleep(seconds)
+            body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                               "response": {"uid": review["request"]["uid"], "allowed": True}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Allow)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield {"url": f"https://127.0.0.1:{server.server_address[1]}/", "caBundle": base64.b64encode(
+            pki.ca_crt.read_bytes()).decode()}
+    finally:
+        server.shutdown()
+
+
+def test_every_dispatch_goes_out_though_each_job_create_outlasts_the_ledgers_idle_limit(retex, tmp_path):
+    """The API server answers each Job create 12 s late (a webhook that sleeps), past the 8 s a
+    ledger session of the operator may sit idle in a transaction (its renew deadline). A relay
+    that held its batch's transaction across the create had it ended by the server every time and
+    claimed the same record again: nothing was ever dispatched, and no limit was reached."""
+    names = [f"slow-{i}" for i in range(3)]
+    with sleeping_webhook(tmp_path / "webhook-tls", seconds=12) as client_config:
+        webhook = {
+            "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+            "metadata": {"name": f"sleeping-{retex.namespace}"},
+            "webhooks": [{
+                "name": "sleeping.retex.dev", "clientConfig": client_config,
+                "rules": [{"apiGroups": ["batch"], "apiVersions": ["v1"], "operations": ["CREATE"],
+                           "resources": ["jobs"]}],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": retex.namespace}},
+                "failurePolicy": "Fail", "sideEffects": "None", "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 20,
+            }],
+        }
+        retex.rig.kubectl("apply", "-f", "-", input=json.dumps(webhook))
+        try:
+            retex.operator.kill()
+            # Each call may take D − R = 22 s; a session may sit idle in a transaction R = 8 s.
+            retex.operator.start(RETEX_LEADER_LEASE_SECONDS="30", RETEX_LEADER_RENEW_DEADLINE_SECONDS="8",
+                                 RETEX_LEADER_RETRY_SECONDS="2")
+            began = time.monotonic()
+            retex.kubectl("create", "job", "probe", "--image=busybox", "--dry-run=server", "--", "true")
+            assert time.monotonic() - began >= 12, "the fault did not fire: a Job create was answered at once"
+            retex.kubectl("create", "-f", "-", input="---\n".join(task_manifest(name, echo(name)) for name in names))
+            wait_for(lambda: all(status(retex, name).get("phase") == "Succeeded" for name in names), timeout=240,
+                     interval=2, what="every task dispatched and Succeeded though each Job create takes 12 s")
+        finally:
+            retex.rig.kubectl("delete", "validatingwebhookconfiguration", webhook["metadata"]["name"], check=False)
+    with psycopg.connect(retex.dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM retex.outbox WHERE sent_at IS NULL").fetchone()[0] == 0
