@@ -63,7 +63,7 @@ MUTANTS = (
            ("tests/integration/test_ledger_policies.py::test_one_task_per_concurrency_key_runs_and_the_next_is_the_oldest_whatever_its_priority",
             "tests/cluster/test_policies.py::test_one_task_per_concurrency_key_runs_at_a_time_in_creation_order_across_a_restart")),
     Mutant("status-monotonic-version", "the status mirror's monotonic ledgerVersion (mirror check and CRD rule)",
-           (f"{MATRIX}::test_R4_a_status_written_by_a_newer_mirror_is_never_overwritten_by_an_older_version",)),
+           (f"{MATRIX}::test_R4_an_older_status_never_overwrites_a_newer_one",)),
     Mutant("relay-record-isolation", "one refused Job fails its own task only (the relay's per-record outcome)",
            ("tests/cluster/test_relay.py::test_one_task_whose_job_the_api_server_refuses_fails_alone_and_thirty_behind_it_finish",)),
     Mutant("start-deadline", "the start deadline (a worker pod that can never start fails its attempt)",
