@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from kubernetes import client
 
+from e2e.patroni import PatroniCluster
+from e2e.rig.controlplane import Rig
 from e2e.stub import serve
 from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace
 from retex.ledger import Ledger
@@ -42,21 +47,18 @@ class RetexOnCluster:
         return self.rig.kubectl("-n", self.namespace, *args, **kwargs)
 
 
-@pytest.fixture
-def retex(rig, postgres, tmp_path) -> RetexOnCluster:
-    """retex running against the rig: its own ledger database and tenant namespace per test, and a
-    fresh operator process (tests may kill and restart it)."""
-    number = next(_namespaces)
-    database, namespace = f"retex_system_{number}", f"tenant-{number}"
-    with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
+@contextlib.contextmanager
+def retex_running(rig, admin_dsn: str, dsn: str, database: str, namespace: str, log_path: Path,
+                  **extra_env: str) -> Iterator[RetexOnCluster]:
+    """retex against the rig on the ledger database `database` (made through `admin_dsn`, reached
+    at `dsn`), with a tenant namespace and an operator process of its own, torn down after."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {database}")
-    dsn = postgres.dsn(dbname=database)
     install_crd(rig.kubectl)
     prepare_namespace(rig.kubectl, namespace)
-    operator = OperatorProcess.on(rig, dsn, Path(tmp_path) / "operator.log",
-                                  extra_env={"RETEX_NAMESPACES": namespace, "RETEX_FAILPOINTS_FROM_ANNOTATIONS": "1"})
+    operator = OperatorProcess.on(rig, dsn, log_path, extra_env={"RETEX_NAMESPACES": namespace, **extra_env})
     operator.start()
-    with Ledger(dsn) as ledger:
+    with Ledger(dsn, retry_for_seconds=60) as ledger:
         system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
         try:
             yield system
@@ -64,6 +66,36 @@ def retex(rig, postgres, tmp_path) -> RetexOnCluster:
             operator.kill()
             print(f"--- operator log tail ({namespace}) ---\n{operator.log_tail()}")
             discard_namespace(rig.kubectl, namespace)
+
+
+@pytest.fixture
+def retex(rig, postgres, tmp_path) -> Iterator[RetexOnCluster]:
+    """retex running against the rig: its own ledger database and tenant namespace per test, and a
+    fresh operator process (tests may kill and restart it)."""
+    number = next(_namespaces)
+    database = f"retex_system_{number}"
+    with retex_running(rig, postgres.dsn(), postgres.dsn(dbname=database), database, f"tenant-{number}",
+                       Path(tmp_path) / "operator.log", RETEX_FAILPOINTS_FROM_ANNOTATIONS="1") as system:
+        yield system
+
+
+@contextlib.contextmanager
+def patroni_cluster(rig, **options: Any) -> Iterator[PatroniCluster]:
+    """A Patroni cluster (e2e.patroni) on the rig's etcd, for a module's tests; destroyed after."""
+    if not isinstance(rig, Rig):
+        pytest.skip("the Patroni cluster keeps its state in the local rig's etcd")
+    cluster = PatroniCluster(etcd=f"127.0.0.1:{rig.ports['etcd']}", **options)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.destroy()
+
+
+def retex_on_patroni(rig, patroni: PatroniCluster, database: str, namespace: str,
+                     log_path: Path) -> contextlib.AbstractContextManager[RetexOnCluster]:
+    """retex whose ledger is the Patroni cluster's, through its multi-host read-write DSN."""
+    return retex_running(rig, patroni.dsn(), patroni.dsn(dbname=database), database, namespace, log_path)
 
 
 @dataclass

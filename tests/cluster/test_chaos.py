@@ -22,14 +22,10 @@ import random
 import time
 from pathlib import Path
 
-import psycopg
 import pytest
 
-from e2e.patroni import PatroniCluster
-from e2e.rig.controlplane import Rig
-from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace, wait_for
-from retex.ledger import Ledger
-from tests.cluster.conftest import RetexOnCluster
+from e2e.system import wait_for
+from tests.cluster.conftest import patroni_cluster, retex_on_patroni
 from tests.cluster.test_crash_matrix import LEASE, STEP_TIMEOUT, effects_of, submit
 from tests.cluster.test_operator import status
 
@@ -43,35 +39,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(SECONDS + SETTLE_SECONDS
 @pytest.fixture(scope="module")
 def patroni(rig):
     """The ledger of RETEX_CHAOS_LEDGER=patroni: a primary and a synchronous standby."""
-    if not isinstance(rig, Rig):
-        pytest.skip("the Patroni cluster keeps its state in the local rig's etcd")
-    cluster = PatroniCluster(etcd=f"127.0.0.1:{rig.ports['etcd']}")
-    try:
-        cluster.start()
+    with patroni_cluster(rig) as cluster:
         yield cluster
-    finally:
-        cluster.destroy()
 
 
 @pytest.fixture
-def on_patroni(rig, patroni, tmp_path) -> RetexOnCluster:
-    """retex whose ledger is the Patroni cluster's, through its multi-host read-write DSN."""
-    namespace = "tenant-chaos-patroni"
-    with psycopg.connect(patroni.dsn(), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE retex_chaos")
-    dsn = patroni.dsn(dbname="retex_chaos")
-    install_crd(rig.kubectl)
-    prepare_namespace(rig.kubectl, namespace)
-    operator = OperatorProcess.on(rig, dsn, Path(tmp_path) / "operator.log", extra_env={"RETEX_NAMESPACES": namespace})
-    operator.start()
-    with Ledger(dsn, retry_for_seconds=60) as ledger:
-        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
-        try:
-            yield system
-        finally:
-            operator.kill()
-            print(f"--- operator log tail ({namespace}) ---\n{operator.log_tail()}")
-            discard_namespace(rig.kubectl, namespace)
+def on_patroni(rig, patroni, tmp_path):
+    with retex_on_patroni(rig, patroni, "retex_chaos", "tenant-chaos-patroni", Path(tmp_path) / "operator.log") as system:
+        yield system
 
 
 def chaos_steps(payments, notifier) -> list[dict]:

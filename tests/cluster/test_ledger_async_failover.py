@@ -20,10 +20,8 @@ import psycopg
 import pytest
 
 from e2e.patroni import PatroniCluster
-from e2e.rig.controlplane import Rig
-from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace, task_manifest, wait_for
-from retex.ledger import Ledger
-from tests.cluster.conftest import RetexOnCluster
+from e2e.system import task_manifest, wait_for
+from tests.cluster.conftest import patroni_cluster, retex_on_patroni
 from tests.cluster.test_cli_as_user import cli
 from tests.cluster.test_ledger_failover import promoted
 from tests.cluster.test_ledger_restore import charge, executions, frozen_reason, gated
@@ -35,38 +33,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 @pytest.fixture(scope="module")
 def async_patroni(rig):
-    if not isinstance(rig, Rig):
-        pytest.skip("the Patroni cluster keeps its state in the local rig's etcd")
     # Any lag may be promoted: Patroni's own guard (1 MiB by default) would otherwise restart the
     # old primary and lose nothing, which is not the fault under test.
-    cluster = PatroniCluster(etcd=f"127.0.0.1:{rig.ports['etcd']}", synchronous=False,
-                             maximum_lag_on_failover=2**40)
-    try:
-        cluster.start()
+    with patroni_cluster(rig, synchronous=False, maximum_lag_on_failover=2**40) as cluster:
         yield cluster
-    finally:
-        cluster.destroy()
 
 
 @pytest.fixture
-def replicated(rig, async_patroni, tmp_path) -> RetexOnCluster:
-    """retex whose ledger is the asynchronous cluster's, through its multi-host read-write DSN."""
-    namespace = "tenant-async-failover"
-    with psycopg.connect(async_patroni.dsn(), autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {DATABASE}")
-    dsn = async_patroni.dsn(dbname=DATABASE)
-    install_crd(rig.kubectl)
-    prepare_namespace(rig.kubectl, namespace)
-    operator = OperatorProcess.on(rig, dsn, Path(tmp_path) / "operator.log", extra_env={"RETEX_NAMESPACES": namespace})
-    operator.start()
-    with Ledger(dsn, retry_for_seconds=60) as ledger:
-        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
-        try:
-            yield system
-        finally:
-            operator.kill()
-            print(f"--- operator log tail ---\n{operator.log_tail()}")
-            discard_namespace(rig.kubectl, namespace)
+def replicated(rig, async_patroni, tmp_path):
+    with retex_on_patroni(rig, async_patroni, DATABASE, "tenant-async-failover", Path(tmp_path) / "operator.log") as system:
+        yield system
 
 
 def replayed_all(patroni: PatroniCluster, standby: str, leader: str) -> bool:

@@ -20,11 +20,10 @@ import psycopg
 import pytest
 
 from e2e.patroni import PatroniCluster
-from e2e.rig.controlplane import Rig
-from e2e.system import OperatorProcess, discard_namespace, install_crd, prepare_namespace, wait_for
+from e2e.system import wait_for
 from retex.ledger import Ledger, StepRecord, TaskNotFound
 from retex.machine import StepState
-from tests.cluster.conftest import RetexOnCluster
+from tests.cluster.conftest import patroni_cluster, retex_on_patroni
 from tests.cluster.test_chaos import print_ledger_state
 from tests.cluster.test_crash_matrix import LEASE, STEP_TIMEOUT, effects_of, submit
 from tests.cluster.test_operator import status
@@ -36,35 +35,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def patroni(rig):
-    if not isinstance(rig, Rig):
-        pytest.skip("the Patroni cluster keeps its state in the local rig's etcd")
-    cluster = PatroniCluster(etcd=f"127.0.0.1:{rig.ports['etcd']}")
-    try:
-        cluster.start()
+    with patroni_cluster(rig) as cluster:
         yield cluster
-    finally:
-        cluster.destroy()
 
 
 @pytest.fixture
-def replicated(rig, patroni, tmp_path) -> RetexOnCluster:
-    """retex whose ledger is the Patroni cluster's, through its multi-host read-write DSN."""
-    namespace = "tenant-failover"
-    with psycopg.connect(patroni.dsn(), autocommit=True) as conn:
-        conn.execute("CREATE DATABASE retex_failover")
-    dsn = patroni.dsn(dbname="retex_failover")
-    install_crd(rig.kubectl)
-    prepare_namespace(rig.kubectl, namespace)
-    operator = OperatorProcess.on(rig, dsn, Path(tmp_path) / "operator.log", extra_env={"RETEX_NAMESPACES": namespace})
-    operator.start()
-    with Ledger(dsn, retry_for_seconds=60) as ledger:
-        system = RetexOnCluster(rig=rig, operator=operator, ledger=ledger, namespace=namespace, dsn=dsn)
-        try:
-            yield system
-        finally:
-            operator.kill()
-            print(f"--- operator log tail ---\n{operator.log_tail()}")
-            discard_namespace(rig.kubectl, namespace)
+def replicated(rig, patroni, tmp_path):
+    with retex_on_patroni(rig, patroni, "retex_failover", "tenant-failover", Path(tmp_path) / "operator.log") as system:
+        yield system
 
 
 def failover_steps(payments, notifier) -> list[dict]:
