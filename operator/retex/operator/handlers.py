@@ -93,7 +93,10 @@ JOB_PROBES = 20  # Jobs of later attempts looked for before a recovery: more wou
 class Runtime:
     """The operator's long-lived parts: one ledger, one API client, and the background loops."""
 
-    def __init__(self, settings: OperatorSettings):
+    def __init__(self, settings: OperatorSettings, *, namespaces: list[str] | None = None):
+        # The namespaces this operator serves (RETEX_NAMESPACES; None or empty: every one): a
+        # Task elsewhere is another install's, whatever its status shows.
+        self._namespaces = set(namespaces or ())
         timing = settings.leader_election
         # The control plane's writes are the leader's: fenced by the ledger's leadership term,
         # which this replica takes when it becomes leader (`_take_term`).
@@ -269,6 +272,8 @@ class Runtime:
         before kopf admits anything: a Task resubmitted with its idempotencyKey while the ledger
         was away is then the duplicate, not the lost one."""
         meta = task["metadata"]
+        if self._namespaces and meta["namespace"] not in self._namespaces:
+            return  # another install's Task: its ledger is not this one
         try:
             admission = admission_for(uid=meta["uid"], namespace=meta["namespace"], name=meta["name"],
                                       spec=task.get("spec") or {},

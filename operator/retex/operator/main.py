@@ -47,7 +47,7 @@ def main() -> None:
 
     settings = OperatorSettings.from_env()
     try:
-        runtime = Runtime(settings)
+        runtime = Runtime(settings, namespaces=args.namespace)
     except InstallMismatch as refused:  # a second install pointed at this ledger: nothing was written
         log_line(log, logging.ERROR, "not starting: the ledger belongs to another install", why=str(refused))
         raise SystemExit(1) from None
