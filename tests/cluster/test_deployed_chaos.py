@@ -38,14 +38,9 @@ SETTLE_SECONDS = 300
 PARTITION_SECONDS = 20  # four 5 s leases
 
 
-@pytest.fixture
-def deployed(rig, stubs):
-    """A tenant namespace onboarded as a user onboards one (manifests/tenant), whose workers may
-    also reach the stubs, and the deployed operator running (make e2e-kind scales it to 0 for the
-    scenarios that start their own)."""
-    if not isinstance(rig, KindCluster):
-        pytest.skip("the deployed operator and nemeses as pods need kind (make e2e-kind); the rig runs test_chaos")
-    namespace = f"deployed-{random.randrange(1 << 24):06x}"
+def onboard_reaching_stubs(rig, namespace: str, stubs) -> None:
+    """`namespace` onboarded as a user onboards one (manifests/tenant), its workers also allowed to
+    reach the test's stubs on this host."""
     rig.create_namespace(namespace)
     rig.kubectl("apply", "-n", namespace, "-k", str(REPO / "manifests" / "tenant"))
     ports = sorted({urlparse(stub.url).port for stub in stubs})
@@ -54,6 +49,17 @@ def deployed(rig, stubs):
         "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}, "policyTypes": ["Egress"],
                  "egress": [{"to": [{"ipBlock": {"cidr": f"{rig.pod_host}/32"}}],
                              "ports": [{"protocol": "TCP", "port": port} for port in ports]}]}}))
+
+
+@pytest.fixture
+def deployed(rig, stubs):
+    """A tenant namespace onboarded as a user onboards one (manifests/tenant), whose workers may
+    also reach the stubs, and the deployed operator running (make e2e-kind scales it to 0 for the
+    scenarios that start their own)."""
+    if not isinstance(rig, KindCluster):
+        pytest.skip("the deployed operator and nemeses as pods need kind (make e2e-kind); the rig runs test_chaos")
+    namespace = f"deployed-{random.randrange(1 << 24):06x}"
+    onboard_reaching_stubs(rig, namespace, stubs)
     rig.kubectl("scale", "-n", SYSTEM, OPERATOR, "--replicas=1")
     rig.kubectl("rollout", "status", "-n", SYSTEM, OPERATOR, "--timeout=180s")
     try:

@@ -24,13 +24,14 @@ import random
 import subprocess
 import time
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
 
 from e2e.rig.external import KindCluster
 from e2e.system import discard_namespace, task_manifest, wait_for
-from tests.cluster.test_crash_matrix import LEASE, STEP_TIMEOUT, effects_of
+from tests.cluster.test_crash_matrix import LEASE, effects_of
+from tests.cluster.test_deployed_chaos import onboard_reaching_stubs
+from tests.cluster.test_ledger_failover import failover_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -175,14 +176,7 @@ def deployed_on_patroni(rig, stubs, patroni):
     Service) and watching only a tenant namespace onboarded as a user onboards one, whose workers
     may also reach the stubs; the operator's own Deployment restored afterwards."""
     namespace = f"ledger-failover-{random.randrange(1 << 24):06x}"
-    rig.create_namespace(namespace)
-    rig.kubectl("apply", "-n", namespace, "-k", str(REPO / "manifests" / "tenant"))
-    ports = sorted({urlparse(stub.url).port for stub in stubs})
-    rig.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps({
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "test-stubs-egress"},
-        "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "worker"}}, "policyTypes": ["Egress"],
-                 "egress": [{"to": [{"ipBlock": {"cidr": f"{rig.pod_host}/32"}}],
-                             "ports": [{"protocol": "TCP", "port": port} for port in ports]}]}}))
+    onboard_reaching_stubs(rig, namespace, stubs)
     deployed_env = deployment_env(rig)
     on_patroni = [e for e in deployed_env if e["name"] not in ("RETEX_DATABASE_URL", "RETEX_NAMESPACES")]
     on_patroni += [{"name": "RETEX_DATABASE_URL", "valueFrom": {"secretKeyRef": {"name": DSN_SECRET, "key": "dsn"}}},
@@ -200,20 +194,6 @@ def deployed_on_patroni(rig, stubs, patroni):
         rig.kubectl("scale", "-n", SYSTEM, OPERATOR, "--replicas=0")
         rig.kubectl("wait", "-n", SYSTEM, "--for=delete", "pod", "-l", OPERATOR_PODS, "--timeout=120s", check=False)
         set_deployment_env(rig, deployed_env)
-
-
-def failover_steps(payments, notifier) -> list[dict]:
-    steps = [
-        {"name": "charge", "http": {"method": "POST", "url": f"{payments.url}/effects/charge"}, "idempotent": True},
-        # neither idempotent nor verifiable: exactly one execution, or (interrupted) NeedsAttention
-        {"name": "notify", "http": {"method": "POST", "url": f"{notifier.url}/effects/notify"}},
-        # long enough that each fault meets several tasks inside a step
-        {"name": "pack", "exec": {"command": ["sh", "-c", "sleep 8; echo packed"]}, "idempotent": True},
-    ]
-    for step in steps:
-        step["timeoutSeconds"] = STEP_TIMEOUT
-    steps[-1]["timeoutSeconds"] = 15
-    return steps
 
 
 def test_the_deployed_operator_rides_through_a_patroni_switchover_and_a_failover_losing_nothing_and_repeating_nothing(
