@@ -58,6 +58,7 @@ from retex.ledger import (
     NotFrozen,
     NotLeader,
     Refusal,
+    TaskAdmission,
     TaskNotFound,
     TaskRecord,
 )
@@ -280,10 +281,7 @@ class Runtime:
                                       submitted_at=datetime.fromisoformat(meta["creationTimestamp"].replace("Z", "+00:00")))
         except pydantic.ValidationError:
             return  # admission refuses it, as it would any Task whose spec the models refuse
-        lost = self.ledger.admit_lost(admission, witness=task.get("status") or {}, shown_version=shown_version(task) or 0)
-        if isinstance(lost, TaskRecord):
-            log_line(log, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
-                     uid=meta["uid"], namespace=meta["namespace"], name=meta["name"], shown_version=shown_version(task))
+        _admit_lost(self.ledger, admission, task, log, uid=meta["uid"], namespace=meta["namespace"], name=meta["name"])
 
     def _waiting_for_term(self) -> float | None:
         """How long this leadership has gone without the ledger's term (None: it holds it, or this
@@ -479,14 +477,11 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
     if too_large:
         return refuse("AnnotationsTooLarge", too_large)
     if behind(body, None):  # its status shows the ledger held it: never admitted as new (retex.operator.witness)
-        lost = runtime.ledger.admit_lost(admission, witness=body.get("status") or {},
-                                         shown_version=shown_version(body) or 0)
-        if isinstance(lost, TaskRecord):
-            log_line(logger, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
-                     shown_version=shown_version(body), phase=(body.get("status") or {}).get("phase"))
+        verdict = _admit_lost(runtime.ledger, admission, body, logger)
+        if verdict is None:
             runtime.mirror.mark(uid)
             return False
-        verdict: AdmitResult | None = lost  # a final decision stands for its uid: judged below, as ever
+        # else a final decision stands for its uid: judged below, as ever
     else:
         verdict = runtime.ledger.prior_verdict(admission)
     if verdict is None:
@@ -515,6 +510,19 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
                       f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
                       f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
     return True
+
+
+def _admit_lost(ledger: Ledger, admission: TaskAdmission, task: dict[str, Any],
+                logger: logging.Logger | logging.LoggerAdapter[Any], **who: Any) -> AdmitResult | None:
+    """A Task whose status shows the ledger held it, which the ledger does not hold: into the
+    ledger frozen (LedgerLost), said at ERROR, and None; or the final decision that stands for its
+    uid (purged, refused). `who`: the fields naming the Task, where `logger` does not add them."""
+    lost = ledger.admit_lost(admission, witness=task.get("status") or {}, shown_version=shown_version(task) or 0)
+    if isinstance(lost, TaskRecord):
+        log_line(logger, logging.ERROR, "task frozen: the ledger holds nothing of a Task whose status showed it",
+                 **who, shown_version=shown_version(task), phase=(task.get("status") or {}).get("phase"))
+        return None
+    return lost
 
 
 def _shown_refusal(body: dict[str, Any]) -> tuple[str, str]:
