@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from retex.operator.endpoint_limits import Admission, ConnectionCount, FairSlots, Quota, TokenBucket
+from retex.operator.endpoint_limits import Admission, ConnectionCount, FairSlots, Quota, ReplyBudget, TokenBucket
 
 
 def test_a_bucket_gives_its_burst_at_once_then_its_rate_and_says_how_long_to_wait():
@@ -127,3 +127,14 @@ def test_a_call_cut_off_while_waiting_gives_up_its_place_and_a_thread_given_as_i
         assert slots.free == 0
 
     asyncio.run(scenario())
+
+
+def test_a_large_reply_waits_for_room_in_its_namespaces_share_and_the_total_and_a_small_one_always_fits():
+    budget = ReplyBudget(total=100, per_namespace=60, small=10)
+    assert budget.reserve("shop", 50)
+    assert not budget.reserve("shop", 20)  # over the namespace's share
+    assert budget.reserve("bank", 40)
+    assert not budget.reserve("bank", 20)  # over the total
+    assert budget.reserve("shop", 10) and budget.reserve("bank", 10)  # small: always
+    budget.release("shop", 50)
+    assert budget.reserve("shop", 40) and budget.held == 100

@@ -603,3 +603,51 @@ def test_a_namespace_flooding_from_many_pods_is_held_to_its_quota_and_another_na
     finally:
         served.shutdown()
         served.server_close()
+
+
+class LargeReplies(AnyPod):
+    """Tokens `namespace.pod`; every call answers a reply of `size` bytes."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def cached_identity(self, token):
+        namespace, pod = token.split(".")
+        return WorkerIdentity(namespace=namespace, pod=pod, service_account="retex-worker", job_name="j",
+                              task_uid=UID, epoch=2)
+
+    identify = cached_identity
+
+    def call(self, operation, identity, body):
+        return {"blob": "x" * self.size}
+
+
+def slow_reader(port, token) -> socket.socket:
+    """Asks for a reply and reads none of it, through a receive window of a few KiB."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({"uid": UID}).encode()
+    sock.sendall(b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
+                 + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
+def test_replies_held_by_slow_readers_are_bounded_and_one_namespace_holds_only_its_share():
+    served = serve(LargeReplies(3 << 20), 0, None, limits=EndpointLimits(reply_budget_bytes=8 << 20))
+    port = served.server_address[1]
+    held = slow_reader(port, "shop.reader-1")
+    try:
+        time.sleep(0.5)  # its 3 MiB reply is being written, at the pace it reads
+        status, reply, headers = post_as(port, "shop.reader-2", "get", {"uid": UID})
+        assert status == 503 and float(headers["Retry-After"]) > 0, (status, reply)
+        # Another namespace's reply fits in what the first left.
+        status, reply, _ = post_as(port, "bank.reader-3", "get", {"uid": UID})
+        assert status == 200 and len(reply["result"]["blob"]) == 3 << 20
+        held.close()
+        time.sleep(0.5)  # the slow reader gone, its reply's bytes are free again
+        assert post_as(port, "shop.reader-2", "get", {"uid": UID})[0] == 200
+    finally:
+        held.close()
+        served.shutdown()
+        served.server_close()

@@ -189,3 +189,32 @@ class FairSlots:
                 return
         self.free += 1
 
+
+
+class ReplyBudget:
+    """Bytes of the replies being written, in total and per namespace. A reply's bytes stay in
+    memory until its caller has read them (or the request deadline cuts it off): without a
+    bound, enough pods reading the largest replies slowly would hold more than the operator has.
+    A reply that does not fit is not sent (the caller retries); one of at most `small` bytes
+    always fits, so no write's answer is ever held back (those are bounded by the connections)."""
+
+    def __init__(self, total: int, per_namespace: int, small: int):
+        self.total, self.per_namespace, self.small = total, per_namespace, small
+        self._held: dict[str, int] = {}
+        self.held = 0
+
+    def reserve(self, namespace: str, size: int) -> bool:
+        mine = self._held.get(namespace, 0)
+        if size > self.small and (self.held + size > self.total or mine + size > self.per_namespace):
+            return False
+        self._held[namespace] = mine + size
+        self.held += size
+        return True
+
+    def release(self, namespace: str, size: int) -> None:
+        left = self._held.get(namespace, 0) - size
+        if left > 0:
+            self._held[namespace] = left
+        else:
+            self._held.pop(namespace, None)
+        self.held -= size

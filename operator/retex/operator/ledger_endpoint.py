@@ -45,7 +45,7 @@ from retex.ledger import RESULT_LIMIT_BYTES, Ledger, LedgerError, LedgerUnavaila
 from retex.ledger.wire import OPERATIONS, PATH_PREFIX, UNFENCED, error_to_json, time_from_json, to_json
 from retex.logs import log_line
 from retex.machine import IllegalTransition
-from retex.operator.endpoint_limits import Admission, ConnectionCount, FairSlots, Quota
+from retex.operator.endpoint_limits import Admission, ConnectionCount, FairSlots, Quota, ReplyBudget
 from retex.operator.metrics import LEDGER_ENDPOINT_REFUSALS
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,12 @@ MAX_BODY_BYTES = max(RESULT_LIMIT_BYTES, _ERROR_CHARS * _ESCAPED) + 4096
 # The largest legal reply: a task (`get`) whose every step holds the largest result and error,
 # with the largest spec. A bigger one is a bug: answered 500, never sent.
 MAX_REPLY_BYTES = MAX_STEPS * (RESULT_LIMIT_BYTES + _ERROR_CHARS * _ESCAPED) + 2 * SPEC_MAX_BYTES + (64 << 10)
+# Replies being written to their callers, all tenants together, and a namespace's half: a reply
+# over SMALL_REPLY_BYTES (a read: `get`, `claim_attempt`, a `begin_step` holding a large result;
+# each may be asked again) that does not fit is answered 503 instead. With the replies under it,
+# bounded by the connections, the endpoint's reply memory stays under 128 MiB.
+REPLY_BUDGET_BYTES = 64 << 20
+SMALL_REPLY_BYTES = 64 << 10
 # Calls admitted at once, all tenants together, running or waiting for a ledger thread (a database
 # connection; `FairSlots` hands them out in turn by namespace); past it, 503 at once (the worker
 # retries). Each holds its body, and then its reply, in memory.
@@ -90,6 +96,7 @@ class EndpointLimits:
     max_connections_per_address: int = MAX_CONNECTIONS_PER_ADDRESS
     header_seconds: float = HEADER_SECONDS
     request_seconds: float = REQUEST_SECONDS
+    reply_budget_bytes: int = REPLY_BUDGET_BYTES
 
 
 class Refusal(Exception):
@@ -277,6 +284,10 @@ class _CappedServer(web.Server):
         super().connection_lost(handler, exc)
 
 
+# On a reply: (namespace, bytes) it holds of the budget.
+_RESERVED = web.ResponseKey("retex-reply-budget", tuple[str, int])
+
+
 class _Answer(Exception):
     """A reply decided before the call runs: a refusal, with its headers."""
 
@@ -294,6 +305,7 @@ class LedgerServer:
         self._admission = Admission(limits.per_pod, limits.per_namespace)
         self._admitted = 0
         self._pending_reviews = 0
+        self._replies = ReplyBudget(limits.reply_budget_bytes, limits.reply_budget_bytes // 2, SMALL_REPLY_BYTES)
         self._ledger_threads = concurrent.futures.ThreadPoolExecutor(LEDGER_THREADS, "ledger-endpoint-call")
         self._slots = FairSlots(LEDGER_THREADS)
         self._review_threads = concurrent.futures.ThreadPoolExecutor(REVIEW_THREADS, "ledger-endpoint-review")
@@ -334,8 +346,13 @@ class LedgerServer:
         try:
             async with asyncio.timeout(self._limits.request_seconds):
                 reply = await self._answer(request)
-                await reply.prepare(request)
-                await reply.write_eof()
+                try:
+                    await reply.prepare(request)
+                    await reply.write_eof()
+                finally:
+                    held = reply.get(_RESERVED)
+                    if held is not None:
+                        self._replies.release(*held)
                 return reply
         except TimeoutError:
             if reply is not None and reply.prepared:  # a reader too slow for its reply: let it go
@@ -425,9 +442,20 @@ class LedgerServer:
             except Exception as exc:  # noqa: BLE001 - a bug in one call must not kill the server
                 log_line(log, logging.ERROR, "ledger endpoint: operation failed", operation=operation, exc_info=True)
                 return _json(500, {"message": f"{type(exc).__name__}: {exc}"})
-            return _result_reply(operation, result)
+            return self._within_budget(namespace, _result_reply(operation, result))
         finally:
             let_go()
+
+    def _within_budget(self, namespace: str, reply: web.Response) -> web.Response:
+        """The reply, its bytes held against the budget until it is written (`_handle`); a 503
+        if they do not fit."""
+        size = len(reply.body) if isinstance(reply.body, bytes) else 0
+        if not self._replies.reserve(namespace, size):
+            LEDGER_ENDPOINT_REFUSALS.labels(namespace=namespace, reason="reply-budget").inc()
+            raise _Answer(503, f"the ledger endpoint is writing as many replies as it may for namespace {namespace}: "
+                               "try again", {"Retry-After": "1"})
+        reply[_RESERVED] = (namespace, size)
+        return reply
 
 
 async def _body(request: web.BaseRequest, length: int) -> dict[str, Any]:
