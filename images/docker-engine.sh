@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A Docker engine on a machine that has none (docs/dev.md, "Docker engine"). Idempotent: when
-# `docker info` already answers, it does nothing. Otherwise, as root: installs Debian's docker.io
+# A Docker engine on a machine that has none (docs/contributing/development.md, "Docker engine").
+# Idempotent: when `docker info` already answers, it does nothing. Otherwise, as root: installs Debian's docker.io
 # (and debootstrap, which images/build.sh needs when no registry serves a Python base, and jq), starts
 # dockerd in the background (these machines have no systemd) with its log in
 # $RETEX_DOCKERD_LOG, and waits until `docker info` answers.
@@ -19,7 +19,7 @@ if "$(docker_cli)" info >/dev/null 2>&1; then
   exit 0
 fi
 if [[ $(id -u) -ne 0 ]]; then
-  echo "docker info fails and this is not root: start a Docker engine yourself (docs/dev.md)" >&2
+  echo "docker info fails and this is not root: start a Docker engine yourself (docs/contributing/development.md)" >&2
   exit 1
 fi
 

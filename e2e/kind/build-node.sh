@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A kind node image built on this machine, for hosts where kind's own (kindest/node) cannot be
-# pulled (docs/dev.md, "A kind node image built locally"). Prints progress on stderr and, last on
-# stdout, the node image to give `kind create cluster --image`.
+# pulled (docs/contributing/development.md, "A kind cluster where kindest/node cannot be pulled").
+# Prints progress on stderr and, last on stdout, the node image to give `kind create cluster --image`.
 #
 #   kind            $RETEX_CACHE/bin/kind-<v>/kind, `go install sigs.k8s.io/kind@<v>`
 #   node binaries   kubelet, kubeadm, kubectl, kube-proxy from the rig's k8s.io/kubernetes module

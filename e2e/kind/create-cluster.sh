@@ -2,8 +2,8 @@
 # A kind cluster on this machine: `e2e/kind/create-cluster.sh <name> <kubeconfig> [config]`
 # (config default e2e/kind/cluster.yaml). The node image comes from e2e/kind/build-node.sh (kind's
 # own where it can be pulled, else the locally built one), and the cluster configuration gets the
-# patches such hosts need, each only where it is needed (docs/dev.md, "A kind node image built
-# locally"):
+# patches such hosts need, each only where it is needed (docs/contributing/development.md, "A kind
+# cluster where kindest/node cannot be pulled"):
 #   - cgroup v1 host: kubelet >= 1.35 refuses cgroup v1 unless `failCgroupV1: false`;
 #   - no CAP_SYS_RESOURCE in the capability bounding set: containerd must not lower
 #     oom_score_adj (`restrict_oom_score_adj`, else every sandbox fails with "can't get final

@@ -14,15 +14,16 @@
 # Knobs: RETEX_KIND_CLUSTER (default retex-e2e), RETEX_KIND_KEEP=1 (keep the cluster),
 # RETEX_KIND_ARTIFACTS (default /tmp/retex-kind-artifacts), RETEX_KIND_TESTS (pytest arguments).
 #
-# Without a Docker engine this prints why and fails (exit 1) having run nothing. See docs/dev.md for what
-# the scenario suite can and cannot do on kind today.
+# Without a Docker engine this prints why and fails (exit 1) having run nothing. See
+# docs/contributing/development.md for what the scenario suite can and cannot do on kind.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 CLUSTER=${RETEX_KIND_CLUSTER:-retex-e2e}
 ARTIFACTS=${RETEX_KIND_ARTIFACTS:-/tmp/retex-kind-artifacts}
-# The scenarios that run on kind (docs/dev.md, "What runs on kind"): every file of tests/cluster
-# but those that prove the local rig itself (test_rig_*) and `make dev` on the rig (test_dev) —
+# The scenarios that run on kind (docs/contributing/development.md, "What runs on kind"): every file
+# of tests/cluster but those that prove the local rig itself (test_rig_*), `make dev` on the rig
+# (test_dev) and the README's quickstart (test_quickstart: a kind cluster of its own) —
 # the manifests and Task API, the whole crash matrix, the bounded chaos run and the deployed one
 # (nemeses as pods), the dev Postgres's forced delete, the operator, its HA and probes, policies,
 # the reaper, RBAC, tenancy, the status mirror, the relay, step secrets, metrics, the CLI as a

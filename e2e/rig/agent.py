@@ -5,7 +5,7 @@
 It registers a Node, renews the node Lease and the Ready condition, and runs every Pod bound to
 the node as local process groups (one per container), reporting pod status as the kubelet does.
 There is no container isolation and no image: the "image" is the locally installed project (its
-.venv/bin comes first on PATH). What is honoured is listed in docs/testing.md.
+.venv/bin comes first on PATH). What is honoured is listed in docs/contributing/testing.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ POD_IP = "127.0.0.1"
 NOBODY = 65534
 # Non-root pods must run the project's interpreter. Where it lives under a private directory (a
 # pyenv under /root, mode 700), they get CAP_DAC_READ_SEARCH as an ambient capability: they can
-# read what root can read, but still write only what their uid may (see docs/testing.md).
+# read what root can read, but still write only what their uid may (see docs/contributing/testing.md).
 INTERPRETER = Path(os.path.realpath(REPO / ".venv" / "bin" / "python3"))
 INTERPRETER_PRIVATE = any(d.exists() and not d.stat().st_mode & stat.S_IXOTH
                           for d in INTERPRETER.parents)

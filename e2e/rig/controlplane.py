@@ -62,7 +62,7 @@ def say(message: str) -> None:
 
 @dataclasses.dataclass
 class Timing:
-    """The knobs that decide how fast node loss is noticed (see docs/testing.md)."""
+    """The knobs that decide how fast node loss is noticed (see docs/contributing/testing.md)."""
 
     node_monitor_period: str = "1s"
     node_monitor_grace_period: str = "10s"  # no heartbeat for this long -> node Ready=Unknown

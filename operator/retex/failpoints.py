@@ -127,7 +127,7 @@ _KILLED_STATUS = 128 + signal.SIGKILL
 class FailpointRaised(RuntimeError):
     """What an armed point whose action is `raise` raises in the thread that passes it. An
     Exception like a bug's, on purpose: a broad `except Exception` around the point swallows it
-    as it would the bug (docs/testing.md), so such a point goes where a bug would escape."""
+    as it would the bug (docs/contributing/testing.md), so such a point goes where a bug would escape."""
 
 
 def failpoint(point: str, step: str | None = None, *, task: str | None = None, uid: str | None = None) -> None:

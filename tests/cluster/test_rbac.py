@@ -3,7 +3,7 @@ a token of its ServiceAccount (bound to manifests/base's ClusterRole), the worke
 `retex-worker`'s Role; and neither identity can do what it has no business doing.
 
 The operator here runs cluster-wide, as the Deployment does. The rig authorizes with RBAC for real
-(docs/testing.md); `kubectl auth can-i --as` asks the same authorizer, and each "no" is also
+(docs/contributing/testing.md); `kubectl auth can-i --as` asks the same authorizer, and each "no" is also
 shown with a real call that the API server refuses.
 """
 

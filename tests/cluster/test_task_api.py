@@ -506,13 +506,14 @@ CLASHING_CRD = {
             "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}],
     },
 }
-# The names the docs' commands use, as retex Tasks in the README's namespace.
+# The names the docs' commands use, as retex Tasks in the tour's namespace.
 DOCS_TASK_NAMES = ("order-1042", "order-1043", "notify-partner")
-DOCS_WITH_COMMANDS = (ROOT / "README.md", ROOT / "docs" / "api.md")
+DOCS_WITH_COMMANDS = (ROOT / "README.md", ROOT / "docs" / "contributing" / "development.md", ROOT / "docs" / "api.md")
 
 
 def documented_kubectl_commands() -> list[list[str]]:
-    """Every `$ kubectl ...` line of the console blocks of the README and api.md, as argv."""
+    """Every `$ kubectl ...` line of the console blocks of the README, the development tour and
+    api.md, as argv."""
     commands = []
     for doc in DOCS_WITH_COMMANDS:
         for block in re.findall(r"```console\n(.*?)```", doc.read_text(), flags=re.S):

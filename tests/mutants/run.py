@@ -1,7 +1,7 @@
 """`make mutants`: does the suite have teeth? Each mutant switches off one mechanism with a one-hunk
 patch (tests/mutants/<name>.patch) applied to a throwaway copy of HEAD, then runs the tests that
 depend on that mechanism there. A mutant is killed when at least one of them fails; a survivor
-is a missing test. The table is printed and written into docs/testing.md.
+is a missing test. The table is printed and written into docs/contributing/testing.md.
 
     python -m tests.mutants.run [name ...]     # default: every mutant
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = Path(__file__).resolve().parent
-TESTING_DOC = REPO / "docs" / "testing.md"
+TESTING_DOC = REPO / "docs" / "contributing" / "testing.md"
 BEGIN, END = "<!-- mutants:begin -->", "<!-- mutants:end -->"
 MATRIX = "tests/cluster/test_crash_matrix.py"
 
@@ -199,7 +199,7 @@ def main(names: list[str]) -> int:
     began = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     results = [run_mutant(known[n], commit) for n in names or known]
     print(table(results))
-    if not names:  # only a full run speaks for the suite in docs/testing.md
+    if not names:  # only a full run speaks for the suite in docs/contributing/testing.md
         write_doc(results, commit, began)
     return 0 if all(r.verdict == "killed" for r in results) else 1
 
