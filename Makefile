@@ -9,7 +9,7 @@ HADOLINT := $(VENV)/bin/hadolint
 
 .PHONY: test test-fast lint rig-binaries control-plane-binaries helm-binary rig-up rig-down rig-status crds clean \
         lint-docker images images-lock dev dev-operator down e2e-kind e2e-kind-subset chaos mutants bench \
-        kind-up kind-down e2e-quickstart
+        kind-up kind-down e2e-quickstart reference
 
 $(STAMP): pyproject.toml
 	@echo "==> setting up $(VENV) and installing retex with its test dependencies"
@@ -134,6 +134,11 @@ kind-down:
 # default retex-quickstart), deleted after: tests/cluster/test_quickstart.py.
 e2e-quickstart: $(STAMP)
 	@RETEX_QUICKSTART_CLUSTER=$${RETEX_QUICKSTART_CLUSTER:-retex-quickstart} $(PY) -m pytest tests/cluster/test_quickstart.py -s $(PYTEST_ARGS)
+
+# docs/reference.md from the Task models and the TaskPolicy CRD; a unit test fails when it is stale.
+reference: $(STAMP)
+	@echo "==> docs/reference.md from retex.api and manifests/base/task-policy.yaml"
+	@$(PY) -m retex.api.reference manifests/base/task-policy.yaml > docs/reference.md.tmp && mv docs/reference.md.tmp docs/reference.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
