@@ -159,7 +159,8 @@ chaos: $(STAMP) rig-binaries
 mutants: $(STAMP) rig-binaries
 	@$(PY) -m tests.mutants.run $(MUTANTS)
 
-# Benchmarks side by side with their baselines (bare Jobs, raw commits): bench/results.json and
-# docs/benchmarks/*.png. BENCH="latency recovery" picks measures; BENCH_ARGS=--quick runs tiny sizes.
+# Benchmarks side by side with their baselines (bare Jobs, raw commits): docs/benchmarks/results-rig.json
+# and docs/benchmarks/*.png (python -m e2e.benchpage then updates docs/benchmarks.md's table).
+# BENCH="latency recovery" picks measures; BENCH_ARGS=--quick runs tiny sizes.
 bench: $(STAMP) control-plane-binaries
 	@$(PY) -m e2e.bench $(BENCH_ARGS) $(BENCH)

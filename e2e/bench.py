@@ -9,8 +9,9 @@ that cluster instead: the operator and Postgres stay processes of this host, as 
 
 Every measure runs retex and its baseline in the same run, on the same machine, interleaved where
 it can be, and reports both figures and their ratio (the machines are shared and noisy: only the
-ratio means much). Results go to bench/results.json, charts to docs/benchmarks/*.png (on kind:
-bench/results-kind.json, docs/benchmarks/kind/); the results name the cluster. A measure the
+ratio means much). Results go to docs/benchmarks/results-rig.json, charts to docs/benchmarks/*.png
+(on kind: docs/benchmarks/results-kind.json and docs/benchmarks/kind/); the results name the cluster
+and the commit, and docs/benchmarks.md's table is checked against them (e2e.benchpage). A measure the
 cluster cannot run (a nemesis only the rig has) is listed under `not_measured` with why. A target
 missed prints FALL SHORT but never fails: targets are for people, not CI. docs/benchmarks.md
 explains each figure. `--quick` runs tiny sizes (the smoke that `make test` runs so this does not rot).
@@ -28,6 +29,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import textwrap
 import threading
 import time
 import uuid
@@ -63,8 +65,8 @@ from retex.machine import TaskEvent, TaskPhase
 from retex.operator.settings import OperatorSettings
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "bench" / "results.json"
 CHARTS = REPO / "docs" / "benchmarks"
+RESULTS = CHARTS / "results-rig.json"
 LEASE_SECONDS = 10  # the recovery measure's lease duration
 DEPLOYED_ELECTION = ElectionTiming()  # the operator's leader election, as the chart deploys it
 # The status mirror's full resync as deployed (the tests' 5 s would LIST every Task every 5 s:
@@ -138,6 +140,12 @@ class Figure:
     target: str
     met: bool | None  # None: not judged, the measure's conditions did not hold (its detail says which)
     detail: dict[str, Any] = field(default_factory=dict)
+    # The samples behind the figure, each side's, in `samples_unit` (the figure's unit when empty):
+    # the charts draw their distributions. Empty where the figure is one total (a rate, a size).
+    retex_samples: list[float] = field(default_factory=list)
+    baseline_samples: list[float] = field(default_factory=list)
+    samples_unit: str = ""
+    target_at: float | None = None  # where the target puts retex's samples, in their unit; None: no such line
 
 
 def verdict(met: bool | None) -> str:
@@ -366,12 +374,15 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             wait_for(f"{parallel} checkpoint task(s) Succeeded", lambda: system.succeeded(uids) == len(uids),  # noqa: B023 (called in the loop)
                      timeout=60 + 2 * sizes.checkpoint_steps * parallel)
         requests = _counts_between(requests_before, _api_requests(system, ALL_VERBS))
-        begins, commits, stepping = [], [], 0.0
+        begins, commits, stepping, step_samples = [], [], 0.0, []
         for uid in uids:
             history = [h for h in system.ledger.history(uid) if h.step_idx is not None and h.step_idx > 0]  # 0: the gate
             own_begins = [h.at.timestamp() for h in history if h.event == "step-begin"]
             own_commits = [h.at.timestamp() for h in history if h.event == "step-commit"]
             stepping += max(own_commits) - min(own_begins)
+            # A step's time within its task: from the previous step's commit (the first: its begin).
+            ends = sorted(own_commits)
+            step_samples += [b - a for a, b in itertools.pairwise([min(own_begins), *ends])]
             begins, commits = begins + own_begins, commits + own_commits
         window = max(commits) - min(begins)
         # The CPU of the stepping window alone (the snapshots around it: not the gates' opening
@@ -383,7 +394,7 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         say(f"  {parallel} checkpoint task(s): {stepping / window:.1f} stepping at once on average over {window:.1f} s; "
             f"{busy:.2f} cores busy ({busy_at_the_gates:.2f} at the gates), CPU ms a step: "
             + ", ".join(f"{group} {ms:.1f}" for group, ms in ms_per_step.items()))
-        commit_rate = _commit_loop_rate(system.postgres, measured, clients=parallel)
+        commit_rate, commit_samples = _commit_loop_rate(system.postgres, measured, clients=parallel)
         spawn_seconds = _spawn_seconds(measured)
         step_seconds = parallel / retex_rate  # per step, per task
         floor = 1 / (commit_rate / parallel) + spawn_seconds
@@ -391,6 +402,8 @@ def measure_checkpoint(system: BenchSystem, sizes: Sizes) -> list[Figure]:
             measure=f"checkpoint, {parallel} task(s) of {measured} no-op steps",
             unit="steps/s", retex=retex_rate, baseline=commit_rate, baseline_name=f"INSERT+COMMIT loop, {parallel} client(s)",
             ratio=step_seconds / floor, target="≤ 2× (commit + spawn) per step", met=step_seconds / floor <= 2.0,
+            retex_samples=step_samples, baseline_samples=[c + spawn_seconds for c in commit_samples],
+            samples_unit="s a step (within a task; the baseline: a commit + a spawn)", target_at=2 * floor,
             # How many tasks stepped at once on average: below `parallel` when their workers' starts
             # were spread over the window rather than their steps contending.
             detail={"retex_seconds_per_step": step_seconds, "commit_seconds": parallel / commit_rate,
@@ -415,16 +428,20 @@ def _rounded(values: dict[str, float]) -> dict[str, float]:
     return {key: round(value, 3) for key, value in values.items()}
 
 
-def _commit_loop_rate(postgres: PostgresServer, rows: int, *, clients: int) -> float:
-    """Commits/s of `clients` connections each committing `rows` single-row transactions."""
+def _commit_loop_rate(postgres: PostgresServer, rows: int, *, clients: int) -> tuple[float, list[float]]:
+    """Commits/s of `clients` connections each committing `rows` single-row transactions, and each
+    INSERT+COMMIT's seconds."""
     with psycopg.connect(postgres.dsn(), autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS bench_commits (id bigserial PRIMARY KEY, v text)")
+    samples: list[float] = []
 
     def loop() -> None:
         with psycopg.connect(postgres.dsn()) as conn:
             for i in range(rows):
+                began = time.perf_counter()
                 conn.execute("INSERT INTO bench_commits (v) VALUES (%s)", (str(i),))
                 conn.commit()
+                samples.append(time.perf_counter() - began)
 
     threads = [threading.Thread(target=loop) for _ in range(clients)]
     started = time.perf_counter()
@@ -432,7 +449,7 @@ def _commit_loop_rate(postgres: PostgresServer, rows: int, *, clients: int) -> f
         thread.start()
     for thread in threads:
         thread.join()
-    return rows * clients / (time.perf_counter() - started)
+    return rows * clients / (time.perf_counter() - started), samples
 
 
 def _spawn_seconds(count: int) -> float:
@@ -461,7 +478,8 @@ def measure_latency(system: BenchSystem, sizes: Sizes) -> list[Figure]:
         r, b = percentile(retex, q), percentile(jobs, q)
         figures.append(Figure(measure=f"create → first step started, p{q}", unit="s", retex=r, baseline=b,
                               baseline_name="bare Job: create → container command started", ratio=r / b,
-                              target="ratio ≤ 1.3", met=r / b <= 1.3, detail={"samples": len(retex)}))
+                              target="ratio ≤ 1.3", met=r / b <= 1.3, detail={"samples": len(retex)},
+                              retex_samples=retex, baseline_samples=jobs, target_at=1.3 * b))
     return figures
 
 
@@ -529,7 +547,8 @@ def measure_recovery(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                    target=f"≤ {bound} s (an observed death)", met=r <= bound,
                    detail={"lease_seconds": LEASE_SECONDS, "retex_p50": percentile(retex, 50),
                            "job_p50": percentile(jobs, 50), "samples": len(retex), "stages": stage_figures,
-                           "timeline": [list(t) for t in timeline]})]
+                           "timeline": [list(t) for t in timeline]},
+                   retex_samples=retex, baseline_samples=jobs, target_at=bound)]
 
 
 def measure_node_loss(system: BenchSystem, sizes: Sizes) -> list[Figure]:
@@ -550,8 +569,8 @@ def measure_node_loss(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                    target=f"≤ lease + 5 s = {bound} s (a silent loss)", met=r <= bound,
                    detail={"lease_seconds": LEASE_SECONDS, "node_loss_timing": node_timing,
                            "job_unreachable_toleration_seconds": job_toleration or "the cluster's default",
-                           "retex_p50": percentile(retex, 50), "job_p50": percentile(jobs, 50),
-                           "retex": retex, "job": jobs})]
+                           "retex_p50": percentile(retex, 50), "job_p50": percentile(jobs, 50)},
+                   retex_samples=retex, baseline_samples=jobs, target_at=bound)]
 
 
 def _lose_a_node(system: BenchSystem, task: str, job: str, job_toleration: int | None) -> tuple[float, float]:
@@ -645,7 +664,8 @@ def measure_profile(system: BenchSystem, sizes: Sizes) -> list[Figure]:
                    retex=r, baseline=b, baseline_name="bare Job `true; true; true`: create → Complete",
                    ratio=r / b, target="reported (where the time goes)", met=True,
                    detail={"samples": len(retex), "timeline": [list(t) for t in timeline],
-                           "timeline_sources": sorted({source for _, source, _ in timeline})})]
+                           "timeline_sources": sorted({source for _, source, _ in timeline})},
+                   retex_samples=retex, baseline_samples=jobs)]
 
 
 def _task_timeline(system: BenchSystem, uid: str, created: float) -> list[tuple[float, str, str]]:
@@ -974,7 +994,7 @@ def measure_scale(system: BenchSystem, sizes: Sizes) -> list[Figure]:
 
     The workers run on the machine's last core only (`workers_cpus`): on a cluster they run on
     other nodes than the operator, and on the rig 50 workers starting at once starved the operator
-    of CPU (docs/benchmarks.md, "Where the remaining lag goes")."""
+    of CPU (docs/benchmarks.md, "Operator at scale")."""
     all_cpus = os.sched_getaffinity(0)
     workers_cpus = {max(all_cpus)} if len(all_cpus) > 1 else all_cpus
     try:
@@ -1056,7 +1076,8 @@ def _measure_scale(system: BenchSystem, sizes: Sizes, workers_cpus: set[int]) ->
                detail={"p50": lag[50], "p95": lag[95], "max": max(lags), "phase_changes": len(lags),
                        "never_shown": unshown, "watch_p50": percentile(watch_delays, 50),
                        "slowest": sorted(slowest, key=lambda change: -change["lag"])[:5],
-                       "workers_cpus": sorted(workers_cpus)}),
+                       "workers_cpus": sorted(workers_cpus)},
+               retex_samples=lags, baseline_samples=watch_delays, target_at=SCALE_LAG_TARGET_SECONDS),
     ]
 
 
@@ -1196,11 +1217,11 @@ def run(rig: Rig | ExternalCluster, postgres: PostgresServer, measures: list[str
 
 
 def default_outputs(cluster_type: str) -> tuple[Path, Path]:
-    """Where results and charts go by default: the rig's where they always went, another cluster's
-    beside them (bench/results-kind.json, docs/benchmarks/kind/), so neither overwrites the other."""
-    if cluster_type == "rig":
-        return RESULTS, CHARTS
-    return RESULTS.with_name(f"results-{cluster_type}.json"), CHARTS / cluster_type
+    """Where results and charts go by default: one results file per cluster type beside the charts
+    (results-rig.json, results-kind.json), another cluster's charts in a folder of their own
+    (docs/benchmarks/kind/), so neither overwrites the other."""
+    results = CHARTS / f"results-{cluster_type}.json"
+    return results, CHARTS if cluster_type == "rig" else CHARTS / cluster_type
 
 
 def _code_version() -> str | None:
@@ -1210,7 +1231,7 @@ def _code_version() -> str | None:
     if head.returncode != 0:
         return None
     changed = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".",
-                              f":!{CHARTS.relative_to(REPO)}", f":!{RESULTS.parent.relative_to(REPO)}"],
+                              f":!{CHARTS.relative_to(REPO)}"],
                              capture_output=True, text=True).stdout.strip()
     return head.stdout.strip() + ("+changes" if changed else "")
 
@@ -1226,29 +1247,146 @@ def chart_name(measure: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", measure.lower()).strip("-")[:80]
 
 
+CHART_WIDTH_INCHES, CHART_DPI = 8.0, 100  # 800 px: a page's width, its text at the page's size
+LABEL_CHARACTERS, TITLE_CHARACTERS = 34, 90  # a line of a side's label, of the title: wrapped, never cut
+RETEX_COLOUR, BASELINE_COLOUR, TARGET_COLOUR = "#3b6ea5", "#7f7f7f", "#c0392b"
+
+
 def charts(results: dict[str, Any], directory: Path) -> list[Path]:
-    """One bar chart per figure: retex beside its baseline, the ratio and verdict in the title."""
+    """One chart per figure, named for its measure (`draw_chart`)."""
+    pyplot = _pyplot()
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for figure in results["figures"]:
+        drawn = draw_chart(figure)
+        path = directory / f"{chart_name(figure['measure'])}.png"
+        drawn.savefig(path, dpi=CHART_DPI)
+        pyplot.close(drawn)
+        written.append(path)
+    return written
+
+
+def draw_chart(figure: dict[str, Any]) -> Any:
+    """A figure's chart: where it holds both sides' samples, their distributions (each side's
+    cumulative share of samples, its p50 and p95 marked); else each side's figures that the results
+    hold (the figure's own percentile, and its p50 where the detail has it). The target as a line
+    where it puts retex at a value; the ratio and the verdict in the title."""
+    pyplot = _pyplot()
+    drawn, axes = pyplot.subplots(figsize=(CHART_WIDTH_INCHES, 4.0), layout="constrained")
+    target = target_at(figure)
+    if figure.get("retex_samples") and figure.get("baseline_samples"):
+        _draw_distributions(drawn, axes, figure, target)
+    else:
+        _draw_summaries(axes, figure, target)
+    judged = {None: "not judged against", True: "meets", False: "falls short of"}[figure["met"]]
+    title = [*textwrap.wrap(figure["measure"], TITLE_CHARACTERS),
+             *textwrap.wrap(f"ratio {figure['ratio']:.2f}: {judged} the target, {figure['target']}", TITLE_CHARACTERS)]
+    drawn.suptitle("\n".join(title), x=0.01, ha="left", fontsize=10)  # the picture's width, not the axes'
+    return drawn
+
+
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for figure in results["figures"]:
-        fig, axes = pyplot.subplots(figsize=(6, 3.2))
-        bars = axes.barh(["retex", figure["baseline_name"][:40]], [figure["retex"], figure["baseline"]],
-                         color=["#3b6ea5", "#999999"])
-        axes.bar_label(bars, fmt="%.3g")
-        axes.set_xlabel(figure["unit"])
-        judged = {None: "not judged against", True: "meets", False: "falls short of"}[figure["met"]]
-        axes.set_title(f"{figure['measure']}\nratio {figure['ratio']:.2f}, {judged} {figure['target']}", fontsize=9)
-        fig.tight_layout()
-        path = directory / f"{chart_name(figure['measure'])}.png"
-        fig.savefig(path, dpi=100)
-        pyplot.close(fig)
-        written.append(path)
-    return written
+    return pyplot
+
+
+def _wrapped(text: str, width: int = LABEL_CHARACTERS) -> str:
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def target_at(figure: dict[str, Any]) -> float | None:
+    """Where the figure's target puts retex, in its samples' unit: the measure's own `target_at`,
+    else read from the target as the results state it (absolute seconds or MB, a ratio to the
+    baseline, a difference from it); None when it names no such value."""
+    if figure.get("target_at") is not None:
+        return float(figure["target_at"])
+    target, baseline = figure["target"], figure["baseline"]
+    if ratio := re.fullmatch(r"ratio ≤ ([\d.]+)", target):
+        return float(ratio[1]) * baseline
+    if at_least := re.fullmatch(r"≥ ([\d.]+)× .*", target):
+        return float(at_least[1]) * baseline
+    if difference := re.search(r"\(the difference\) ≤ ([\d.]+)$", target):
+        return baseline + float(difference[1])
+    absolute = re.findall(r"([\d.]+) (s|MB)\b", target) if "≤" in target else []
+    if absolute and absolute[-1][1] == figure["unit"]:
+        return float(absolute[-1][0])
+    return None
+
+
+def _draw_distributions(drawn: Any, axes: Any, figure: dict[str, Any], target: float | None) -> None:
+    sides = (("retex", figure["retex_samples"], RETEX_COLOUR),
+             (figure["baseline_name"], figure["baseline_samples"], BASELINE_COLOUR))
+    for label, samples, colour in sides:
+        ordered = sorted(samples)
+        shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        axes.step([ordered[0], *ordered], [0.0, *shares], where="post", color=colour, linewidth=1.8,
+                  label=_wrapped(f"{label} ({len(ordered)} samples)"))
+        for q in (50, 95):
+            value = percentile(ordered, q)
+            axes.plot([value], [q / 100], marker="o", color=colour)
+            # Left of the point and above it: a cumulative curve leaves that corner empty.
+            axes.annotate(f"p{q} {value:.3g}", (value, q / 100), textcoords="offset points", xytext=(-6, 3),
+                          ha="right", fontsize=8, color=colour)
+    if target is not None:
+        axes.axvline(target, color=TARGET_COLOUR, linestyle="--", label=_wrapped(f"target: {figure['target']}"))
+    values = [*figure["retex_samples"], *figure["baseline_samples"], *([target] if target else [])]
+    if min(values) > 0 and max(values) / min(values) > 20:  # sides an order of magnitude apart
+        from matplotlib import ticker
+
+        axes.set_xscale("log")
+        axes.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        axes.xaxis.set_minor_formatter(ticker.NullFormatter())
+    axes.set_ylim(0, 1.08)
+    axes.set_ylabel("share of samples ≤ x")
+    axes.set_xlabel(_wrapped(figure.get("samples_unit") or figure["unit"], 80))
+    axes.grid(alpha=0.3)
+    drawn.legend(loc="outside right upper", fontsize=8)
+
+
+def _summary_marks(figure: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]:
+    """Each side's figures the results hold without samples: the figure itself (named by its
+    percentile when it is one) and the p50 and p95 its detail records."""
+    named = re.search(r"\bp(\d+)$", figure["measure"])
+    own = f"p{named[1]}" if named else "figure"
+    detail = figure.get("detail") or {}
+    retex, baseline = {own: figure["retex"]}, {own: figure["baseline"]}
+    for key, side, label in (("retex_p50", retex, "p50"), ("p50", retex, "p50"), ("p95", retex, "p95"),
+                             ("job_p50", baseline, "p50"), ("watch_p50", baseline, "p50")):
+        if isinstance(detail.get(key), int | float):
+            side[label] = float(detail[key])
+    return retex, baseline
+
+
+def _draw_summaries(axes: Any, figure: dict[str, Any], target: float | None) -> None:
+    retex, baseline = _summary_marks(figure)
+    rows = ((1, retex, RETEX_COLOUR), (0, baseline, BASELINE_COLOUR))
+    if len(retex) == len(baseline) == 1:
+        bars = axes.barh([1, 0], [*retex.values(), *baseline.values()], color=[RETEX_COLOUR, BASELINE_COLOUR],
+                         height=0.5)
+        axes.bar_label(bars, fmt="%.3g", padding=3, fontsize=8)
+    else:
+        for row, marks, colour in rows:
+            axes.plot([min(marks.values()), max(marks.values())], [row, row], color=colour, linewidth=1.5)
+            # Above and below the line in turn, so close values' labels do not overlap.
+            for i, (label, value) in enumerate(sorted(marks.items(), key=lambda mark: mark[1])):
+                axes.plot([value], [row], marker="o", color=colour)
+                axes.annotate(f"{label} {value:.3g}", (value, row), textcoords="offset points",
+                              xytext=(-3, 8 if i % 2 == 0 else -16), ha="left", fontsize=8, color=colour)
+    if target is not None:
+        axes.axvline(target, color=TARGET_COLOUR, linestyle="--")
+        axes.annotate(_wrapped(f"target: {figure['target']}", 40), (target, 0.5), textcoords="offset points",
+                      xytext=(4, 0), fontsize=8, color=TARGET_COLOUR, va="center")
+    axes.set_yticks([1, 0], [_wrapped("retex"), _wrapped(figure["baseline_name"])], fontsize=9)
+    axes.set_ylim(-0.6, 1.6)
+    right = max([*retex.values(), *baseline.values(), *([target] if target else [])])
+    axes.set_xlim(0, right * 1.35)  # room for the labels right of the largest value
+    axes.set_xlabel(figure["unit"])
+    axes.grid(axis="x", alpha=0.3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1257,7 +1395,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of every measure")
     parser.add_argument("--size", action="append", default=[], metavar="NAME=N",
                         help="override one size (of the full sizes, or of --quick's), e.g. latency_tasks=10")
-    parser.add_argument("--out", type=Path, help=f"default {RESULTS.relative_to(REPO)} (kind: results-kind.json)")
+    parser.add_argument("--out", type=Path, help=f"default {RESULTS.relative_to(REPO)} (kind: results-kind.json beside it)")
     parser.add_argument("--charts", type=Path, help=f"default {CHARTS.relative_to(REPO)} (kind: its kind/)")
     args = parser.parse_args(argv)
     unknown = set(args.measures) - set(MEASURES)

@@ -60,10 +60,10 @@ def test_a_marker_without_a_time_is_refused_and_not_recorded():
         markers.close()
 
 
-def test_the_rigs_results_go_where_they_always_went_and_kinds_beside_them():
-    assert bench.default_outputs("rig") == (bench.RESULTS, bench.CHARTS)
+def test_each_clusters_results_go_beside_the_charts_and_kinds_charts_into_a_folder_of_their_own():
+    assert bench.default_outputs("rig") == (bench.CHARTS / "results-rig.json", bench.CHARTS) == (bench.RESULTS, bench.CHARTS)
     results, charts = bench.default_outputs("kind")
-    assert results == bench.RESULTS.parent / "results-kind.json" and charts == bench.CHARTS / "kind"
+    assert results == bench.CHARTS / "results-kind.json" and charts == bench.CHARTS / "kind"
 
 
 def test_a_measure_needing_a_nemesis_the_cluster_lacks_is_reported_not_measured_with_why(monkeypatch):
