@@ -8,8 +8,13 @@ from kubernetes import client
 from retex.kube.podwatch import PodEndings
 
 
-def pod(name, phase, state, *, job="job-1", namespace="ns"):
-    return {"metadata": {"name": name, "namespace": namespace, "labels": {"job-name": job}},
+def controlled_by_job(job):
+    return [{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": f"uid-of-{job}", "controller": True}]
+
+
+def pod(name, phase, state, *, job="job-1", namespace="ns", owners=None):
+    return {"metadata": {"name": name, "namespace": namespace, "labels": {"job-name": job},
+                         "ownerReferences": controlled_by_job(job) if owners is None else owners},
             "status": {"phase": phase, "containerStatuses": [{"name": "worker", "state": state}]}}
 
 
@@ -29,6 +34,23 @@ def test_an_ended_pod_counts_for_its_own_job_and_namespace_only():
     seen.changed("MODIFIED", pod("a", "Failed", KILLED))
     assert seen.ended("ns", "job-1", "a")
     assert not seen.ended("ns", "job-2", "a") and not seen.ended("other", "job-1", "a")
+
+
+@pytest.mark.parametrize("owners", [
+    [],
+    [{**controlled_by_job("job-1")[0], "controller": False}],
+    [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "job-1", "uid": "u", "controller": True}],
+], ids=["no-owner", "job-not-its-controller", "another-kind"])
+def test_a_pod_that_no_job_controls_is_not_a_worker_whatever_its_labels(owners):
+    """Belt and braces for a cluster without the label's admission policy: a tenant's own pod
+    carrying the worker labels is not taken for a worker that ended."""
+    wakes = []
+    seen = PodEndings(client.ApiClient())
+    seen.on_ended = lambda: wakes.append(1)
+    seen.listed([pod("a", "Failed", KILLED, owners=owners)])
+    seen.changed("MODIFIED", pod("b", "Failed", KILLED, owners=owners))
+    assert not seen.ended("ns", "job-1", "a") and not seen.ended("ns", "job-1", "b")
+    assert wakes == []
 
 
 def test_a_deleted_pod_or_a_new_one_of_the_same_name_is_no_longer_ended():

@@ -274,10 +274,14 @@ def test_a_late_renewal_is_no_verdict_while_the_holders_containers_are_not_repor
     assert kube.deleted == []
 
 
+def controlled_by(job):
+    return [{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": f"uid-of-{job}", "controller": True}]
+
+
 def watched(*pods):
     """A pod watch that has seen `pods` (each of Job job-1, in namespace ns)."""
     seen = PodEndings(client.ApiClient())
-    seen.listed([{**pod, "metadata": {**pod["metadata"], "namespace": "ns", "labels": {"job-name": "job-1"}}}
+    seen.listed([{**pod, "metadata": {**pod["metadata"], "namespace": "ns", "ownerReferences": controlled_by("job-1")}}
                  for pod in pods])
     return seen
 
@@ -301,7 +305,7 @@ def test_a_holder_pod_the_watch_sees_end_wakes_the_reaper_for_a_round_now():
     r = reaper(FakeLedger([]), FakeKube(), [], pods=pods)
     assert not r.wake.is_set()
     pods.changed("MODIFIED", {**KILLED, "metadata": {**KILLED["metadata"], "namespace": "ns",
-                                                      "labels": {"job-name": "job-1"}}})
+                                                      "ownerReferences": controlled_by("job-1")}})
     assert r.wake.is_set()
 
 
@@ -312,7 +316,7 @@ def test_a_pod_the_watch_did_not_see_end_as_the_holders_is_no_verdict_before_a_l
     clock.ago = 0.0
     ledger = FakeLedger([attempt("u1")])
     seen = watched(pod)
-    seen.changed("MODIFIED", {**pod, "metadata": {"name": "pod-a", "namespace": "ns", "labels": {"job-name": job}}})
+    seen.changed("MODIFIED", {**pod, "metadata": {"name": "pod-a", "namespace": "ns", "ownerReferences": controlled_by(job)}})
     reaper(ledger, kube, [lease("u1", R1, "pod-a:1")], clock, pods=seen).round()
     assert ledger.calls == []
 

@@ -29,6 +29,7 @@ from retex.operator.status import (
     WRITE_BATCH,
     WRITERS,
     StatusMirror,
+    in_fair_order,
 )
 from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
@@ -63,7 +64,7 @@ class FakeLedger:
         return {uid for uid, r in self.records.items() if r.dead_lettered}
 
     def phases_of(self, uids):
-        return {uid: self.records[uid].phase for uid in uids if uid in self.records}
+        return {uid: (self.records[uid].namespace, self.records[uid].phase) for uid in uids if uid in self.records}
 
     def freeze(self, uid, *, reason, witness, shown_version):
         """As retex.ledger.witness.freeze: only when the version shown is past the ledger's."""
@@ -613,6 +614,31 @@ def test_a_rounds_writes_are_handed_out_most_urgent_first(monkeypatch):
         now[0] += 0.01
     m.round()
     assert [uid for uid, _, _ in kube.written] == ["busy", *waiting[:WRITE_BATCH - 1]]
+
+
+def test_the_write_order_takes_the_namespaces_in_turn_tasks_doing_something_first_oldest_mark_first():
+    phases = {"a1": ("a", TaskPhase.RUNNING), "a2": ("a", TaskPhase.QUEUED), "a3": ("a", TaskPhase.RUNNING),
+              "a4": ("a", TaskPhase.SCHEDULED), "b1": ("b", TaskPhase.RUNNING), "b2": ("b", TaskPhase.SCHEDULED),
+              "c1": ("c", TaskPhase.RETRYING)}
+    marked_at = {"a1": 1.0, "a2": 2.0, "a3": 3.0, "a4": 0.5, "b1": 4.0, "b2": 0.1, "c1": 3.5, "gone": 0.2}
+    order = in_fair_order(list(marked_at), phases, marked_at)
+    # Round by round: each namespace's next task, the namespaces by the mark of that task; a task
+    # the ledger no longer holds takes turns with the others (its write finds nothing to write).
+    assert order == ["gone", "a1", "c1", "b1", "a2", "a3", "b2", "a4"]
+
+
+def test_a_tenant_with_thousands_of_marks_holds_up_another_tenants_status_by_one_write(monkeypatch):
+    monkeypatch.setattr("retex.operator.status.WRITERS", 1)  # one writer: the hand-out order is the write order
+    noisy = [f"a{i}" for i in range(3 * WRITE_BATCH)]
+    ledger = FakeLedger(*(rec(uid, namespace="tenant-a") for uid in noisy), rec("quiet", namespace="tenant-b"))
+    kube = FakeKube(*(task_object(uid) for uid in [*noisy, "quiet"]))
+    now = [1000.0]
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    for uid in [*noisy, "quiet"]:
+        m.mark(uid)
+        now[0] += 0.01
+    m.round()
+    assert [uid for uid, _, _ in kube.written] == ["a0", "quiet", *noisy[1:WRITE_BATCH - 1]]
 
 
 def test_a_rounds_writes_run_side_by_side_so_a_slow_api_server_delays_a_change_by_one_write_not_by_the_round():

@@ -1,5 +1,6 @@
 """Which worker pods have ended, as the kubelet reported them: one watch over every pod labelled
-`retex.dev/task-uid`, recording the ended ones by namespace and name with their Job.
+`retex.dev/task-uid`, recording the ended ones that a Job controls by namespace and name with
+their Job.
 
 The reaper asks it first about a lease holder: a holder whose pod ended (a worker killed or
 crashed) needs no wait for a late renewal and no pod LIST before its attempt is replaced; the
@@ -23,9 +24,6 @@ from retex.kube.watching import ObjectKey, list_then_watch, object_key
 from retex.logs import log_line
 
 log = logging.getLogger(__name__)
-
-JOB_NAME_LABEL = "job-name"  # the Job controller's label on the pods it makes
-
 
 def containers_terminated(pod: dict[str, Any]) -> bool:
     """The kubelet reported every container of the pod terminated, for good. Not the phase alone:
@@ -64,7 +62,12 @@ def _nothing_else_runs(pod: dict[str, Any]) -> bool:
 
 
 def _job(pod: dict[str, Any]) -> str | None:
-    return (pod["metadata"].get("labels") or {}).get(JOB_NAME_LABEL)
+    """The Job that controls the pod (None: no Job does). A worker pod is the Job controller's;
+    a pod that merely carries the worker labels (where the admission policy that keeps the label
+    to worker pods was removed, manifests/base/worker-label-policy.yaml) is not a worker."""
+    return next((owner["name"] for owner in pod["metadata"].get("ownerReferences") or []
+                 if owner.get("controller") and owner.get("kind") == "Job"
+                 and owner.get("apiVersion") == "batch/v1"), None)
 
 
 class PodEndings:
@@ -88,7 +91,7 @@ class PodEndings:
         self._stop.set()
 
     def listed(self, pods: list[dict[str, Any]]) -> None:
-        ended = {object_key(pod): _job(pod) for pod in pods if containers_terminated(pod)}
+        ended = {object_key(pod): _job(pod) for pod in pods if _job(pod) and containers_terminated(pod)}
         with self._lock:
             news = ended.items() - self._ended.items()  # ended while the watch was down
             self._ended = ended
@@ -98,7 +101,7 @@ class PodEndings:
     def changed(self, kind: str, pod: dict[str, Any]) -> None:
         key, job = object_key(pod), _job(pod)
         with self._lock:
-            if kind != "DELETED" and containers_terminated(pod):
+            if kind != "DELETED" and job and containers_terminated(pod):
                 news = self._ended.get(key, object()) != job
                 self._ended[key] = job
             else:  # gone, or (a new pod of the same name) not ended

@@ -67,10 +67,10 @@ def dead_lettered_uids(cur: Cursor) -> set[str]:
     return {uid for (uid,) in cur.execute("SELECT uid FROM retex.tasks WHERE dead_lettered")}
 
 
-def phases_of(cur: Cursor, uids: list[str]) -> dict[str, TaskPhase]:
-    """uid → phase of those of `uids` the ledger holds: the status mirror's write order."""
-    return {uid: TaskPhase(phase) for uid, phase in cur.execute(
-        "SELECT uid, phase FROM retex.tasks WHERE uid = ANY(%s)", (uids,))}
+def phases_of(cur: Cursor, uids: list[str]) -> dict[str, tuple[str, TaskPhase]]:
+    """uid → (namespace, phase) of those of `uids` the ledger holds: the status mirror's write order."""
+    return {uid: (namespace, TaskPhase(phase)) for uid, namespace, phase in cur.execute(
+        "SELECT uid, namespace, phase FROM retex.tasks WHERE uid = ANY(%s)", (uids,))}
 
 
 def attempts(cur: Cursor, uid: str) -> list[AttemptRecord]:

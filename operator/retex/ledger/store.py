@@ -356,7 +356,7 @@ class Ledger:
     def dead_lettered_uids(self) -> set[str]:
         return self._run(readers.dead_lettered_uids)
 
-    def phases_of(self, uids: list[str]) -> dict[str, TaskPhase]:
+    def phases_of(self, uids: list[str]) -> dict[str, tuple[str, TaskPhase]]:
         return self._run(readers.phases_of, uids)
 
     def attempts(self, uid: str) -> list[AttemptRecord]:

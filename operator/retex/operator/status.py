@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -397,6 +397,27 @@ class StatusResync(Loop):
         return self.period
 
 
+def in_fair_order(uids: list[str], phases: dict[str, tuple[str, TaskPhase]],
+                  marked_at: dict[str, float]) -> list[str]:
+    """The order a backlog of marked tasks is written in. Tasks doing something first, a task
+    waiting for its notBefore (Scheduled) last: its status says only that it waits. Within each,
+    the namespaces take turns, one task each, the oldest mark first: a namespace with thousands of
+    marks holds up another's status by a write a round, not by its whole backlog. `phases`: uid →
+    (namespace, phase) as the ledger holds it; the tasks it does not hold take turns as one namespace."""
+
+    def waits(uid: str) -> bool:
+        return uid in phases and phases[uid][1] == TaskPhase.SCHEDULED
+
+    by_mark = sorted(uids, key=lambda uid: (waits(uid), marked_at.get(uid, 0.0)))
+    turn: dict[str, int] = {}
+    taken: Counter[tuple[bool, str | None]] = Counter()
+    for uid in by_mark:  # each task's turn: how many of its namespace's come before it
+        namespace = (waits(uid), phases[uid][0] if uid in phases else None)
+        turn[uid] = taken[namespace]
+        taken[namespace] += 1
+    return sorted(by_mark, key=lambda uid: (waits(uid), turn[uid]))  # stable: by mark within a turn
+
+
 class StatusMirror(Loop):
     """Writes Task.status from the ledger, driven by NOTIFY, with a periodic resync (`resync`) and
     the Events of what changed posted (`events`): two loops the Runtime runs beside this one."""
@@ -516,7 +537,7 @@ class StatusMirror(Loop):
             backing_off = {uid for uid in marked if uid in self._retry and now < self._retry[uid][0]}
             recent = {uid: self._written[uid][1] for uid in marked - backing_off if uid in self._written}
         phases = self._ledger.phases_of(list(recent)) if recent else {}
-        return backing_off | {uid for uid, written in recent.items() if phases.get(uid) == written}
+        return backing_off | {uid for uid, written in recent.items() if uid in phases and phases[uid][1] == written}
 
     def _write(self, batch: list[str], unwritten: set[str]) -> None:
         """Mirror each task of `batch` (distinct uids), `WRITERS` at a time, the first ones first, and
@@ -552,12 +573,11 @@ class StatusMirror(Loop):
             raise errors[0]
 
     def _in_order(self, uids: list[str]) -> list[str]:
-        """Tasks doing something first, a task waiting for its notBefore (Scheduled) last: its
-        status says only that it waits. Within each, the oldest mark first."""
+        """The marked tasks in the order to write them (`in_fair_order`)."""
         phases = self._ledger.phases_of(uids)
         with self._lock:
             marked_at = dict(self._marked_at)
-        return sorted(uids, key=lambda uid: (phases.get(uid) == TaskPhase.SCHEDULED, marked_at.get(uid, 0.0)))
+        return in_fair_order(uids, phases, marked_at)
 
     def _mirror_on_its_own(self, uid: str) -> None:
         """Mirror one task, settled or kept on its own, as the relay settles each record: a write
