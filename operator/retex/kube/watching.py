@@ -1,7 +1,7 @@
-"""The loop of the operator's own watches (worker Leases, worker pods): list, then watch from the
-list's resourceVersion; list again only after 410 Gone or an error, telling the watcher it was
-blind meanwhile. A silent API server cannot hang it: the list has a read timeout, the watch a
-server-side timeout and a longer client one."""
+"""The loop of the operator's own watches (worker Leases, worker pods): list page by page, then
+watch from the list's resourceVersion; list again only after 410 Gone or an error, telling the
+watcher it was blind meanwhile. A silent API server cannot hang it: the list has a read timeout,
+the watch a server-side timeout and a longer client one."""
 
 from __future__ import annotations
 
@@ -20,11 +20,31 @@ from retex.logs import log_line
 
 log = logging.getLogger(__name__)
 
+# Objects per page of a watch's LIST: the operator holds one page's response at a time.
+LIST_PAGE_SIZE = 500
+
 ObjectKey = tuple[str, str]  # (namespace, name): what a watcher keys what it saw by
 
 
 def object_key(obj: dict[str, Any]) -> ObjectKey:
     return obj["metadata"].get("namespace") or "", obj["metadata"]["name"]
+
+
+def _list_in_pages(list_all: Callable[..., Any], label_selector: str) -> tuple[list[dict[str, Any]], str]:
+    """Every object the selector matches, and the version to watch from. One page of raw bytes
+    is held at a time, not the whole list's. Every page is read at the first page's
+    resourceVersion (the server's consistent snapshot), which each page repeats; an expired
+    continue token (410) is raised, and the caller lists again from the start."""
+    items: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        answer = list_all(label_selector=label_selector, limit=LIST_PAGE_SIZE, _continue=token,
+                          _request_timeout=LIST_TIMEOUT_SECONDS, _preload_content=False)
+        page = json.loads(answer.data)
+        items += page.get("items") or []
+        token = page["metadata"].get("continue")
+        if not token:
+            return items, page["metadata"]["resourceVersion"]
 
 
 def list_then_watch(list_all: Callable[..., Any], *, label_selector: str, stopped: threading.Event,
@@ -39,11 +59,8 @@ def list_then_watch(list_all: Callable[..., Any], *, label_selector: str, stoppe
         before_each_round()
         try:
             if version is None:
-                answer = list_all(label_selector=label_selector, _request_timeout=LIST_TIMEOUT_SECONDS,
-                                  _preload_content=False)
-                plain = json.loads(answer.data)
-                listed(plain.get("items") or [])
-                version = plain["metadata"]["resourceVersion"]
+                items, version = _list_in_pages(list_all, label_selector)
+                listed(items)
             stream = watch.Watch()
             for change in stream.stream(list_all, label_selector=label_selector, resource_version=version,
                                         allow_watch_bookmarks=True, timeout_seconds=60, _request_timeout=90):
