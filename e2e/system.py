@@ -31,6 +31,8 @@ TENANT = REPO / "manifests" / "tenant"
 # Tasks, and the one that keeps a worker to its own Lease (docs/security.md).
 TASK_POLICY = REPO / "manifests" / "base" / "task-policy.yaml"
 LEASE_POLICY = REPO / "manifests" / "base" / "lease-policy.yaml"
+# The label the operator's watches select by is kept to the objects retex makes.
+WORKER_LABEL_POLICY = REPO / "manifests" / "base" / "worker-label-policy.yaml"
 # The operator's finalizer on each Task at its creation (Kubernetes 1.36 and later; the chart
 # binds it to the namespaces the operator serves).
 FINALIZER_POLICY = REPO / "manifests" / "finalizer-at-create" / "task-finalizer-policy.yaml"
@@ -68,7 +70,8 @@ def install_crd(kubectl) -> None:
 
 
 def install_policies(kubectl) -> None:
-    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TASK_POLICY), "-f", str(LEASE_POLICY))
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(TASK_POLICY), "-f", str(LEASE_POLICY),
+            "-f", str(WORKER_LABEL_POLICY))
     wait_established(kubectl, "taskpolicies.retex.dev")
 
 
