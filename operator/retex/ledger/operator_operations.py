@@ -27,8 +27,8 @@ from retex.ledger.moves import (
     touch,
 )
 from retex.ledger.placement import fill_slots, place, retry_or_fail, start_attempt, transition
-from retex.ledger.records import AdmitResult, Refusal, TaskAdmission, TaskRecord
-from retex.ledger.rows import Cursor, TaskRow, column_list, fetch_all, fetch_one, scalar
+from retex.ledger.records import AdmitResult, NamespaceQuota, QuotaUse, Refusal, TaskAdmission, TaskRecord
+from retex.ledger.rows import Cursor, TaskRow, column_list, fetch_all, fetch_one, one, scalar
 from retex.machine import TERMINAL_PHASES, IllegalTransition, StepEvent, StepState, TaskEvent, TaskPhase
 
 CANCEL_REASONS = ("Cancelled", "TaskDeleted")
@@ -45,13 +45,31 @@ class NotAdmitted(Exception):
         self.verdict = verdict
 
 
-def admit(cur: Cursor, admission: TaskAdmission, *, actor: str) -> AdmitResult:
-    """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch."""
+def admit(cur: Cursor, admission: TaskAdmission, *, actor: str, quota: NamespaceQuota | None = None) -> AdmitResult:
+    """Insert the task and its steps, then schedule it or start attempt 1 with its dispatch.
+    Raises NotAdmitted when its namespace is at or over its `quota` (nothing written)."""
     inserted = insert_task(cur, admission, actor=actor)
     if inserted is None:
         return AdmitResult(uid=admission.uid, created=False)  # admitted before
+    if quota is not None:
+        over = over_quota(cur, admission.namespace, quota)
+        if over is not None:
+            raise NotAdmitted(AdmitResult(uid=admission.uid, created=False, over_quota=over))
     place(cur, inserted, "first", actor)
     return AdmitResult(uid=admission.uid, created=True)
+
+
+def over_quota(cur: Cursor, namespace: str, quota: NamespaceQuota) -> QuotaUse | None:
+    """The quota a namespace was at or over before the task just inserted, or None. One row: the
+    insert's trigger counted the task in retex.namespace_usage and holds that row's lock to the
+    end of this transaction, so a concurrent admission in the namespace waits and sees this one."""
+    tasks, result_bytes = one(cur.execute(
+        "SELECT tasks, result_bytes FROM retex.namespace_usage WHERE namespace = %s", (namespace,)))
+    if tasks - 1 >= quota.max_tasks:
+        return QuotaUse(namespace=namespace, resource="tasks", used=tasks - 1, limit=quota.max_tasks)
+    if result_bytes >= quota.max_result_bytes:
+        return QuotaUse(namespace=namespace, resource="resultBytes", used=result_bytes, limit=quota.max_result_bytes)
+    return None
 
 
 def insert_task(cur: Cursor, admission: TaskAdmission, *, actor: str) -> TaskRow | None:
@@ -221,7 +239,8 @@ def purge_finished(cur: Cursor, *, older_than_seconds: float, limit: int) -> int
     ago, the oldest first: a batch of the history-retention purge (`Ledger.purge_finished` goes
     on while a batch is full). Each leaves a tombstone (uid, name, final phase, idempotencyKey)
     that is kept forever, and what its rows counted is added to retex.purged_tallies in the same
-    transaction (so the exported counters do not go down). Returns how many went."""
+    transaction (so the exported counters do not go down); a trigger takes each one off its
+    namespace's usage (retex.namespace_usage) as it goes. Returns how many went."""
     # Locked, so a requeue cannot move one of them between its count and its delete.
     uids = [uid for (uid,) in cur.execute(
         """SELECT uid FROM retex.tasks WHERE phase IN ('Succeeded', 'Failed', 'Cancelled')

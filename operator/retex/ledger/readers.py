@@ -17,6 +17,7 @@ from retex.ledger.records import (
     Histogram,
     HistoryEntry,
     LedgerFigures,
+    NamespaceUsage,
     Refusal,
     StepRecord,
     TaskAdmission,
@@ -159,6 +160,13 @@ def prior_verdict(cur: Cursor, admission: TaskAdmission) -> AdmitResult | None:
     if first is None:
         return None
     return AdmitResult(uid=first.uid, created=False, duplicate_of=first)
+
+
+def namespace_usage(cur: Cursor, namespace: str) -> NamespaceUsage:
+    """What a namespace keeps in the ledger now (nothing for a namespace never seen)."""
+    row = cur.execute("SELECT tasks, result_bytes FROM retex.namespace_usage WHERE namespace = %s",
+                      (namespace,)).fetchone()
+    return NamespaceUsage(tasks=row[0], result_bytes=row[1]) if row else NamespaceUsage(tasks=0, result_bytes=0)
 
 
 def refusal(cur: Cursor, uid: str) -> Refusal | None:

@@ -47,9 +47,35 @@ class Refusal:
     uid: str
     namespace: str
     name: str
-    reason: str  # InvalidSpec, AnnotationsTooLarge, JobRejected, DuplicateIdempotencyKey
+    reason: str  # InvalidSpec, AnnotationsTooLarge, JobRejected, DuplicateIdempotencyKey, QuotaExceeded, ...
     message: str
     generation: int | None  # metadata.generation it was decided on
+
+
+@dataclass(frozen=True)
+class NamespaceQuota:
+    """What one namespace may keep in the ledger, judged when a task is admitted."""
+
+    max_tasks: int  # tasks not yet purged, whatever their phase
+    max_result_bytes: int  # bytes of their steps' results, as stored
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """What a namespace keeps in the ledger now (retex.namespace_usage)."""
+
+    tasks: int
+    result_bytes: int
+
+
+@dataclass(frozen=True)
+class QuotaUse:
+    """The quota a namespace is at or over: what it uses (without the task refused) and its limit."""
+
+    namespace: str
+    resource: str  # tasks or resultBytes
+    used: int
+    limit: int
 
 
 @dataclass(frozen=True)
@@ -59,6 +85,7 @@ class AdmitResult:
     duplicate_of: TaskRef | None = None  # the task (live or purged) that used the idempotencyKey first
     purged: bool = False  # the task ended and its history was purged: it is not admitted again
     refusal: Refusal | None = None  # it was refused before: never admitted
+    over_quota: QuotaUse | None = None  # its namespace keeps as much as its quota allows: not admitted
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ from retex.ledger.records import (
     Dispatch,
     HistoryEntry,
     LedgerFigures,
+    NamespaceQuota,
+    NamespaceUsage,
     Refusal,
     StepRecord,
     TaskAdmission,
@@ -178,9 +180,12 @@ class Ledger:
 
     # -- control plane (retex.ledger.operator_operations, placement) ----------------------------
 
-    def admit(self, admission: TaskAdmission, *, actor: str = "operator") -> AdmitResult:
+    def admit(self, admission: TaskAdmission, *, actor: str = "operator",
+              quota: NamespaceQuota | None = None) -> AdmitResult:
+        """`quota`: what the task's namespace may keep in the ledger; at or over it, the task is
+        not admitted (`AdmitResult.over_quota`). None: no limit (the CLI's, tests')."""
         try:
-            return self._lead(operator_operations.admit, admission, actor=actor)
+            return self._lead(operator_operations.admit, admission, actor=actor, quota=quota)
         except operator_operations.NotAdmitted as not_admitted:
             return not_admitted.verdict
 
@@ -382,6 +387,9 @@ class Ledger:
 
     def refusal(self, uid: str) -> Refusal | None:
         return self._run(readers.refusal, uid)
+
+    def namespace_usage(self, namespace: str) -> NamespaceUsage:
+        return self._run(readers.namespace_usage, namespace)
 
     def figures(self) -> LedgerFigures:
         return self._run(readers.figures)
