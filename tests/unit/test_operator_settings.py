@@ -36,7 +36,9 @@ def refusal(env: dict[str, str]) -> str:
 def test_only_the_dsn_and_the_ledger_certificate_are_required_and_the_rest_are_the_documented_defaults(tls_files):
     settings = OperatorSettings.from_env(SECURE_DSN | tls_files)
     assert settings.database_url == "host=db dbname=retex sslmode=verify-full"
-    assert (settings.max_running, settings.max_running_per_namespace, settings.history_retention_days) == (None,) * 3
+    assert (settings.max_running, settings.max_running_per_namespace) == (None, None)
+    assert settings.history_retention_days == 7.0  # finished tasks leave the ledger a week after they end
+    assert (settings.namespace_max_tasks, settings.namespace_max_result_bytes) == (100_000, 2**30)
     assert (settings.worker_start_deadline_seconds, settings.resync_seconds, settings.metrics_port) == (120.0, 30.0, 9090)
     assert settings.dispatch_defer_limit_seconds == 600.0
     assert settings.ledger_port == 8081
@@ -84,20 +86,38 @@ def test_a_dsn_that_does_not_parse_is_refused_without_echoing_it():
     assert "RETEX_DATABASE_URL" in message and "hunter2" not in message
 
 
-@pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_MAX_RUNNING_PER_NAMESPACE", "RETEX_HISTORY_RETENTION_DAYS",
-                                  "RETEX_WORKER_START_DEADLINE_SECONDS", "RETEX_DISPATCH_DEFER_LIMIT_SECONDS",
+@pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_MAX_RUNNING_PER_NAMESPACE", "RETEX_NAMESPACE_MAX_TASKS",
+                                  "RETEX_NAMESPACE_MAX_RESULT_BYTES", "RETEX_WORKER_START_DEADLINE_SECONDS", "RETEX_DISPATCH_DEFER_LIMIT_SECONDS",
                                   "RETEX_LEDGER_PORT", "RETEX_METRICS_PORT",
                                   "RETEX_WORKER_GRACE_SECONDS", "RETEX_RESYNC_SECONDS"])
 def test_a_value_that_is_not_a_number_is_refused_by_name(name):
     assert refusal(DSN | {name: "ten"}) == f"{name}='ten' is not a number"
 
 
-@pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_HISTORY_RETENTION_DAYS", "RETEX_LEDGER_PORT",
+@pytest.mark.parametrize("name", ["RETEX_MAX_RUNNING", "RETEX_NAMESPACE_MAX_TASKS", "RETEX_LEDGER_PORT",
                                   "RETEX_WORKER_GRACE_SECONDS", "RETEX_RESYNC_SECONDS"])
 @pytest.mark.parametrize("value", ["0", "-3", "nan", "inf"])
 def test_zero_a_negative_or_an_infinite_value_is_refused(name, value):
     assert refusal(DSN | {name: value}) in (f"{name} must be positive (unset it for the default)",
                                             f"{name}={value!r} is not a number")
+
+
+@pytest.mark.parametrize(("value", "days"), [("off", None), (" OFF ", None), ("30", 30.0), ("0.5", 0.5), ("", 7.0)])
+def test_history_retention_is_a_number_of_days_or_off(value, days):
+    assert OperatorSettings.from_env(DSN | {"RETEX_HISTORY_RETENTION_DAYS": value}).history_retention_days == days
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "never", "7d", "false"])
+def test_a_history_retention_that_is_not_a_positive_number_of_days_or_off_is_refused_saying_what_is_accepted(value):
+    assert refusal(DSN | {"RETEX_HISTORY_RETENTION_DAYS": value}) == (
+        f"RETEX_HISTORY_RETENTION_DAYS={value!r}: give a positive number of days (finished tasks are purged that "
+        "long after they end; default 7), or off to keep them for ever")
+
+
+def test_namespace_quotas_are_taken_as_given():
+    settings = OperatorSettings.from_env(DSN | {"RETEX_NAMESPACE_MAX_TASKS": "50",
+                                                "RETEX_NAMESPACE_MAX_RESULT_BYTES": "1048576"})
+    assert (settings.namespace_max_tasks, settings.namespace_max_result_bytes) == (50, 1048576)
 
 
 def test_limits_and_the_workers_ledger_url_are_taken_as_given():

@@ -14,7 +14,7 @@ from retex.api.models import (
     OPERATOR_ANNOTATIONS_RESERVE_BYTES,
     annotations_bytes,
 )
-from retex.ledger import TaskAdmission
+from retex.ledger import QuotaUse, TaskAdmission
 from retex.machine import Backoff
 
 
@@ -77,3 +77,20 @@ def not_onboarded_message(namespace: str, server_message: str) -> str:
             f"Events there (no RoleBinding retex-operator to the ClusterRole retex-operator-tenant in "
             f"{namespace}). An administrator onboards it with `kubectl apply -n {namespace} -k manifests/tenant` "
             f"(docs/install.md); then create the Task again. The API server said: {server_message}")
+
+
+QUOTA_EXCEEDED = "QuotaExceeded"
+_QUOTAS = {"tasks": ("tasks", "RETEX_NAMESPACE_MAX_TASKS"),
+           "resultBytes": ("bytes of step results", "RETEX_NAMESPACE_MAX_RESULT_BYTES")}
+
+
+def quota_message(over: QuotaUse, *, retention_days: float | None) -> str:
+    """Why a Task of a namespace at its ledger quota is not run, and what frees room."""
+    what, setting = _QUOTAS[over.resource]
+    leaving = (f"a finished task leaves the ledger {retention_days:g} days after it ended (history retention), "
+               "whether or not its Task was deleted" if retention_days else
+               "history retention is off, so finished tasks stay until an administrator purges them")
+    return (f"namespace {over.namespace} keeps {over.used} {what} in the ledger, at or over its limit of {over.limit} "
+            f"(the operator's {setting}); every task of the namespace counts, whatever its phase, until it is "
+            f"purged: {leaving}. Cancel or delete the unfinished Tasks you do not need, or ask the operator's "
+            "administrator to raise the limit. This Task is never run: create it again once there is room")

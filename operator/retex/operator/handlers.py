@@ -55,6 +55,7 @@ from retex.ledger import (
     Ledger,
     LedgerError,
     LedgerUnavailable,
+    NamespaceQuota,
     NotFrozen,
     NotLeader,
     Refusal,
@@ -67,10 +68,12 @@ from retex.machine import IllegalTransition
 from retex.operator import ledger_endpoint
 from retex.operator.admission import (
     NAMESPACE_NOT_ONBOARDED,
+    QUOTA_EXCEEDED,
     admission_for,
     annotations_refusal,
     invalid_spec_message,
     not_onboarded_message,
+    quota_message,
 )
 from retex.operator.dispatch import Promoter, Relay
 from retex.operator.health import LoopState, Verdict, liveness, readiness, term_overdue
@@ -125,6 +128,10 @@ class Runtime:
                            claim_seconds=timing.request_timeout, defer_limit_seconds=settings.dispatch_defer_limit_seconds,
                            failpoints_from_annotations=settings.failpoints_from_annotations)
         retention = settings.history_retention_days
+        self.retention_days = retention
+        # What each namespace may keep in the ledger: a Task past it is refused at admission.
+        self.quota = NamespaceQuota(max_tasks=settings.namespace_max_tasks,
+                                    max_result_bytes=settings.namespace_max_result_bytes)
         self.promoter = Promoter(self.ledger, self.relay, retention_seconds=retention * 86400 if retention else None)
         self.reaper = Reaper(self.ledger, self.kube, self.leases, self.pods, interval=settings.reaper_interval_seconds,
                              start_deadline_seconds=settings.worker_start_deadline_seconds,
@@ -495,7 +502,7 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
             return refuse("JobRejected", f"the API server refuses its Job: {refused.message}")
         except Exception as exc:  # 429, 5xx, unreachable: not the Task's fault; kopf retries
             raise kopf.TemporaryError(f"dry run of the Job failed: {exc}", delay=5) from exc
-        verdict = runtime.ledger.admit(admission)
+        verdict = runtime.ledger.admit(admission, quota=runtime.quota)
         failpoint("after-admit", task=name, uid=uid)  # crash-matrix R2: ledger row and dispatch committed, no Job yet
     if verdict.refusal is not None:
         runtime.mirror.refuse(body, verdict.refusal.reason, verdict.refusal.message)
@@ -509,6 +516,8 @@ def _admitted_now(runtime: Runtime, *, uid: str, namespace: str, name: str, spec
         return refuse("DuplicateIdempotencyKey",
                       f"idempotencyKey {admission.idempotency_key!r} was already used by Task "
                       f"{first.namespace}/{first.name} (uid {first.uid}); this one is not run")
+    if verdict.over_quota is not None:  # final once stored, as every refusal: not admitted when room frees
+        return refuse(QUOTA_EXCEEDED, quota_message(verdict.over_quota, retention_days=runtime.retention_days))
     return True
 
 

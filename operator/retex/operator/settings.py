@@ -31,7 +31,11 @@ class OperatorSettings:
     failpoints_from_annotations: bool = False  # test rigs only: see retex.kube.objects
     max_running: int | None = None  # running attempts in all; None: unlimited
     max_running_per_namespace: int | None = None
-    history_retention_days: float | None = None  # purge terminal tasks this long after they end
+    # Finished tasks are purged this long after they end (None: kept for ever, RETEX_HISTORY_RETENTION_DAYS=off).
+    history_retention_days: float | None = 7.0
+    # What one namespace may keep in the ledger, judged at admission (docs/ledger.md, "Retention and quotas").
+    namespace_max_tasks: int = 100_000
+    namespace_max_result_bytes: int = 2**30
     worker_start_deadline_seconds: float = 120.0  # dispatch → lease taken, else a failed attempt
     dispatch_defer_limit_seconds: float = 600.0  # first transient dispatch error → the task fails
     metrics_port: int | None = 9090  # RETEX_METRICS_PORT; empty or 0: no metrics endpoint
@@ -80,7 +84,9 @@ class OperatorSettings:
             failpoints_from_annotations=env.get("RETEX_FAILPOINTS_FROM_ANNOTATIONS") == "1",
             max_running=_number(env, "RETEX_MAX_RUNNING", int),
             max_running_per_namespace=_number(env, "RETEX_MAX_RUNNING_PER_NAMESPACE", int),
-            history_retention_days=_number(env, "RETEX_HISTORY_RETENTION_DAYS", float),
+            history_retention_days=_retention_days(env),
+            namespace_max_tasks=_number(env, "RETEX_NAMESPACE_MAX_TASKS", int) or 100_000,
+            namespace_max_result_bytes=_number(env, "RETEX_NAMESPACE_MAX_RESULT_BYTES", int) or 2**30,
             worker_start_deadline_seconds=_number(env, "RETEX_WORKER_START_DEADLINE_SECONDS", float) or 120.0,
             dispatch_defer_limit_seconds=_number(env, "RETEX_DISPATCH_DEFER_LIMIT_SECONDS", float) or 600.0,
             loop_wedge_floor_seconds=_number(env, "RETEX_LOOP_WEDGE_FLOOR_SECONDS", float) or 180.0,
@@ -153,6 +159,24 @@ def _election_timing(env: dict[str, str]) -> ElectionTiming:
         )
     except ValueError as refused:
         raise SystemExit(str(refused)) from None
+
+
+def _retention_days(env: dict[str, str]) -> float | None:
+    """7 when unset; `off`: finished tasks are kept for ever. 0 is refused rather than read as
+    off or as "purge at once": either reading would surprise someone."""
+    value = env.get("RETEX_HISTORY_RETENTION_DAYS", "").strip()
+    if not value:
+        return 7.0
+    if value.lower() == "off":
+        return None
+    try:
+        days = float(value)
+    except ValueError:
+        days = math.nan
+    if not math.isfinite(days) or days <= 0:
+        raise SystemExit(f"RETEX_HISTORY_RETENTION_DAYS={value!r}: give a positive number of days (finished tasks "
+                         "are purged that long after they end; default 7), or off to keep them for ever")
+    return days
 
 
 def _metrics_port(env: dict[str, str]) -> int | None:
