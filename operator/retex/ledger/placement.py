@@ -5,8 +5,10 @@ a transition. Always inside the caller's transaction."""
 
 from __future__ import annotations
 
+import heapq
 import random
-from datetime import timedelta
+from collections import deque
+from datetime import datetime, timedelta
 from typing import Any
 
 from retex.ledger.moves import NOW, db_now, record_history, set_clause
@@ -99,7 +101,16 @@ def place(cur: Cursor, task: TaskRow, cause: str, actor: str) -> None:
 def fill_slots(cur: Cursor, actor: str) -> None:
     """Start Queued tasks while the run limits allow: per concurrency key only the oldest
     queued task may run, and only when no task of that key is Running, Retrying or waiting
-    for a human (per-entity order); among what may run, higher priority first, then older.
+    for a human (per-entity order).
+
+    Among what may run, the slots are shared between namespaces: each slot goes to the
+    namespace with the fewest running attempts (ties: the one whose next task was submitted
+    first), so slots filled at once go round the namespaces, and a freed slot goes to the
+    namespace that holds fewest. Priority, then submission, order the tasks within a namespace
+    only: a namespace chooses its own priorities, and a high one must not take the slots of
+    another namespace's tasks. Every namespace counts the same (no weights). A namespace stops
+    getting slots at its limit: the smaller of RETEX_MAX_RUNNING_PER_NAMESPACE and its own
+    (retex.namespace_run_limits, its TaskPolicy's maxRunning).
 
     Serialized by a transaction-scoped advisory lock, so concurrent placements never exceed
     a limit; queued rows are locked with SKIP LOCKED, so a placement never waits on a row
@@ -111,6 +122,7 @@ def fill_slots(cur: Cursor, actor: str) -> None:
     limits = fetch_one(cur, RunLimits, f"SELECT {column_list(RunLimits)} FROM retex.run_limits")
     if limits is None:
         raise LookupError("retex.run_limits has no row")
+    own_limits: dict[str, int] = dict(cur.execute("SELECT namespace, max_running FROM retex.namespace_run_limits"))
     # An attempt the operator ended (timeout, deletion) may still be running a step until it is
     # known dead (settled): until then it keeps its slot and its key.
     unsettled = "SELECT task_uid FROM retex.attempts WHERE outcome IS NOT NULL AND settled_at IS NULL"
@@ -139,22 +151,41 @@ def fill_slots(cur: Cursor, actor: str) -> None:
            SELECT uid, namespace, concurrency_key, priority, coalesce(submitted_at, created_at), created_at
            FROM retex.tasks WHERE phase = 'Queued' AND concurrency_key IS NULL AND frozen_reason IS NULL
            ORDER BY priority DESC, submitted, created_at, uid""")
-    for candidate in candidates:
+    queues: dict[str, deque[QueuedCandidate]] = {}
+    for candidate in candidates:  # each namespace's queue in priority, then submission, order
+        queues.setdefault(candidate.namespace, deque()).append(candidate)
+
+    def turn(namespace: str) -> tuple[int, datetime, datetime, str]:
+        head = queues[namespace][0]
+        return by_namespace.get(namespace, 0), head.submitted, head.created_at, head.uid
+
+    turns = [(turn(namespace), namespace) for namespace in queues]
+    heapq.heapify(turns)
+    while turns:
         if limits.max_running is not None and total >= limits.max_running:
             return
-        namespace = candidate.namespace
-        per_namespace = limits.max_running_per_namespace
-        if per_namespace is not None and by_namespace.get(namespace, 0) >= per_namespace:
-            continue
-        if (namespace, candidate.concurrency_key) in busy_keys:
-            continue
-        task = fetch_one(cur, TaskRow, f"SELECT {column_list(TaskRow)} FROM retex.tasks "
-                         "WHERE uid = %s AND phase = 'Queued' AND frozen_reason IS NULL FOR UPDATE SKIP LOCKED", (candidate.uid,))
-        if task is None:
-            continue
-        start_attempt(cur, task, TaskEvent.START_ATTEMPT, task.next_cause or "first", actor)
-        total += 1
-        by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
+        _, namespace = heapq.heappop(turns)
+        caps = [n for n in (limits.max_running_per_namespace, own_limits.get(namespace)) if n is not None]
+        if caps and by_namespace.get(namespace, 0) >= min(caps):
+            continue  # at its limit: its other candidates wait too
+        candidate = queues[namespace].popleft()
+        if (namespace, candidate.concurrency_key) not in busy_keys and _started(cur, candidate, actor):
+            total += 1
+            by_namespace[namespace] = by_namespace.get(namespace, 0) + 1
+        if queues[namespace]:
+            heapq.heappush(turns, (turn(namespace), namespace))
+
+
+def _started(cur: Cursor, candidate: QueuedCandidate, actor: str) -> bool:
+    """Start the candidate's attempt, unless its row is locked (SKIP LOCKED: whoever holds it
+    places it) or it is no longer a Queued task that may run."""
+    task = fetch_one(cur, TaskRow, f"SELECT {column_list(TaskRow)} FROM retex.tasks "
+                     "WHERE uid = %s AND phase = 'Queued' AND frozen_reason IS NULL FOR UPDATE SKIP LOCKED",
+                     (candidate.uid,))
+    if task is None:
+        return False
+    start_attempt(cur, task, TaskEvent.START_ATTEMPT, task.next_cause or "first", actor)
+    return True
 
 
 def set_run_limits(cur: Cursor, *, max_running: int | None, max_running_per_namespace: int | None) -> None:
@@ -162,4 +193,23 @@ def set_run_limits(cur: Cursor, *, max_running: int | None, max_running_per_name
     that raised limits opened."""
     cur.execute("UPDATE retex.run_limits SET max_running = %s, max_running_per_namespace = %s",
                 (max_running, max_running_per_namespace))
+    fill_slots(cur, "operator")
+
+
+def set_namespace_run_limit(cur: Cursor, namespace: str, max_running: int | None) -> None:
+    """A namespace's own limit on running attempts (None: none, only the global ones); then fill
+    the slots a raised or lifted limit opened."""
+    if max_running is None:
+        cur.execute("DELETE FROM retex.namespace_run_limits WHERE namespace = %s", (namespace,))
+    else:
+        cur.execute("INSERT INTO retex.namespace_run_limits (namespace, max_running) VALUES (%s, %s) "
+                    "ON CONFLICT (namespace) DO UPDATE SET max_running = excluded.max_running", (namespace, max_running))
+    fill_slots(cur, "operator")
+
+
+def replace_namespace_run_limits(cur: Cursor, limits: dict[str, int]) -> None:
+    """Every namespace's own limit at once: a namespace left out has none. Then fill the slots."""
+    cur.execute("DELETE FROM retex.namespace_run_limits")
+    cur.executemany("INSERT INTO retex.namespace_run_limits (namespace, max_running) VALUES (%s, %s)",
+                    list(limits.items()))
     fill_slots(cur, "operator")

@@ -273,6 +273,14 @@ class Ledger:
         settings changes nothing."""
         self._lead(placement.set_run_limits, max_running=max_running, max_running_per_namespace=max_running_per_namespace)
 
+    def set_namespace_run_limit(self, namespace: str, max_running: int | None) -> None:
+        """A namespace's own run limit (its TaskPolicy's maxRunning; None: none), the leader's write."""
+        self._lead(placement.set_namespace_run_limit, namespace, max_running)
+
+    def replace_namespace_run_limits(self, limits: dict[str, int]) -> None:
+        """Every namespace's own run limit, those left out having none: the leader's, as it takes the term."""
+        self._lead(placement.replace_namespace_run_limits, limits)
+
     def fill_slots(self, *, actor: str = "operator") -> None:
         """Start what may start: the periodic backstop for a placement that skipped a briefly
         locked queue head (SKIP LOCKED) or a slot freed where no placement followed."""
