@@ -594,8 +594,9 @@ class TaskSpec(ApiModel):
     """Tasks in a namespace with the same key run one at a time, oldest first (per-entity order): a
     task waits in Queued while another with the key is Running, Retrying or NeedsAttention."""
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
-    """Among queued tasks that may run, higher priority starts first, then older (a concurrency
-    key's order is by creation only)."""
+    """Among its namespace's queued tasks that may run, higher priority starts first, then older (a
+    concurrency key's order is by creation only). Run slots go to the namespaces in turn, whatever
+    their tasks' priorities. The namespace's TaskPolicy may cap it (maxPriority)."""
     idempotency_key: Key | None = None
     """Submission de-duplication: a second task in the namespace with the same key is not run."""
     cancel: Annotated[bool, Field(json_schema_extra=validations(cel("self || !oldSelf", MSG_CANCEL_IRREVERSIBLE)))] = False

@@ -36,6 +36,9 @@ from retex.logs import log_line
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+# What a namespace's Tasks may ask for and its own run limit: its TaskPolicy of this name (the one
+# the admission policy judges Tasks by, manifests/base/task-policy.yaml).
+TASK_POLICIES, TASK_POLICY_NAME = "taskpolicies", "default"
 
 
 class NotLeading(Exception):
@@ -211,6 +214,20 @@ class KubeCalls:
             if not token:
                 return
 
+    def namespace_run_limits(self) -> dict[str, int]:
+        """namespace → its TaskPolicy's maxRunning, for every namespace whose TaskPolicy sets one:
+        one LIST, so it is one moment's view. No TaskPolicy kind installed: none."""
+        try:
+            policies = custom_object(self._custom.list_cluster_custom_object(
+                GROUP, VERSION, TASK_POLICIES, field_selector=f"metadata.name={TASK_POLICY_NAME}",
+                _request_timeout=self._list_timeout))
+        except ApiException as exc:
+            if not_found(exc):
+                return {}
+            raise
+        limits = {policy["metadata"]["namespace"]: run_limit_of(policy) for policy in policies["items"]}
+        return {namespace: limit for namespace, limit in limits.items() if limit is not None}
+
     def patch_task_status(self, namespace: str, name: str, uid: str, status: dict[str, Any]) -> None:
         """Merge-patch the status subresource. The uid precondition keeps a status from landing
         on a newer Task that reuses the name; the CRD's CEL rule refuses a lower ledgerVersion."""
@@ -284,6 +301,12 @@ class KubeCalls:
             namespace, field_selector=f"involvedObject.kind=Job,involvedObject.name={job}",
             _request_timeout=self._timeout)
         return self._plain(listed).get("items") or []
+
+
+def run_limit_of(policy: dict[str, Any]) -> int | None:
+    """A TaskPolicy's maxRunning (None: unset), as the CRD's schema has checked it."""
+    limit = (policy.get("spec") or {}).get("maxRunning")
+    return int(limit) if limit is not None else None
 
 
 def _owned_by(obj: dict[str, Any], owner_uids: set[str]) -> bool:

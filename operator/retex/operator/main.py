@@ -43,6 +43,7 @@ def main() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLines())
     logging.basicConfig(level=logging.INFO, handlers=[handler])
+    from retex.operator import taskpolicies  # noqa: F401  registers its handlers
     from retex.operator.handlers import Runtime  # registers the handlers
 
     settings = OperatorSettings.from_env()
