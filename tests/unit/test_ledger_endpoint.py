@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import socket
+import ssl
 import threading
 import time
 from datetime import UTC, datetime
@@ -622,31 +623,49 @@ class LargeReplies(AnyPod):
         return {"blob": "x" * self.size}
 
 
-def slow_reader(port, token) -> socket.socket:
+def slow_reader(port, token, tls: ssl.SSLContext | None) -> socket.socket:
     """Asks for a reply and reads none of it, through a receive window of a few KiB."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", port))
+    if tls is not None:
+        sock = tls.wrap_socket(sock, server_hostname="127.0.0.1")
     body = json.dumps({"uid": UID}).encode()
     sock.sendall(b"POST /v1/attempt/get HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + token.encode()
                  + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock
 
 
-def test_replies_held_by_slow_readers_are_bounded_and_one_namespace_holds_only_its_share():
-    served = serve(LargeReplies(3 << 20), 0, None, limits=EndpointLimits(reply_budget_bytes=8 << 20))
+def tls_post_as(port, tls: ssl.SSLContext | None, token: str, operation: str, body: dict) -> tuple[int, dict, dict]:
+    if tls is None:
+        return post_as(port, token, operation, body)
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=tls)
+    conn.request("POST", f"/v1/attempt/{operation}", body=json.dumps(body).encode(),
+                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    reply = conn.getresponse()
+    return reply.status, json.loads(reply.read() or b"{}"), dict(reply.getheaders())
+
+
+@pytest.mark.parametrize("over_tls", [False, True], ids=["plain", "tls"])
+def test_replies_held_by_slow_readers_are_bounded_and_one_namespace_holds_only_its_share(over_tls, tmp_path):
+    tls, client_tls = None, None
+    if over_tls:  # TLS buffers what it encrypts apart from the socket: the budget must hold there too
+        pki = pkilib.ledger_serving(tmp_path / "tls")
+        tls = LedgerTls(str(pki.crt("ledger")), str(pki.key("ledger")), str(pki.ca_crt))
+        client_tls = ssl.create_default_context(cafile=str(pki.ca_crt))
+    served = serve(LargeReplies(3 << 20), 0, tls, limits=EndpointLimits(reply_budget_bytes=8 << 20))
     port = served.server_address[1]
-    held = slow_reader(port, "shop.reader-1")
+    held = slow_reader(port, "shop.reader-1", client_tls)
     try:
         time.sleep(0.5)  # its 3 MiB reply is being written, at the pace it reads
-        status, reply, headers = post_as(port, "shop.reader-2", "get", {"uid": UID})
+        status, reply, headers = tls_post_as(port, client_tls, "shop.reader-2", "get", {"uid": UID})
         assert status == 503 and float(headers["Retry-After"]) > 0, (status, reply)
         # Another namespace's reply fits in what the first left.
-        status, reply, _ = post_as(port, "bank.reader-3", "get", {"uid": UID})
+        status, reply, _ = tls_post_as(port, client_tls, "bank.reader-3", "get", {"uid": UID})
         assert status == 200 and len(reply["result"]["blob"]) == 3 << 20
         held.close()
         time.sleep(0.5)  # the slow reader gone, its reply's bytes are free again
-        assert post_as(port, "shop.reader-2", "get", {"uid": UID})[0] == 200
+        assert tls_post_as(port, client_tls, "shop.reader-2", "get", {"uid": UID})[0] == 200
     finally:
         held.close()
         served.shutdown()

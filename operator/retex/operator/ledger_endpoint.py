@@ -342,20 +342,19 @@ class LedgerServer:
     # -- one request ---------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        reply: web.Response | None = None
+        sending: web.StreamResponse | None = None
         try:
             async with asyncio.timeout(self._limits.request_seconds):
                 reply = await self._answer(request)
                 try:
-                    await reply.prepare(request)
-                    await reply.write_eof()
+                    sending = await _send(request, reply)
                 finally:
                     held = reply.get(_RESERVED)
                     if held is not None:
                         self._replies.release(*held)
-                return reply
+                return sending
         except TimeoutError:
-            if reply is not None and reply.prepared:  # a reader too slow for its reply: let it go
+            if sending is not None and sending.prepared:  # a reader too slow for its reply: let it go
                 if request.transport is not None:
                     request.transport.abort()
                 return reply
@@ -456,6 +455,31 @@ class LedgerServer:
                                "try again", {"Retry-After": "1"})
         reply[_RESERVED] = (namespace, size)
         return reply
+
+
+async def _send(request: web.BaseRequest, reply: web.Response) -> web.StreamResponse:
+    """Write `reply`; a large one a chunk at a time, each once the connection has taken the one
+    before. Written whole, TLS would encrypt all of it at once into a buffer of its own, which
+    holds it however slowly the caller reads and lets the write end at once (so the reply's
+    place in the budget would be let go while its bytes stay in memory)."""
+    body = reply.body
+    if not isinstance(body, bytes) or len(body) <= SMALL_REPLY_BYTES:
+        await reply.prepare(request)
+        await reply.write_eof()
+        return reply
+    if request.transport is not None:
+        request.transport.set_write_buffer_limits(high=_CHUNK_BYTES)
+    stream = web.StreamResponse(status=reply.status, headers=reply.headers)
+    stream.content_length = len(body)
+    await stream.prepare(request)
+    for start in range(0, len(body), _CHUNK_BYTES):
+        await stream.write(body[start:start + _CHUNK_BYTES])
+        await request.writer.drain()
+    await stream.write_eof()
+    return stream
+
+
+_CHUNK_BYTES = 64 << 10
 
 
 async def _body(request: web.BaseRequest, length: int) -> dict[str, Any]:
