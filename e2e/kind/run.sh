@@ -42,7 +42,8 @@ DEFAULT_TESTS='tests/cluster/test_manifests.py tests/cluster/test_task_api.py te
   tests/cluster/test_prometheus.py tests/cluster/test_confined_nodes.py tests/cluster/test_bench.py
   tests/cluster/test_finalizer_at_create.py tests/cluster/test_ledger_restore.py tests/cluster/test_install_identity.py
   tests/cluster/test_ledger_failover.py tests/cluster/test_ledger_async_failover.py
-  tests/cluster/test_deployed_ledger_failover.py tests/cluster/test_chart_on_rig.py'
+  tests/cluster/test_deployed_ledger_failover.py tests/cluster/test_watched_labels.py tests/cluster/test_namespace_quota.py
+  tests/cluster/test_tenant_fair_share.py tests/cluster/test_noisy_neighbours.py tests/cluster/test_chart_on_rig.py'
 TESTS=${RETEX_KIND_TESTS:-$DEFAULT_TESTS}
 PY=.venv/bin/python
 say() { echo "[e2e-kind $(date +%H:%M:%S)] $*"; }

@@ -163,7 +163,8 @@ class Rig:
         self.nodes = list(nodes)
         self.timing = timing or Timing()
         self.ports: dict[str, int] = {}
-        self._node_masks: dict[int, set[int]] = {}  # agent thread → its CPUs before confine_nodes
+        # agent thread → its CPUs and niceness before confine_nodes
+        self._node_masks: dict[int, tuple[set[int], int]] = {}
 
     # ----- paths -------------------------------------------------------------------------------
 
@@ -495,12 +496,13 @@ class Rig:
             f"--status-heartbeat-seconds={t.status_heartbeat_seconds}",
         ], cwd=REPO, env=env)
 
-    def confine_nodes(self, cpus: set[int]) -> None:
-        """Run the node agents, and every pod they start from now on, on `cpus` only (benchmarks:
-        as if the pods ran on machines apart from the control plane's) until `release_nodes`.
-        Each thread of an agent is set, since a pod inherits the mask of the thread that spawned
-        it; the main thread first, so a thread it starts meanwhile is found by the next listing."""
-        for node in self.nodes:
+    def confine_nodes(self, cpus: set[int], nodes: list[str] | None = None, *, niceness: int = 0) -> None:
+        """Run the node agents (`nodes`, or all), and every pod they start from now on, on `cpus`
+        only, at `niceness` (benchmarks: as if the pods ran on machines apart from the control
+        plane's) until `release_nodes`. Each thread of an agent is set, since a pod inherits the
+        mask and the niceness of the thread that spawned it; the main thread first, so a thread it
+        starts meanwhile is found by the next listing."""
+        for node in nodes or self.nodes:
             pid = procs.recorded_pid(self._agent_record(node))
             seen: set[int] = set()
             while pid is not None:
@@ -512,16 +514,19 @@ class Rig:
                     break
                 for tid in threads:
                     with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                        self._node_masks.setdefault(tid, os.sched_getaffinity(tid))
+                        self._node_masks.setdefault(tid, (os.sched_getaffinity(tid),
+                                                          os.getpriority(os.PRIO_PROCESS, tid)))
                         os.sched_setaffinity(tid, cpus)
+                        os.setpriority(os.PRIO_PROCESS, tid, niceness)
                 seen.update(threads)
 
     def release_nodes(self) -> None:
         """Undo `confine_nodes` for the agents' threads (pods started meanwhile keep their mask)."""
         masks, self._node_masks = self._node_masks, {}
-        for tid, mask in masks.items():
+        for tid, (mask, niceness) in masks.items():
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(tid, mask)
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
 
     def _kill_node_processes(self, node: str) -> bool:
         # The agent first, so it does not observe (and report) its pods dying.

@@ -211,7 +211,7 @@ class ExternalCluster:
     def start_controller_manager(self) -> None:
         self._unavailable("start_controller_manager")
 
-    def confine_nodes(self, cpus: set[int]) -> None:
+    def confine_nodes(self, cpus: set[int], nodes: list[str] | None = None, *, niceness: int = 0) -> None:
         self._unavailable("confine_nodes")
 
     def release_nodes(self) -> None:
@@ -288,14 +288,17 @@ class KindCluster(ExternalCluster):
     def resume_pod(self, namespace: str, name: str) -> None:
         self._signal_pod(namespace, name, "CONT")
 
-    def confine_nodes(self, cpus: set[int]) -> None:
-        """Run the schedulable nodes' containers (kubelet, runtime and every pod) on `cpus` only
-        (benchmarks, as the rig's confine_nodes) until `release_nodes`."""
+    def confine_nodes(self, cpus: set[int], nodes: list[str] | None = None, *, niceness: int = 0) -> None:
+        """Run the schedulable nodes' (`nodes`, or all) containers (kubelet, runtime and every
+        pod) on `cpus` only (benchmarks, as the rig's confine_nodes) until `release_nodes`. Their
+        CPU weight is the cgroup's, not a niceness: none is set here."""
+        if niceness:
+            raise RigUnavailable("a kind node's pods at a lower CPU priority (niceness)")
         wanted = ",".join(map(str, sorted(cpus)))
-        for node in self.nodes:
+        for node in nodes or self.nodes:
             self._node_cpusets.setdefault(node, self._on_node(node, f"cat {_CPUSET_ROOT}/cpuset.cpus"))
             self._write_cpusets(node, wanted, deepest_first=True)
-        say(f"nodes {', '.join(self.nodes)} confined to CPUs {wanted} (their cpuset cgroups)")
+        say(f"nodes {', '.join(nodes or self.nodes)} confined to CPUs {wanted} (their cpuset cgroups)")
 
     def release_nodes(self) -> None:
         saved, self._node_cpusets = self._node_cpusets, {}
