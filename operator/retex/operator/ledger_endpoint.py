@@ -13,7 +13,7 @@ read off the pod network cannot be replayed; plain HTTP only where the operator 
 change (a rotated Secret), for the connections that follow.
 
 Any pod can reach the port, and every tenant shares it: no caller may stall or starve the others
-(docs/security.md, "the ledger endpoint's shared resources"). It runs on aiohttp in an event loop
+(docs/security.md, "what tenants share"). It runs on aiohttp in an event loop
 of its own thread, beside kopf's: a connection costs a coroutine, not a thread. The token is
 resolved before a byte of the body is read; a request has a deadline for its headers and one for
 the rest (body, handling, reply); connections are capped in total and per source address; each
@@ -78,12 +78,14 @@ MAX_CONNECTIONS_PER_ADDRESS = 256  # a pod's address: every worker of a node sha
 # worker's read timeout (retex.worker.ledger_client). Idle kept-alive connections close as late.
 HEADER_SECONDS = 10.0
 REQUEST_SECONDS = 20.0
-# A worker makes one call at a time, two per step: a task of no-op steps makes up to about 250 a
-# second, which its rate leaves untouched; it and its burst stop a step's own code flooding with its
-# pod's token. A namespace may have half the admitted calls (the rest stay for the others); its rate
+# A pod runs one attempt, and a worker makes one call at a time, three or four per step: the burst
+# holds every call of an attempt of 64 steps however fast they come (a task of no-op steps makes
+# about 350 a second), and past it the rate is what a worker waiting on a step's deadline needs;
+# together they hold a step's own code, flooding with its pod's token, to 20 calls a second. A
+# namespace may have half the admitted calls (the rest stay for the others); its rate
 # stops only a flood; the ledger threads themselves are shared in turn (`FairSlots`), so a namespace
 # alone may use them all and a busy one cannot crowd out another.
-PER_POD = Quota(rate=500.0, burst=1000, concurrent=2)
+PER_POD = Quota(rate=20.0, burst=300, concurrent=2)
 PER_NAMESPACE = Quota(rate=20000.0, burst=40000, concurrent=MAX_CONCURRENT_REQUESTS // 2)
 
 
