@@ -46,6 +46,7 @@ import psycopg
 from kubernetes import client, watch
 
 from e2e.cpu import CpuAccount
+from e2e.neighbours import Neighbours, p95, prepare_hostile_namespace, run_scenario
 from e2e.postgres import PostgresServer
 from e2e.rig.controlplane import Rig, wait_for
 from e2e.rig.external import ExternalCluster, RigUnavailable, from_environment
@@ -105,6 +106,8 @@ class Sizes:
     writes_tasks: int = 10
     scale_tasks: int = 5000  # all of them, the runnable ones included
     scale_runnable: int = 50
+    neighbour_victim_tasks: int = 20
+    neighbour_greedy_tasks: int = 200
     # How long a window of `writes` or a round of `checkpoint` waits for the cluster to stop
     # writing; the smoke's is short (it shares its cluster with the other tests' leftovers).
     quiet_timeout_seconds: int = 120
@@ -114,7 +117,8 @@ class Sizes:
         return cls(checkpoint_steps=5, checkpoint_parallel=2, latency_tasks=2, throughput_tasks=4,
                    throughput_limit=2, recovery_runs=1, node_loss_runs=1,
                    node_loss_job_toleration_seconds=5, profile_tasks=1, ledger_tasks=10,
-                   writes_tasks=2, scale_tasks=40, scale_runnable=4, quiet_timeout_seconds=10)
+                   writes_tasks=2, scale_tasks=40, scale_runnable=4, neighbour_victim_tasks=4,
+                   neighbour_greedy_tasks=4, quiet_timeout_seconds=10)
 
     def with_overrides(self, overrides: list[str]) -> Sizes:
         """These sizes with `NAME=N` overrides (e.g. `latency_tasks=10`): sizes between --quick and full."""
@@ -253,6 +257,7 @@ class BenchSystem:
         # As the chart installs retex where the API server serves it (Kubernetes 1.36 and later).
         self.finalizer_binding = (bind_finalizer_policy(rig.kubectl, self.namespace)
                                   if serves_mutating_policies(rig.kubectl) else None)
+        self.workdir = workdir
         self.operator_log = workdir / "operator.log"
         self.operator = OperatorProcess.on(rig, self.dsn, self.operator_log, extra_env={"RETEX_NAMESPACES": self.namespace})
         # The leader election and the resync as deployed, not the tests' short ones (made for
@@ -1152,6 +1157,48 @@ def _kill_and_time_restart(system: BenchSystem, name: str, selector: str) -> tup
 # deleted its TTL (600 s) after it ends, and an earlier measure's Jobs being deleted one by one
 # would keep the writes measure's windows from ever going quiet (seen: 120 s of them, after
 # `throughput`'s 300).
+NEIGHBOUR_TARGET = 2.0
+NEIGHBOUR_RUN_LIMIT = 10
+
+
+def measure_noisy_neighbour(system: BenchSystem, sizes: Sizes) -> list[Figure]:
+    """A victim tenant's create → first step p95 while a hostile tenant makes every attack it
+    can (e2e.neighbours: the endpoint flooded, stalled and read slowly, a start_run loop, decoy
+    pods, a create/delete loop, top-priority tasks under a run limit), against the same victim
+    run without the attack just before."""
+    hostile = f"{system.namespace}-hostile"
+    who = Neighbours(victim=system.namespace, hostile=hostile, user=f"{hostile}-user",
+                     victim_tasks=sizes.neighbour_victim_tasks, greedy_tasks=sizes.neighbour_greedy_tasks)
+    prepare_hostile_namespace(system.rig.kubectl, hostile, who.user, max_running=NEIGHBOUR_RUN_LIMIT // 2)
+    env = {"RETEX_NAMESPACES": f"{system.namespace},{hostile}", "RETEX_MAX_RUNNING": str(NEIGHBOUR_RUN_LIMIT)}
+
+    def restart_operator() -> None:
+        system.operator.restart(**DEPLOYED_OPERATOR_ENV, **env)
+        system.operator.wait_leading()
+
+    def operator_pid() -> int:
+        assert system.operator.proc is not None
+        return system.operator.proc.pid
+
+    try:
+        with system.operator_with(**env):
+            outcome = run_scenario(who, rig=system.rig, ledger=system.ledger, operator_pid=operator_pid,
+                                   restart_operator=restart_operator, endpoint_port=system.operator.ledger_port,
+                                   ca_file=str(system.operator.ledger_tls.ca_crt), workdir=system.workdir)
+    finally:
+        discard_namespace(system.rig.kubectl, hostile)
+    attacked, calm = p95(outcome.attacked.first_step), p95(outcome.calm.first_step)
+    return [Figure(measure="victim's create → first step p95 beside a hostile tenant", unit="s",
+                   retex=attacked, baseline=calm, baseline_name="the same victim run with no hostile tenant",
+                   ratio=outcome.ratio, target=f"ratio ≤ {NEIGHBOUR_TARGET:g}", met=outcome.ratio <= NEIGHBOUR_TARGET,
+                   detail={"samples": len(outcome.attacked.first_step), "attacks": outcome.attacks,
+                           "decoy_pods": outcome.decoys, "p95_by_stage": {"calm": outcome.calm.stages,
+                                                                          "attacked": outcome.attacked.stages},
+                           "operator_memory_mib": {k: round(v / 2**20) for k, v in outcome.memory.items()}},
+                   retex_samples=outcome.attacked.first_step, baseline_samples=outcome.calm.first_step,
+                   target_at=NEIGHBOUR_TARGET * calm)]
+
+
 MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "writes": measure_writes,
     "checkpoint": measure_checkpoint,
@@ -1162,6 +1209,7 @@ MEASURES: dict[str, Callable[[BenchSystem, Sizes], list[Figure]]] = {
     "profile": measure_profile,
     "ledger": measure_ledger,
     "scale": measure_scale,
+    "noisy-neighbour": measure_noisy_neighbour,
 }
 
 
