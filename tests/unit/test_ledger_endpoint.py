@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import socket
 import ssl
@@ -668,5 +669,41 @@ def test_replies_held_by_slow_readers_are_bounded_and_one_namespace_holds_only_i
         assert tls_post_as(port, client_tls, "shop.reader-2", "get", {"uid": UID})[0] == 200
     finally:
         held.close()
+        served.shutdown()
+        served.server_close()
+
+
+def test_a_reply_still_being_written_at_the_deadline_is_cut_off_and_its_connection_closed():
+    served = serve(LargeReplies(3 << 20), 0, None, limits=EndpointLimits(request_seconds=1.0))
+    port = served.server_address[1]
+    held = slow_reader(port, "shop.reader-1", None)
+    try:
+        time.sleep(3)  # well past the deadline, the reply far from read
+        assert served.http._count._count == 0, "the slow reader's connection is still open"
+        assert served._replies.held == 0
+        held.settimeout(5)
+        sent = b""
+        while chunk := held.recv(1 << 20):
+            sent += chunk
+        assert b"took over" not in sent, "a 408 was written into the 200's body"
+    finally:
+        held.close()
+        served.shutdown()
+        served.server_close()
+
+
+def test_a_reader_gone_while_its_reply_is_written_is_no_error_of_the_endpoint(caplog):
+    served = serve(LargeReplies(3 << 20), 0, None)
+    port = served.server_address[1]
+    try:
+        for n in range(3):
+            reader = slow_reader(port, f"shop.reader-{n}", None)
+            time.sleep(0.3)
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            reader.close()  # a reset, mid-reply
+        time.sleep(0.5)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert served._replies.held == 0
+    finally:
         served.shutdown()
         served.server_close()

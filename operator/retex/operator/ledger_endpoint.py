@@ -344,22 +344,25 @@ class LedgerServer:
     # -- one request ---------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        sending: web.StreamResponse | None = None
+        sending: list[web.StreamResponse] = []  # the reply once its writing has begun (`_send`)
         try:
             async with asyncio.timeout(self._limits.request_seconds):
                 reply = await self._answer(request)
                 try:
-                    sending = await _send(request, reply)
+                    return await _send(request, reply, sending)
                 finally:
                     held = reply.get(_RESERVED)
                     if held is not None:
                         self._replies.release(*held)
-                return sending
-        except TimeoutError:
-            if sending is not None and sending.prepared:  # a reader too slow for its reply: let it go
+        except (TimeoutError, ConnectionError) as exc:
+            if sending and sending[0].prepared:
+                # A reader too slow for its reply, or gone: nothing more can be said on this
+                # connection (its status line is out), so it is dropped, never given a 408.
                 if request.transport is not None:
                     request.transport.abort()
-                return reply
+                return sending[0]
+            if isinstance(exc, ConnectionError):
+                raise  # the caller left before its reply began: aiohttp drops the connection quietly
             LEDGER_ENDPOINT_REFUSALS.labels(namespace="", reason="deadline").inc()
             return _json(408, {"message": f"the request took over {self._limits.request_seconds:.0f}s"}, close=True)
         except Exception as exc:  # noqa: BLE001 - a bug answers 500 and is logged here, never by aiohttp
@@ -459,13 +462,16 @@ class LedgerServer:
         return reply
 
 
-async def _send(request: web.BaseRequest, reply: web.Response) -> web.StreamResponse:
-    """Write `reply`; a large one a chunk at a time, each once the connection has taken the one
-    before. Written whole, TLS would encrypt all of it at once into a buffer of its own, which
-    holds it however slowly the caller reads and lets the write end at once (so the reply's
-    place in the budget would be let go while its bytes stay in memory)."""
+async def _send(request: web.BaseRequest, reply: web.Response,
+                sending: list[web.StreamResponse]) -> web.StreamResponse:
+    """Write `reply` (put in `sending` before its first byte); a large one a chunk at a time, each
+    once the connection has taken the one before. Written whole, TLS would encrypt all of it at
+    once into a buffer of its own, which holds it however slowly the caller reads and lets the
+    write end at once (so the reply's place in the budget would be let go while its bytes stay in
+    memory)."""
     body = reply.body
     if not isinstance(body, bytes) or len(body) <= SMALL_REPLY_BYTES:
+        sending.append(reply)
         await reply.prepare(request)
         await reply.write_eof()
         return reply
@@ -473,6 +479,7 @@ async def _send(request: web.BaseRequest, reply: web.Response) -> web.StreamResp
         request.transport.set_write_buffer_limits(high=_CHUNK_BYTES)
     stream = web.StreamResponse(status=reply.status, headers=reply.headers)
     stream.content_length = len(body)
+    sending.append(stream)
     await stream.prepare(request)
     for start in range(0, len(body), _CHUNK_BYTES):
         await stream.write(body[start:start + _CHUNK_BYTES])
