@@ -34,7 +34,7 @@ def tenant(rig):
     rig.kubectl("create", "namespace", TENANT_NAMESPACE)
     rights = [
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "tenant"},
-         "rules": [{"apiGroups": ["", "batch", "coordination.k8s.io"], "resources": ["pods", "jobs", "leases"],
+         "rules": [{"apiGroups": ["", "batch", "coordination.k8s.io"], "resources": ["pods", "pods/status", "jobs", "leases"],
                     "verbs": ["create", "get", "update", "patch"]}]},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "tenant"},
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant"},
@@ -82,6 +82,16 @@ def test_a_tenants_pod_carrying_the_task_uid_label_is_refused_and_its_other_pods
     relabelled = tenant.kubectl("label", "pod", "ordinary", "-n", TENANT_NAMESPACE, f"--as={TENANT}",
                                 f"{LABEL_TASK_UID}={uuid.uuid4()}", check=False)
     assert relabelled.returncode != 0 and "no update adds it" in relabelled.stderr, relabelled.stderr
+
+
+def test_a_tenant_cannot_put_the_task_uid_label_on_a_pod_through_its_status(tenant):
+    as_tenant(tenant, "create", pod("by-status", {"app": "shop"}))
+    patched = tenant.kubectl("patch", "pod", "by-status", "-n", TENANT_NAMESPACE, f"--as={TENANT}",
+                             "--subresource=status", "--type=merge",
+                             "-p", json.dumps({"metadata": {"labels": {LABEL_TASK_UID: str(uuid.uuid4())}}}), check=False)
+    labels = json.loads(tenant.kubectl("get", "pod", "by-status", "-n", TENANT_NAMESPACE, "-o", "json").stdout
+                        )["metadata"].get("labels") or {}
+    assert LABEL_TASK_UID not in labels, f"labelled through pods/status: {patched.stdout} {patched.stderr}"
 
 
 def test_a_tenants_job_whose_pods_would_carry_the_task_uid_label_is_refused(tenant):
