@@ -31,10 +31,12 @@ def test_the_default_list_reaches_pytest_whole_as_existing_files():
 
 def test_the_default_list_is_every_scenario_file_but_those_proving_the_rig_itself():
     """kind runs the same scenario suite as the rig: a new file in tests/cluster joins it unless it
-    proves the local rig (test_rig_*), `make dev` on the rig (test_dev.py), or makes a kind cluster
-    of its own (test_quickstart.py: `make e2e-quickstart`)."""
+    proves the local rig (test_rig_*), `make dev` on the rig (test_dev.py), makes a kind cluster
+    of its own (test_quickstart.py: `make e2e-quickstart`), or lowers a node's CPU priority, which
+    only the rig does (test_noisy_neighbours.py)."""
+    on_the_rig_only = ("test_dev.py", "test_quickstart.py", "test_noisy_neighbours.py")
     scenarios = {f"tests/cluster/{path.name}" for path in (ROOT / "tests" / "cluster").glob("test_*.py")
-                 if not path.name.startswith("test_rig_") and path.name not in ("test_dev.py", "test_quickstart.py")}
+                 if not path.name.startswith("test_rig_") and path.name not in on_the_rig_only}
     files = pytest_arguments()
     assert set(files) == scenarios
     assert files[-1] == "tests/cluster/test_chart_on_rig.py", "the chart's test swaps the deployed manifests: last"
