@@ -28,6 +28,7 @@ EVERY_CALL = {
     "delete_job": lambda c: c.delete_job("shop", "order-1-1"),
     "get_task": lambda c: c.get_task("shop", "order-1"),
     "list_tasks": lambda c: list(c.list_tasks()),
+    "namespace_run_limits": lambda c: c.namespace_run_limits(),
     "patch_task_status": lambda c: c.patch_task_status("shop", "order-1", "u-1", {}),
     "patch_task_labels": lambda c: c.patch_task_labels("shop", "order-1", "u-1", {"a": "b"}),
     "post_event": lambda c: c.post_event(TASK, reason="Started", message="m"),
@@ -61,7 +62,8 @@ def test_every_call_is_listed_here():
 def test_every_call_carries_the_request_timeout(name, sent):
     with pytest.raises(Exception):  # noqa: B017 - answered 500: how each call reports it is not the point
         EVERY_CALL[name](KubeCalls(client.ApiClient(), instance="a", request_timeout=1.5))
-    expected = LIST_TIMEOUT_SECONDS if name == "list_tasks" else 1.5  # D − R bounds writes; the LIST is a read
+    # D − R bounds writes; a LIST is a read
+    expected = LIST_TIMEOUT_SECONDS if name in ("list_tasks", "namespace_run_limits") else 1.5
     assert sent and all(timeout == expected for _, _, timeout in sent), sent
 
 
