@@ -8,7 +8,7 @@ import time
 import psycopg
 import pytest
 
-from retex.operator.status import StatusMirror
+from retex.operator.mirror import StatusMirror
 from tests.integration.ledger_helpers import admitted
 
 

@@ -6,10 +6,11 @@ from pathlib import Path
 
 from retex.ledger import Histogram, LedgerFigures
 from retex.operator.dispatch import Promoter, Relay
+from retex.operator.events import EventPoster
 from retex.operator.loop import Loop
 from retex.operator.metrics import BUCKETS, LOOPS, REGISTRY, LedgerCollector
+from retex.operator.mirror import StatusMirror, StatusResync
 from retex.operator.reaper import Reaper
-from retex.operator.status import EventPoster, StatusMirror, StatusResync
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "manifests" / "monitoring" / "grafana-dashboard.json"
 

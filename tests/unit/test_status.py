@@ -7,7 +7,8 @@ from retex.api import ConditionType, TaskStatus, find_condition
 from retex.kube.leasewatch import LeaseObservation
 from retex.ledger import StepRecord, TaskRecord
 from retex.machine import StepState, TaskPhase
-from retex.operator.status import EventLimiter, _events_between, as_merge_patch, compute_status
+from retex.operator.events import EventLimiter
+from retex.operator.status import as_merge_patch, compute_status, events_between
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -114,11 +115,11 @@ def test_the_lease_holder_is_shown_while_running():
 
 def test_events_name_the_first_sight_new_attempts_and_phase_changes():
     first = status(record())
-    assert [e[0] for e in _events_between(None, first)] == ["Accepted", "AttemptStarted"]
+    assert [e[0] for e in events_between(None, first)] == ["Accepted", "AttemptStarted"]
     second = status(replace(record(), epoch=2, version=9), previous=first)
-    assert [e[0] for e in _events_between(first, second)] == ["AttemptStarted"]
+    assert [e[0] for e in events_between(first, second)] == ["AttemptStarted"]
     failed = status(record(TaskPhase.FAILED, reason="PermanentError", last_error="HTTP 400"), previous=second)
-    assert _events_between(second, failed) == [("Failed", "HTTP 400", True)]
+    assert events_between(second, failed) == [("Failed", "HTTP 400", True)]
 
 
 def test_an_attempt_that_ran_between_two_status_writes_still_gets_its_attempt_started_event():
@@ -126,13 +127,13 @@ def test_an_attempt_that_ran_between_two_status_writes_still_gets_its_attempt_st
     # two writes, and a retried one can start two attempts: each start is announced once.
     queued = status(record(TaskPhase.QUEUED, epoch=0, started_at=None, states=("pending",) * 3))
     succeeded = status(record(TaskPhase.SUCCEEDED, states=("done",) * 3, version=12), previous=queued)
-    assert [e[:2] for e in _events_between(queued, succeeded)] == [
+    assert [e[:2] for e in events_between(queued, succeeded)] == [
         ("AttemptStarted", "attempt 1 dispatched"), ("Succeeded", "task Succeeded")]
     running = status(record(), previous=queued)
     third = status(record(TaskPhase.SUCCEEDED, epoch=3, states=("done",) * 3, version=20), previous=running)
-    assert [e[:2] for e in _events_between(running, third) if e[0] == "AttemptStarted"] == [
+    assert [e[:2] for e in events_between(running, third) if e[0] == "AttemptStarted"] == [
         ("AttemptStarted", "attempt 2 dispatched"), ("AttemptStarted", "attempt 3 dispatched")]
-    assert [e[0] for e in _events_between(third, third)] == []  # nothing new, nothing posted
+    assert [e[0] for e in events_between(third, third)] == []  # nothing new, nothing posted
 
 
 def test_the_event_limiter_caps_a_crash_looping_task_per_window():

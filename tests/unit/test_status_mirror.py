@@ -21,16 +21,10 @@ from retex.kube.errors import api_message
 from retex.kube.operator_calls import EVENT_MESSAGE_MAX, EventNotPosted, NotLeading, StatusNotWritten
 from retex.ledger import LedgerUnavailable, TaskNotFound
 from retex.machine import TaskPhase
+from retex.operator.events import EVENT_POST_TRIES
 from retex.operator.metrics import REGISTRY
-from retex.operator.status import (
-    DEAD_LETTER_LABEL,
-    EVENT_POST_TRIES,
-    SAME_PHASE_WRITE_FLOOR_SECONDS,
-    WRITE_BATCH,
-    WRITERS,
-    StatusMirror,
-    in_fair_order,
-)
+from retex.operator.mirror import SAME_PHASE_WRITE_FLOOR_SECONDS, WRITE_BATCH, WRITERS, StatusMirror
+from retex.operator.status import DEAD_LETTER_LABEL, in_fair_order
 from tests.unit.test_kube_status_calls import invalid
 from tests.unit.test_status import record
 
@@ -206,7 +200,7 @@ def test_a_failed_status_write_is_logged_with_the_api_servers_words_as_an_error_
     """A refusal that lasts until someone acts (a status the CRD refuses, a RoleBinding removed) is
     an error; a server error or a dropped connection may clear by itself."""
     kube = FakeKube(task_object("u", shown_version=6), patch_error=("u", error))
-    with caplog.at_level(logging.INFO, logger="retex.operator.status"):
+    with caplog.at_level(logging.INFO, logger="retex.operator.mirror"):
         resync_and_write(mirror(FakeLedger(rec("u", version=7)), kube))
     [line] = [r for r in caplog.records if r.getMessage() == "status write failed; retrying"]
     assert line.levelno == level
@@ -438,7 +432,7 @@ def test_a_task_whose_status_is_ahead_of_the_ledger_is_frozen_and_shown_ledger_b
     kube = FakeKube(task_object("ahead", shown_version=9), task_object("current", shown_version=7))
     kube.tasks["t-ahead"]["status"]["phase"] = "Succeeded"
     m = mirror(ledger, kube)
-    with caplog.at_level(logging.ERROR, logger="retex.operator.status"):
+    with caplog.at_level(logging.ERROR, logger="retex.operator.mirror"):
         resync_and_write(m)
         resync_and_write(m)
     assert ledger.records["ahead"].frozen_reason == "LedgerBehind" and ledger.records["ahead"].version == 10
@@ -603,7 +597,7 @@ def test_a_backlog_of_waiting_tasks_is_written_in_short_rounds_and_a_running_tas
 
 
 def test_a_rounds_writes_are_handed_out_most_urgent_first(monkeypatch):
-    monkeypatch.setattr("retex.operator.status.WRITERS", 1)  # one writer: the hand-out order is the write order
+    monkeypatch.setattr("retex.operator.mirror.WRITERS", 1)  # one writer: the hand-out order is the write order
     waiting = [f"w{i}" for i in range(2 * WRITE_BATCH)]
     ledger = FakeLedger(*(rec(uid, phase=TaskPhase.SCHEDULED) for uid in waiting), rec("busy"))
     kube = FakeKube(*(task_object(uid) for uid in [*waiting, "busy"]))
@@ -628,7 +622,7 @@ def test_the_write_order_takes_the_namespaces_in_turn_tasks_doing_something_firs
 
 
 def test_a_tenant_with_thousands_of_marks_holds_up_another_tenants_status_by_one_write(monkeypatch):
-    monkeypatch.setattr("retex.operator.status.WRITERS", 1)  # one writer: the hand-out order is the write order
+    monkeypatch.setattr("retex.operator.mirror.WRITERS", 1)  # one writer: the hand-out order is the write order
     noisy = [f"a{i}" for i in range(3 * WRITE_BATCH)]
     ledger = FakeLedger(*(rec(uid, namespace="tenant-a") for uid in noisy), rec("quiet", namespace="tenant-b"))
     kube = FakeKube(*(task_object(uid) for uid in [*noisy, "quiet"]))
@@ -753,8 +747,8 @@ def test_a_queued_event_wakes_the_poster_and_holds_only_what_names_its_task():
 
 def test_past_the_queues_capacity_an_event_is_dropped_and_counted_and_a_tasks_end_only_past_the_hard_one(
         monkeypatch, caplog):
-    monkeypatch.setattr("retex.operator.status.EVENT_QUEUE_CAPACITY", 3)
-    monkeypatch.setattr("retex.operator.status.EVENT_QUEUE_HARD_CAPACITY", 4)
+    monkeypatch.setattr("retex.operator.events.EVENT_QUEUE_CAPACITY", 3)
+    monkeypatch.setattr("retex.operator.events.EVENT_QUEUE_HARD_CAPACITY", 4)
     kube = FakeKube()
     m = mirror(FakeLedger(), kube)
     dropped = events_dropped()
@@ -776,7 +770,7 @@ def test_a_full_queue_that_keeps_draining_and_filling_logs_its_drops_once():
     dropped = events_dropped()
     logged = []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("retex.operator.status.log_line", lambda logger, level, message, **fields: logged.append(message))
+        patch.setattr("retex.operator.events.log_line", lambda logger, level, message, **fields: logged.append(message))
         for n in range(5):
             m.events.put(task_object(f"v{n}"), "AttemptStarted", "one too many", False)
             m.events._post_queued(iter([True, False]).__next__)  # one post frees one place
@@ -932,7 +926,7 @@ def test_the_events_of_the_writes_in_flight_when_the_operator_stops_are_posted()
 def test_a_round_of_the_poster_ends_after_its_time_so_slow_posts_keep_the_loop_judged_alive(monkeypatch):
     # The probes judge a loop by its rounds (retex.operator.health): one round draining 1,000
     # Events at 230 ms each would run for minutes.
-    monkeypatch.setattr("retex.operator.status.EVENT_ROUND_SECONDS", 0.2)
+    monkeypatch.setattr("retex.operator.events.EVENT_ROUND_SECONDS", 0.2)
     kube = FakeKube()
     post = kube.post_event
 
@@ -948,7 +942,7 @@ def test_a_round_of_the_poster_ends_after_its_time_so_slow_posts_keep_the_loop_j
 
 
 def test_a_queue_that_fills_again_after_a_takeover_is_logged_again(monkeypatch, caplog):
-    monkeypatch.setattr("retex.operator.status.EVENT_QUEUE_CAPACITY", 1)
+    monkeypatch.setattr("retex.operator.events.EVENT_QUEUE_CAPACITY", 1)
     m = mirror(FakeLedger(), FakeKube())
     queued_events(m, 2)
     m.take_over()  # the earlier leadership's queue and its drops forgotten

@@ -81,9 +81,9 @@ from retex.operator.leadership import Leadership
 from retex.operator.loop import STOPPED_LEADING, Loop
 from retex.operator.metrics import metrics_ledger
 from retex.operator.metrics import serve as serve_metrics
+from retex.operator.mirror import StatusMirror
 from retex.operator.reaper import Reaper
 from retex.operator.settings import LiveWorkerDefaults, OperatorSettings, session_limits
-from retex.operator.status import StatusMirror
 from retex.operator.witness import behind, shown_version
 
 log = logging.getLogger(__name__)

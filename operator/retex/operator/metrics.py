@@ -69,7 +69,7 @@ LEADER = Gauge("retex_leader", "1 while this replica leads (it alone writes), 0 
               registry=REGISTRY)
 MIRROR_LAG = Histogram("retex_status_mirror_lag_seconds", "From a ledger change seen to its status written",
                        buckets=BUCKETS, registry=REGISTRY)
-# Read at scrape time from the status mirror (retex.operator.status): unlike MIRROR_LAG, observed
+# Read at scrape time from the status mirror (retex.operator.mirror): unlike MIRROR_LAG, observed
 # only once a write lands, it grows while a mirror writes nothing.
 MIRROR_PENDING = Gauge("retex_status_mirror_oldest_pending_seconds", "Age of the oldest ledger change not yet "
                        "written to its Task's status; 0 when none waits, and on a standby", registry=REGISTRY)
