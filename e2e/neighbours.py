@@ -40,7 +40,7 @@ import urllib3
 from kubernetes import client, config
 
 from e2e.attempt_identity import pod_token
-from e2e.system import ANY_TASK_POLICY, prepare_namespace
+from e2e.system import ANY_TASK_POLICY, prepare_namespace, wait_for
 from retex.kube.objects import LABEL_TASK_UID
 from retex.ledger import Ledger
 
@@ -61,19 +61,6 @@ def create_task(api: client.ApiClient, namespace: str, name: str, steps: list[di
 
 def on_node(node: str) -> dict[str, Any]:
     return {"nodeSelector": {"kubernetes.io/hostname": node}}
-
-
-def wait_until(what: str, probe: Callable[[], Any], timeout: float) -> Any:
-    deadline, said = time.monotonic() + timeout, time.monotonic()
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        if time.monotonic() - said > 10:
-            print(f"[neighbours] waiting for {what}", flush=True)
-            said = time.monotonic()
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def tenant_client(kubeconfig: str, user: str) -> client.ApiClient:
@@ -114,7 +101,7 @@ def victim_run(ledger: Ledger, api: client.ApiClient, namespace: str, label: str
         got = {name: ledger.find(namespace, name) for name in submitted}
         return got if all(r is not None and r.phase == "Succeeded" for r in got.values()) else None
 
-    done = wait_until(f"the victim's {label} tasks Succeeded", all_succeeded, 300)
+    done = wait_for(all_succeeded, timeout=300, what=f"the victim's {label} tasks Succeeded")
     for record in done.values():
         assert (record.disruptions, record.failures, record.dead_lettered) == (0, 0, False), record
     marks = {name: (at, done[name].created_at.timestamp(), ledger.attempts(done[name].uid)[0].started_at.timestamp(),
@@ -144,7 +131,7 @@ def running_worker(ledger: Ledger, api: client.ApiClient, namespace: str, uid: s
         pods = core.list_namespaced_pod(namespace, label_selector=f"{LABEL_TASK_UID}={uid}").items
         return next((p for p in pods if p.status.phase == "Running"), None)
 
-    pod = wait_until(f"a running worker pod of task {uid}", running_pod, 120)
+    pod = wait_for(running_pod, timeout=120, what=f"a running worker pod of task {uid}")
     return Worker(uid=uid, epoch=ledger.get(uid).epoch, token=pod_token(api, pod, token_file).read_text())
 
 
@@ -390,8 +377,8 @@ def _scenario(who: Neighbours, *, rig: Any, api: client.ApiClient, ledger: Ledge
                       priority=1000, worker=hostile_node)
     sleeper_worker = running_worker(ledger, api, who.hostile, sleeper, workdir / "sleeper-token")
     big_worker = running_worker(ledger, api, who.hostile, big, workdir / "big-token")
-    wait_until("the big task's results committed",
-               lambda: sum(s.state == "done" for s in ledger.get(big).steps) == BIG_STEPS, 180)
+    wait_for(lambda: sum(s.state == "done" for s in ledger.get(big).steps) == BIG_STEPS, timeout=180,
+             what="the big task's results committed")
     for n in range(who.greedy_tasks):
         create_task(api, who.hostile, f"greedy-{n}", [sh("hold", "sleep 3")], priority=1000, worker=hostile_node)
     history_before = len(ledger.history(sleeper))

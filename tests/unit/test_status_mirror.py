@@ -596,18 +596,23 @@ def test_a_backlog_of_waiting_tasks_is_written_in_short_rounds_and_a_running_tas
     assert sorted(uid for uid, _, _ in kube.written) == sorted([*waiting, "busy"]), "each written once"
 
 
+def written_in_one_round(ledger, kube, marked: list[str]) -> list[str]:
+    """The tasks one round of a mirror writes, in order, after `marked` were marked 10 ms apart."""
+    now = [1000.0]
+    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
+    for uid in marked:
+        m.mark(uid)
+        now[0] += 0.01
+    m.round()
+    return [uid for uid, _, _ in kube.written]
+
+
 def test_a_rounds_writes_are_handed_out_most_urgent_first(monkeypatch):
     monkeypatch.setattr("retex.operator.mirror.WRITERS", 1)  # one writer: the hand-out order is the write order
     waiting = [f"w{i}" for i in range(2 * WRITE_BATCH)]
     ledger = FakeLedger(*(rec(uid, phase=TaskPhase.SCHEDULED) for uid in waiting), rec("busy"))
     kube = FakeKube(*(task_object(uid) for uid in [*waiting, "busy"]))
-    now = [1000.0]
-    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
-    for uid in [*waiting, "busy"]:
-        m.mark(uid)
-        now[0] += 0.01
-    m.round()
-    assert [uid for uid, _, _ in kube.written] == ["busy", *waiting[:WRITE_BATCH - 1]]
+    assert written_in_one_round(ledger, kube, [*waiting, "busy"]) == ["busy", *waiting[:WRITE_BATCH - 1]]
 
 
 def test_the_write_order_takes_the_namespaces_in_turn_tasks_doing_something_first_oldest_mark_first():
@@ -626,13 +631,7 @@ def test_a_tenant_with_thousands_of_marks_holds_up_another_tenants_status_by_one
     noisy = [f"a{i}" for i in range(3 * WRITE_BATCH)]
     ledger = FakeLedger(*(rec(uid, namespace="tenant-a") for uid in noisy), rec("quiet", namespace="tenant-b"))
     kube = FakeKube(*(task_object(uid) for uid in [*noisy, "quiet"]))
-    now = [1000.0]
-    m = StatusMirror(ledger, kube, NO_LEASES, resync_seconds=3600, clock=lambda: now[0])
-    for uid in [*noisy, "quiet"]:
-        m.mark(uid)
-        now[0] += 0.01
-    m.round()
-    assert [uid for uid, _, _ in kube.written] == ["a0", "quiet", *noisy[1:WRITE_BATCH - 1]]
+    assert written_in_one_round(ledger, kube, [*noisy, "quiet"]) == ["a0", "quiet", *noisy[1:WRITE_BATCH - 1]]
 
 
 def test_a_rounds_writes_run_side_by_side_so_a_slow_api_server_delays_a_change_by_one_write_not_by_the_round():
